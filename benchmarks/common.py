@@ -1,0 +1,118 @@
+"""Shared benchmark harness: median timing, ceilings measured in the same run, tables, JSON.
+
+Every bench_<op>.py builds a list of rows (dicts) and calls ``report(rows, args)``.
+Timing is the median of CUDA-event timings (``triton.testing.do_bench`` when
+importable) after warm-up, on random inputs; on a CPU-only machine the
+benchmarks run on CPU with wall-clock timing, which is only good for smoke tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+from typing import Any, Callable, Iterable
+
+import torch
+
+__all__ = ["parser", "bench", "ceilings", "report", "device", "fmt"]
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", default=None, help="write the rows and the ceilings to this path")
+    p.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke test)")
+    p.add_argument("--warmup", type=float, default=25.0, help="warm-up time in ms per measurement")
+    p.add_argument("--rep", type=float, default=100.0, help="measured time in ms per measurement")
+    return p
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def bench(fn: Callable[[], Any], warmup: float = 25.0, rep: float = 100.0) -> float:
+    """Median time of ``fn()`` in milliseconds."""
+    if torch.cuda.is_available():
+        try:
+            from triton.testing import do_bench
+
+            return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+        except ImportError:
+            pass
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        t_end = time.perf_counter() + rep / 1e3
+        while time.perf_counter() < t_end or len(times) < 5:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        return statistics.median(times)
+    fn()
+    times = []
+    t_end = time.perf_counter() + rep / 1e3
+    while time.perf_counter() < t_end or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def ceilings(quick: bool = False) -> dict[str, float]:
+    """HBM copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s), measured now."""
+    if not torch.cuda.is_available():
+        return {}
+    n = (256 << 20) if not quick else (32 << 20)
+    src = torch.randn(n // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    copy_gbs = 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+    m = 8192 if not quick else 2048
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b)
+    mm_tflops = 2 * m**3 / (ms * 1e-3) / 1e12
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return {"copy_gbs": copy_gbs, "bf16_tflops": mm_tflops}
+
+
+def fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def report(rows: Iterable[dict[str, Any]], args: argparse.Namespace, ceil: dict[str, float], title: str) -> None:
+    """Print a markdown table of the rows and write JSON to ``--json`` if given."""
+    rows = list(rows)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    print(f"\n## {title}  ({dev}, torch {torch.__version__}, {date.today()})")
+    if ceil:
+        print("ceilings measured in this run: " + ", ".join(f"{k}={v:.0f}" for k, v in ceil.items()))
+    if rows:
+        cols: list[str] = []
+        for r in rows:
+            cols += [k for k in r if k not in cols]
+        print("| " + " | ".join(cols) + " |")
+        print("| " + " | ".join("---" for _ in cols) + " |")
+        for r in rows:
+            print("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"title": title, "device": dev, "torch": torch.__version__, "date": str(date.today()),
+                 "argv": sys.argv, "ceilings": ceil, "rows": rows},
+                f,
+                indent=1,
+            )

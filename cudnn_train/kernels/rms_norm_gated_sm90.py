@@ -1,0 +1,349 @@
+"""Gated RMSNorm kernels for SM90 (CuTeDSL): forward and backward, memory bound.
+
+Layout: x, gate, y, dy are ``[M, D]`` with unit inner stride and a row stride
+that is a multiple of 16 bytes; weight ``[D]``; rstd ``[M]`` float32.
+
+Work split: a row is served by TPR consecutive threads (TPR = min(32, D / VEC),
+a power of two), each owning NV vectors of VEC elements (16 bytes: 8 bf16/fp16
+or 4 fp32), at columns ``(v * TPR + lane) * VEC`` so that a warp's accesses are
+contiguous. A CTA of 128 threads holds 128 / TPR row groups; each thread serves
+R rows, loading all of them before the first reduction so that several 16-byte
+loads per thread are in flight. The row sum is a butterfly shuffle inside the
+row group. All math is float32.
+
+Forward: one CTA per ``ROWS = (128 / TPR) * R`` rows; writes y and rstd.
+
+Backward: a persistent grid (at most ``CTAS_PER_SM`` CTAs per SM) walks the row
+blocks; each thread accumulates its columns of dweight in registers over the
+rows it visits and writes one partial row per row group into a float32
+workspace ``[grid * groups, D]``, which is then summed in a fixed order. No
+float atomics: the result is bitwise reproducible run to run.
+
+Rows past M are loaded as zeros (they add nothing to dweight) and never stored.
+"""
+
+
+import torch
+
+from ..backend import Served, Unsupported
+from . import compile as kc
+
+THREADS = 128
+CTAS_PER_SM = 4
+MAX_D = 2048
+_SOURCES = (__file__,)
+
+
+def _plan(d: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(VEC, TPR, NV) for a row of d elements, or raise Unsupported."""
+    vec = 16 // elem_bytes
+    if d % vec != 0:
+        raise Unsupported(f"D={d} is not a multiple of {vec}")
+    if d > MAX_D:
+        raise Unsupported(f"D={d} > {MAX_D}")
+    nvec = d // vec
+    if nvec <= 32:
+        if nvec & (nvec - 1):
+            raise Unsupported(f"D={d}: {nvec} vectors per row is not a power of two")
+        return vec, nvec, 1
+    if nvec % 32:
+        raise Unsupported(f"D={d}: {nvec} vectors per row is not a multiple of 32")
+    return vec, 32, nvec // 32
+
+
+def _rows_per_thread(nv: int, tensors: int) -> int:
+    # aim for about 8 16-byte loads in flight per thread
+    return max(1, 8 // (nv * tensors))
+
+
+_TORCH_TO_CUTE = {}
+
+
+def _cute_dtype(dt: torch.dtype):
+    cutlass, _ = kc.import_cute()
+    if not _TORCH_TO_CUTE:
+        _TORCH_TO_CUTE.update(
+            {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+        )
+    return _TORCH_TO_CUTE[dt]
+
+
+def _check_serve(x2: torch.Tensor, w: torch.Tensor | None, others: tuple[torch.Tensor, ...]) -> None:
+    """Decline (before touching memory) what these kernels do not serve."""
+    if x2.device.type != "cuda":
+        raise Unsupported("no GPU" if not torch.cuda.is_available() else f"tensor on {x2.device}")
+    if kc.cuda_sm_major(x2.device) != 9:
+        raise Unsupported(f"sm_{''.join(map(str, torch.cuda.get_device_capability(x2.device)))} is not SM90")
+    if x2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise Unsupported(f"dtype {x2.dtype}")
+    if w is not None and (w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.stride(0) != 1):
+        raise Unsupported(f"weight dtype {w.dtype} / stride {w.stride()}")
+    for t in (x2,) + others:
+        if t.stride(-1) != 1 or (t.shape[0] > 1 and (t.stride(0) * t.element_size()) % 16) or t.data_ptr() % 16:
+            raise Unsupported("rows not 16-byte aligned")
+    if w is not None and w.data_ptr() % 16:
+        raise Unsupported("weight not 16-byte aligned")
+    if x2.shape[0] >= 2**31 // max(1, x2.shape[1]):
+        raise Unsupported("more than 2**31 elements")
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def _build(kind: str, dtype, wdtype, d: int, act: str):
+    """Compile the forward (kind='fwd') or backward (kind='bwd') kernel; returns the compiled object."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+
+    elem_bytes = dtype.width // 8
+    VEC, TPR, NV = _plan(d, elem_bytes)
+    GROUPS = THREADS // TPR
+    R = _rows_per_thread(NV, 2 if kind == "fwd" else 3)
+    ROWS = GROUPS * R
+    HAS_W = wdtype is not None
+    SWISH = act == "swish"
+    LOG2E = 1.4426950408889634
+    SHFL = [1 << i for i in range(TPR.bit_length() - 1)]
+    D = d
+
+    def vec_tile(t, row, v, lane):
+        return cute.local_tile(t, (1, VEC), (row, v * TPR + lane))[0, None]
+
+    @cute.jit
+    def row_sum(val):
+        for off in cutlass.range_constexpr(len(SHFL)):
+            val = val + cute.arch.shuffle_sync_bfly(val, offset=SHFL[off])
+        return val
+
+    @cute.jit
+    def load_vec(t, row, v, lane, M):
+        frag = cute.make_rmem_tensor((VEC,), t.element_type)
+        frag.fill(0)
+        if row < M:
+            cute.autovec_copy(vec_tile(t, row, v, lane), frag)
+        return frag.load().to(Float32)
+
+    @cute.jit
+    def load_weight(mW, lane):
+        ws = []
+        for v in cutlass.range_constexpr(NV):
+            frag = cute.make_rmem_tensor((VEC,), mW.element_type)
+            cute.autovec_copy(cute.local_tile(mW, (VEC,), (v * TPR + lane,)), frag)
+            ws.append(frag.load().to(Float32))
+        return ws
+
+    @cute.jit
+    def store_vec(t, val, row, v, lane):
+        frag = cute.make_rmem_tensor((VEC,), t.element_type)
+        frag.store(val.to(t.element_type))
+        cute.autovec_copy(frag, vec_tile(t, row, v, lane))
+
+    @cute.jit
+    def sigmoid(g):
+        return 1.0 / (1.0 + cute.math.exp2(g * (-LOG2E), fastmath=True))
+
+    if kind == "fwd":
+
+        @cute.kernel
+        def kernel(mX: cute.Tensor, mG: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mR: cute.Tensor, eps: Float32):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            M = mX.shape[0]
+            lane = tidx % TPR
+            grp = tidx // TPR
+            base = bidx * ROWS + grp
+            xs = []
+            gs = []
+            for r in cutlass.range_constexpr(R):
+                for v in cutlass.range_constexpr(NV):
+                    xs.append(load_vec(mX, base + r * GROUPS, v, lane, M))
+                    gs.append(load_vec(mG, base + r * GROUPS, v, lane, M))
+            if cutlass.const_expr(HAS_W):
+                ws = load_weight(mW, lane)
+            for r in cutlass.range_constexpr(R):
+                row = base + r * GROUPS
+                ss = Float32(0.0)
+                for v in cutlass.range_constexpr(NV):
+                    xv = xs[r * NV + v]
+                    ss = ss + (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                ss = row_sum(ss)
+                rstd = cute.math.rsqrt(ss * (1.0 / D) + eps)
+                if row < M:
+                    for v in cutlass.range_constexpr(NV):
+                        g = gs[r * NV + v]
+                        a = sigmoid(g)
+                        if cutlass.const_expr(SWISH):
+                            a = g * a
+                        y = xs[r * NV + v] * rstd * a
+                        if cutlass.const_expr(HAS_W):
+                            y = y * ws[v]
+                        store_vec(mY, y, row, v, lane)
+                    if lane == 0:
+                        mR[row] = rstd
+
+        @cute.jit
+        def host(mX: cute.Tensor, mG: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mR: cute.Tensor, eps: Float32, stream):
+            M = mX.shape[0]
+            kernel(mX, mG, mW, mY, mR, eps).launch(grid=[cute.ceil_div(M, ROWS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    else:
+
+        @cute.kernel
+        def kernel(
+            mDY: cute.Tensor,
+            mX: cute.Tensor,
+            mG: cute.Tensor,
+            mW: cute.Tensor,
+            mR: cute.Tensor,
+            mDX: cute.Tensor,
+            mDG: cute.Tensor,
+            mDWp: cute.Tensor,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            nctas, _, _ = cute.arch.grid_dim()
+            M = mX.shape[0]
+            lane = tidx % TPR
+            grp = tidx // TPR
+            nblocks = (M + ROWS - 1) // ROWS
+            if cutlass.const_expr(HAS_W):
+                ws = load_weight(mW, lane)
+            dw = cute.make_rmem_tensor((NV, VEC), Float32)
+            dw.fill(0.0)
+            for blk in cutlass.range(bidx, nblocks, nctas):
+                base = blk * ROWS + grp
+                xs = []
+                gs = []
+                dys = []
+                rs = []
+                for r in cutlass.range_constexpr(R):
+                    row = base + r * GROUPS
+                    for v in cutlass.range_constexpr(NV):
+                        dys.append(load_vec(mDY, row, v, lane, M))
+                        xs.append(load_vec(mX, row, v, lane, M))
+                        gs.append(load_vec(mG, row, v, lane, M))
+                    rstd = Float32(0.0)
+                    if row < M:
+                        rstd = mR[row]
+                    rs.append(rstd)
+                for r in cutlass.range_constexpr(R):
+                    row = base + r * GROUPS
+                    rstd = rs[r]
+                    ns = []
+                    dns = []
+                    c = Float32(0.0)
+                    for v in cutlass.range_constexpr(NV):
+                        i = r * NV + v
+                        g = gs[i]
+                        s = sigmoid(g)
+                        if cutlass.const_expr(SWISH):
+                            a = g * s
+                            da = s * (1.0 + g * (1.0 - s))
+                        else:
+                            a = s
+                            da = s * (1.0 - s)
+                        n = xs[i] * rstd
+                        dya = dys[i] * a
+                        # dweight partial: dy * n * a
+                        acc = dw[v, None].load() + dya * n
+                        dw[v, None].store(acc)
+                        if cutlass.const_expr(HAS_W):
+                            dn = dya * ws[v]
+                            dg = dys[i] * n * ws[v] * da
+                        else:
+                            dn = dya
+                            dg = dys[i] * n * da
+                        c = c + (dn * n).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        ns.append(n)
+                        dns.append(dn)
+                        if row < M:
+                            store_vec(mDG, dg, row, v, lane)
+                    c = row_sum(c) * (1.0 / D)
+                    if row < M:
+                        for v in cutlass.range_constexpr(NV):
+                            dx = (dns[v] - ns[v] * c) * rstd
+                            store_vec(mDX, dx, row, v, lane)
+            prow = bidx * GROUPS + grp
+            for v in cutlass.range_constexpr(NV):
+                frag = cute.make_rmem_tensor((VEC,), Float32)
+                frag.store(dw[v, None].load())
+                cute.autovec_copy(frag, vec_tile(mDWp, prow, v, lane))
+
+        @cute.jit
+        def host(
+            mDY: cute.Tensor,
+            mX: cute.Tensor,
+            mG: cute.Tensor,
+            mW: cute.Tensor,
+            mR: cute.Tensor,
+            mDX: cute.Tensor,
+            mDG: cute.Tensor,
+            mDWp: cute.Tensor,
+            stream,
+        ):
+            nctas = mDWp.shape[0] // GROUPS
+            kernel(mDY, mX, mG, mW, mR, mDX, mDG, mDWp).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    # fake tensors: symbolic M and row strides (16-byte aligned), static D
+    m = cute.sym_int()
+    div = VEC
+
+    def rows_t(dt):
+        return cute.runtime.make_fake_tensor(dt, (m, D), (cute.sym_int(divisibility=div), 1), assumed_align=16)
+
+    w_fake = cute.runtime.make_fake_compact_tensor(wdtype if HAS_W else dtype, (D,), assumed_align=16)
+    r_fake = cute.runtime.make_fake_compact_tensor(Float32, (m,), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    opts = f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}"
+    if kind == "fwd":
+        return cute.compile(host, rows_t(dtype), rows_t(dtype), w_fake, rows_t(dtype), r_fake, Float32(1e-5), stream, options=opts)
+    p = cute.sym_int()
+    dwp_fake = cute.runtime.make_fake_compact_tensor(Float32, (p, D), stride_order=(1, 0), assumed_align=16)
+    return cute.compile(
+        host, rows_t(dtype), rows_t(dtype), rows_t(dtype), w_fake, r_fake, rows_t(dtype), rows_t(dtype), dwp_fake, stream, options=opts
+    )
+
+
+def get_compiled(kind: str, dtype: torch.dtype, wdtype: torch.dtype | None, d: int, act: str):
+    """The launchable kernel for these static facts (compiled once, cached in memory and on disk)."""
+    _plan(d, torch.empty((), dtype=dtype).element_size())
+    key = (kind, str(dtype), str(wdtype), d, act, THREADS)
+
+    def build():
+        return _build(kind, _cute_dtype(dtype), None if wdtype is None else _cute_dtype(wdtype), d, act)
+
+    return kc.get_kernel("rms_norm_gated", key, build, _SOURCES)
+
+
+# ------------------------------------------------------------------ launch
+
+
+def forward(x2: torch.Tensor, g2: torch.Tensor, w: torch.Tensor | None, eps: float, act: str):
+    _check_serve(x2, w, (g2,))
+    m, d = x2.shape
+    _plan(d, x2.element_size())
+    fn = get_compiled("fwd", x2.dtype, None if w is None else w.dtype, d, act)
+    y = torch.empty_like(x2)
+    rstd = torch.empty(m, device=x2.device, dtype=torch.float32)
+    if m > 0:
+        fn(x2, g2, x2[0] if w is None else w, y, rstd, eps)
+    return Served((y, rstd), "sm90")
+
+
+def backward(dy2, x2, g2, w, rstd, act: str):
+    _check_serve(x2, w, (g2, dy2))
+    m, d = x2.shape
+    vec, tpr, nv = _plan(d, x2.element_size())
+    fn = get_compiled("bwd", x2.dtype, None if w is None else w.dtype, d, act)
+    groups = THREADS // tpr
+    rows = groups * _rows_per_thread(nv, 3)
+    nctas = max(1, min(-(-m // rows), kc.num_sms(x2.device) * CTAS_PER_SM))
+    dx = torch.empty_like(x2)
+    dg = torch.empty_like(g2)
+    part = torch.empty(nctas * groups, d, device=x2.device, dtype=torch.float32)
+    if m > 0:
+        fn(dy2, x2, g2, x2[0] if w is None else w, rstd, dx, dg, part)
+        dw = None if w is None else part.sum(dim=0).to(w.dtype)
+    else:
+        dw = None if w is None else torch.zeros_like(w)
+    return Served((dx, dg, dw), "sm90")

@@ -1,0 +1,1 @@
+"""cudnn_train.moe"""
