@@ -101,6 +101,7 @@ class Op:
         self.name = name
         self.order = tuple(order)
         self._impls: dict[str, Callable[..., Any]] = {}
+        self._backends: tuple[str, ...] = ()
         with _lock:
             _ops[name] = self
 
@@ -111,13 +112,14 @@ class Op:
 
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             self._impls[backend] = fn
+            self._backends = tuple(b for b in self.order if b in self._impls)
             return fn
 
         return deco
 
     @property
     def backends(self) -> tuple[str, ...]:
-        return tuple(b for b in self.order if b in self._impls)
+        return self._backends
 
     def _plan(self) -> tuple[tuple[str, ...], bool]:
         forced = _forced_names()

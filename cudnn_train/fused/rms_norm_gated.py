@@ -149,30 +149,36 @@ def _(dy2, x2, g2, w, rstd, eps, act):
 
 
 class _RMSNormGatedFn(torch.autograd.Function):
+    # Inputs arrive in their own shape and are viewed as [rows, D] here, where autograd
+    # records nothing: a view outside would cost an autograd node per tensor and call.
     @staticmethod
-    def forward(ctx, x2, g2, w, eps, act):
+    def forward(ctx, x, gate, w, eps, act):
+        d = x.shape[-1]
+        x2, g2 = _rows(x, d), _rows(gate, d)
         if torch.compiler.is_compiling():
             y, rstd = _fwd_custom(x2, g2, w, eps, act)
         else:  # eager: skip the custom-op dispatcher (tens of microseconds)
             y, rstd = fwd_op(x2, g2, w, eps, act)
         ctx.save_for_backward(x2, g2, w, rstd)
-        ctx.eps, ctx.act = eps, act
-        return y
+        ctx.eps, ctx.act, ctx.shape = eps, act, x.shape
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2, g2, w, rstd = ctx.saved_tensors
-        dy = dy.contiguous()
+        dy2 = _rows(dy, x2.shape[1])
         if torch.compiler.is_compiling():
-            dx, dg, dw = _bwd_custom(dy, x2, g2, w, rstd, ctx.eps, ctx.act)
+            dx, dg, dw = _bwd_custom(dy2, x2, g2, w, rstd, ctx.eps, ctx.act)
             dw = None if w is None else dw
         else:
-            dx, dg, dw = bwd_op(dy, x2, g2, w, rstd, ctx.eps, ctx.act)
-        return dx, dg, dw, None, None
+            dx, dg, dw = bwd_op(dy2, x2, g2, w, rstd, ctx.eps, ctx.act)
+        return dx.view(ctx.shape), dg.view(ctx.shape), dw, None, None
 
 
-def _rows(name: str, t: torch.Tensor, d: int) -> torch.Tensor:
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
     """View ``t`` as [rows, D]; copy only when its rows cannot be strided uniformly."""
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t
     if t.stride(-1) != 1:
         t = t.contiguous()
     try:
@@ -206,6 +212,4 @@ def rms_norm_gated(
     if not (isinstance(eps, (int, float)) and eps >= 0):
         raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
     act = _canon_activation(activation)
-    shape = x.shape
-    y = _RMSNormGatedFn.apply(_rows("x", x, d), _rows("gate", gate, d), weight, float(eps), act)
-    return y.view(shape)
+    return _RMSNormGatedFn.apply(x, gate, weight, float(eps), act)

@@ -39,6 +39,7 @@ __all__ = [
     "cuda_sm_major",
     "num_sms",
     "clear_memory_cache",
+    "launcher_cache",
 ]
 
 _ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a", (12, 0): "sm_120a"}
@@ -49,17 +50,23 @@ _global_lock = threading.Lock()
 _fingerprints: dict[tuple[str, ...], str] = {}
 
 
+_detected_arch: list[str] = []
+
+
 def target_arch() -> str:
     """The arch kernels compile for: CUDNN_TRAIN_ARCH, the current GPU, or sm_90a without one."""
     env = os.environ.get("CUDNN_TRAIN_ARCH", "").strip()
     if env:
         return env
-    import torch
+    if not _detected_arch:
+        import torch
 
-    if torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        return _ARCH_BY_CAPABILITY.get(cap, f"sm_{cap[0]}{cap[1]}")
-    return "sm_90a"
+        if torch.cuda.is_available():
+            cap = torch.cuda.get_device_capability()
+            _detected_arch.append(_ARCH_BY_CAPABILITY.get(cap, f"sm_{cap[0]}{cap[1]}"))
+        else:
+            _detected_arch.append("sm_90a")
+    return _detected_arch[0]
 
 
 def import_cute():
@@ -72,13 +79,21 @@ def import_cute():
     return cutlass, cute
 
 
-def cuda_sm_major(device) -> int | None:
-    """Compute capability major of a CUDA device, or None for a non-CUDA device."""
-    import torch
+_sm_major: dict[int, int] = {}
 
+
+def cuda_sm_major(device) -> int | None:
+    """Compute capability major of a CUDA device, or None for a non-CUDA device (cached per device)."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_capability(device)[0]
+    idx = device.index
+    major = _sm_major.get(idx)
+    if major is None:
+        import torch
+
+        major = torch.cuda.get_device_capability(device)[0]
+        _sm_major[idx] = major
+    return major
 
 
 _sm_count: dict[int, int] = {}
@@ -173,7 +188,19 @@ def get_kernel(name: str, key: tuple, build: Callable[[], Any], sources: Iterabl
         return fn
 
 
+_launcher_caches: list[dict] = []
+
+
+def launcher_cache() -> dict:
+    """A per-module dict for the fastest lookup on the hot path; cleared with the memory cache."""
+    d: dict = {}
+    _launcher_caches.append(d)
+    return d
+
+
 def clear_memory_cache() -> None:
     """Forget in-memory kernels (tests use this to exercise the disk cache)."""
     with _global_lock:
         _mem.clear()
+        for d in _launcher_caches:
+            d.clear()

@@ -15,9 +15,10 @@ Forward: one CTA per ``ROWS = (128 / TPR) * R`` rows; writes y and rstd.
 
 Backward: a persistent grid (at most ``CTAS_PER_SM`` CTAs per SM) walks the row
 blocks; each thread accumulates its columns of dweight in registers over the
-rows it visits and writes one partial row per row group into a float32
-workspace ``[grid * groups, D]``, which is then summed in a fixed order. No
-float atomics: the result is bitwise reproducible run to run.
+rows it visits; the row groups of a CTA are summed in shared memory in a fixed
+order into one partial row per CTA of a float32 workspace ``[grid, D]``, which
+is then summed in a fixed order. No float atomics: the result is bitwise
+reproducible run to run.
 
 Rows past M are loaded as zeros (they add nothing to dweight) and never stored.
 """
@@ -28,10 +29,22 @@ import torch
 from ..backend import Served, Unsupported
 from . import compile as kc
 
-THREADS = 128
-CTAS_PER_SM = 4
+import os
+
+# Tuning knobs (read when a kernel is first built; part of the compile key).
+THREADS = 128  # threads per CTA
+LOADS_IN_FLIGHT = 8  # 16-byte loads per thread before the first reduction
+CTAS_PER_SM = 4  # backward persistent grid
 MAX_D = 2048
 _SOURCES = (__file__,)
+
+# Tests set this to fill every output with NaN before the kernel writes it.
+POISON = os.environ.get("CUDNN_TRAIN_POISON", "0") == "1"
+
+
+def _out_like(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(t)
+    return out.fill_(float("nan")) if POISON else out
 
 
 def _plan(d: int, elem_bytes: int) -> tuple[int, int, int]:
@@ -51,9 +64,8 @@ def _plan(d: int, elem_bytes: int) -> tuple[int, int, int]:
     return vec, 32, nvec // 32
 
 
-def _rows_per_thread(nv: int, tensors: int) -> int:
-    # aim for about 8 16-byte loads in flight per thread
-    return max(1, 8 // (nv * tensors))
+def _rows_per_thread(nv: int, tensors: int, loads: int) -> int:
+    return max(1, loads // (nv * tensors))
 
 
 _TORCH_TO_CUTE = {}
@@ -68,37 +80,40 @@ def _cute_dtype(dt: torch.dtype):
     return _TORCH_TO_CUTE[dt]
 
 
+_SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _check_serve(x2: torch.Tensor, w: torch.Tensor | None, others: tuple[torch.Tensor, ...]) -> None:
     """Decline (before touching memory) what these kernels do not serve."""
-    if x2.device.type != "cuda":
+    if not x2.is_cuda:
         raise Unsupported("no GPU" if not torch.cuda.is_available() else f"tensor on {x2.device}")
     if kc.cuda_sm_major(x2.device) != 9:
         raise Unsupported(f"sm_{''.join(map(str, torch.cuda.get_device_capability(x2.device)))} is not SM90")
-    if x2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x2.dtype not in _SERVED_DTYPES:
         raise Unsupported(f"dtype {x2.dtype}")
-    if w is not None and (w.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.stride(0) != 1):
-        raise Unsupported(f"weight dtype {w.dtype} / stride {w.stride()}")
+    esize = x2.element_size()
     for t in (x2,) + others:
-        if t.stride(-1) != 1 or (t.shape[0] > 1 and (t.stride(0) * t.element_size()) % 16) or t.data_ptr() % 16:
+        st = t.stride()
+        if st[1] != 1 or (st[0] * esize) % 16 or t.data_ptr() % 16:
             raise Unsupported("rows not 16-byte aligned")
-    if w is not None and w.data_ptr() % 16:
-        raise Unsupported("weight not 16-byte aligned")
-    if x2.shape[0] >= 2**31 // max(1, x2.shape[1]):
-        raise Unsupported("more than 2**31 elements")
+    if w is not None and (w.dtype not in _SERVED_DTYPES or w.stride(0) != 1 or w.data_ptr() % 16):
+        raise Unsupported(f"weight dtype {w.dtype} / stride {w.stride()} / alignment")
+    if x2.numel() >= 2**31:
+        raise Unsupported("2**31 elements or more")
 
 
 # ------------------------------------------------------------------ kernels
 
 
-def _build(kind: str, dtype, wdtype, d: int, act: str):
+def _build(kind: str, dtype, wdtype, d: int, act: str, threads: int, loads: int):
     """Compile the forward (kind='fwd') or backward (kind='bwd') kernel; returns the compiled object."""
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
 
     elem_bytes = dtype.width // 8
     VEC, TPR, NV = _plan(d, elem_bytes)
-    GROUPS = THREADS // TPR
-    R = _rows_per_thread(NV, 2 if kind == "fwd" else 3)
+    GROUPS = threads // TPR
+    R = _rows_per_thread(NV, 2 if kind == "fwd" else 3, loads)
     ROWS = GROUPS * R
     HAS_W = wdtype is not None
     SWISH = act == "swish"
@@ -140,7 +155,7 @@ def _build(kind: str, dtype, wdtype, d: int, act: str):
 
     @cute.jit
     def sigmoid(g):
-        return 1.0 / (1.0 + cute.math.exp2(g * (-LOG2E), fastmath=True))
+        return cute.math.rcp(1.0 + cute.math.exp2(g * (-LOG2E), fastmath=True), approx=True, ftz=True)
 
     if kind == "fwd":
 
@@ -184,7 +199,7 @@ def _build(kind: str, dtype, wdtype, d: int, act: str):
         @cute.jit
         def host(mX: cute.Tensor, mG: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mR: cute.Tensor, eps: Float32, stream):
             M = mX.shape[0]
-            kernel(mX, mG, mW, mY, mR, eps).launch(grid=[cute.ceil_div(M, ROWS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+            kernel(mX, mG, mW, mY, mR, eps).launch(grid=[cute.ceil_div(M, ROWS), 1, 1], block=[threads, 1, 1], stream=stream)
 
     else:
 
@@ -263,11 +278,21 @@ def _build(kind: str, dtype, wdtype, d: int, act: str):
                         for v in cutlass.range_constexpr(NV):
                             dx = (dns[v] - ns[v] * c) * rstd
                             store_vec(mDX, dx, row, v, lane)
-            prow = bidx * GROUPS + grp
+            # reduce the row groups' dweight partials in shared memory, in a fixed order
+            smem = cutlass.utils.SmemAllocator()
+            sDW = smem.allocate_tensor(Float32, cute.make_layout((GROUPS, D), stride=(D, 1)), 16)
             for v in cutlass.range_constexpr(NV):
                 frag = cute.make_rmem_tensor((VEC,), Float32)
                 frag.store(dw[v, None].load())
-                cute.autovec_copy(frag, vec_tile(mDWp, prow, v, lane))
+                cute.autovec_copy(frag, vec_tile(sDW, grp, v, lane))
+            cute.arch.sync_threads()
+            for j in cutlass.range_constexpr((D + threads - 1) // threads):
+                col = j * threads + tidx
+                if col < D:
+                    acc = Float32(0.0)
+                    for gi in cutlass.range_constexpr(GROUPS):
+                        acc = acc + sDW[gi, col]
+                    mDWp[bidx, col] = acc
 
         @cute.jit
         def host(
@@ -281,8 +306,8 @@ def _build(kind: str, dtype, wdtype, d: int, act: str):
             mDWp: cute.Tensor,
             stream,
         ):
-            nctas = mDWp.shape[0] // GROUPS
-            kernel(mDY, mX, mG, mW, mR, mDX, mDG, mDWp).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+            nctas = mDWp.shape[0]
+            kernel(mDY, mX, mG, mW, mR, mDX, mDG, mDWp).launch(grid=[nctas, 1, 1], block=[threads, 1, 1], stream=stream)
 
     # fake tensors: symbolic M and row strides (16-byte aligned), static D
     m = cute.sym_int()
@@ -304,15 +329,25 @@ def _build(kind: str, dtype, wdtype, d: int, act: str):
     )
 
 
+_launchers = kc.launcher_cache()
+
+
 def get_compiled(kind: str, dtype: torch.dtype, wdtype: torch.dtype | None, d: int, act: str):
     """The launchable kernel for these static facts (compiled once, cached in memory and on disk)."""
-    _plan(d, torch.empty((), dtype=dtype).element_size())
-    key = (kind, str(dtype), str(wdtype), d, act, THREADS)
+    fast_key = (kind, dtype, wdtype, d, act, kc.target_arch(), THREADS, LOADS_IN_FLIGHT)
+    fn = _launchers.get(fast_key)
+    if fn is None:
+        _plan(d, dtype.itemsize)
+        threads, loads = THREADS, LOADS_IN_FLIGHT
+        key = (kind, str(dtype), str(wdtype), d, act, threads, loads)
 
-    def build():
-        return _build(kind, _cute_dtype(dtype), None if wdtype is None else _cute_dtype(wdtype), d, act)
+        def build():
+            wd = None if wdtype is None else _cute_dtype(wdtype)
+            return _build(kind, _cute_dtype(dtype), wd, d, act, threads, loads)
 
-    return kc.get_kernel("rms_norm_gated", key, build, _SOURCES)
+        fn = kc.get_kernel("rms_norm_gated", key, build, _SOURCES)
+        _launchers[fast_key] = fn
+    return fn
 
 
 # ------------------------------------------------------------------ launch
@@ -323,8 +358,8 @@ def forward(x2: torch.Tensor, g2: torch.Tensor, w: torch.Tensor | None, eps: flo
     m, d = x2.shape
     _plan(d, x2.element_size())
     fn = get_compiled("fwd", x2.dtype, None if w is None else w.dtype, d, act)
-    y = torch.empty_like(x2)
-    rstd = torch.empty(m, device=x2.device, dtype=torch.float32)
+    y = _out_like(x2)
+    rstd = _out_like(x2.new_empty(m, dtype=torch.float32))
     if m > 0:
         fn(x2, g2, x2[0] if w is None else w, y, rstd, eps)
     return Served((y, rstd), "sm90")
@@ -336,11 +371,11 @@ def backward(dy2, x2, g2, w, rstd, act: str):
     vec, tpr, nv = _plan(d, x2.element_size())
     fn = get_compiled("bwd", x2.dtype, None if w is None else w.dtype, d, act)
     groups = THREADS // tpr
-    rows = groups * _rows_per_thread(nv, 3)
+    rows = groups * _rows_per_thread(nv, 3, LOADS_IN_FLIGHT)
     nctas = max(1, min(-(-m // rows), kc.num_sms(x2.device) * CTAS_PER_SM))
-    dx = torch.empty_like(x2)
-    dg = torch.empty_like(g2)
-    part = torch.empty(nctas * groups, d, device=x2.device, dtype=torch.float32)
+    dx = _out_like(x2)
+    dg = _out_like(g2)
+    part = _out_like(x2.new_empty(nctas, d, dtype=torch.float32))
     if m > 0:
         fn(dy2, x2, g2, x2[0] if w is None else w, rstd, dx, dg, part)
         dw = None if w is None else part.sum(dim=0).to(w.dtype)
