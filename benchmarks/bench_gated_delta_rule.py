@@ -1,0 +1,172 @@
+"""Gated DeltaNet (chunked, K = V = 128, bf16): cutedsl SM90 kernels vs FLA and FlashQLA, in one run.
+
+    python -m benchmarks.bench_gated_delta_rule [--json out.json] [--quick]
+
+Inputs as a GDN layer feeds the op: q, k, v bf16, ``use_qk_l2norm_in_kernel=True``,
+g = logsigmoid(.) float32, beta = sigmoid(.) bf16, no initial state, no final state.
+
+FLOP model (cuDNN's, ANCHORS.md): ``2 * (3 C^2 K + 2 C^2 V + 2 C K V)`` per chunk of
+C = 64 tokens and value head (chunks counted per sequence, a partial chunk counting
+whole); the backward counts 3x the forward, so forward+backward is 4x. Tokens/s counts
+B * T tokens.
+
+Rows: ``cutedsl`` is the SM90 kernel forward called directly (no dispatch);
+``op`` is ``cudnn_train.fused.chunk_gated_delta_rule`` with its own backend choice,
+reported with ``last_path``; forward+backward of the op (gradients to q, k, v, g, beta)
+runs whatever backend serves a differentiable call. ``fla`` is FLA's
+``chunk_gated_delta_rule`` and ``flashqla`` FlashQLA's (``flash-qla``), when they import.
+A peer that fails to run is reported once with its error and left out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import bench, ceilings, parser, report
+
+C = 64
+
+
+def flops_forward(lengths: list[int], HV: int, K: int, V: int) -> float:
+    chunks = sum(math.ceil(n / C) for n in lengths)
+    return chunks * HV * 2.0 * (3 * C * C * K + 2 * C * C * V + 2 * C * K * V)
+
+
+def make_inputs(B, T, H, HV, K, V, requires_grad=False):
+    dev = "cuda"
+    q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, T, HV, V, device=dev, dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.rand(B, T, HV, device=dev, dtype=torch.float32))
+    beta = torch.rand(B, T, HV, device=dev, dtype=torch.bfloat16).sigmoid()
+    ts = (q, k, v, g, beta)
+    if requires_grad:
+        ts = tuple(t.requires_grad_() for t in ts)
+    return ts
+
+
+def load_peers():
+    peers = {}
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
+
+        peers["fla"] = getattr(fla_fn, "_cudnn_train_original", fla_fn)
+    except Exception as e:  # noqa: BLE001 - any import failure means the peer is absent
+        print(f"FLA not importable: {type(e).__name__}: {e}")
+    try:
+        import flash_qla
+
+        fn = getattr(flash_qla, "chunk_gated_delta_rule", None)
+        if fn is None:
+            from flash_qla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+        peers["flashqla"] = fn
+    except Exception as e:  # noqa: BLE001
+        print(f"FlashQLA not importable: {type(e).__name__}: {e}")
+    return peers
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    if not torch.cuda.is_available():
+        print("bench_gated_delta_rule: needs a CUDA GPU; nothing to time here")
+        return
+    from cudnn_train import last_path
+    from cudnn_train.fused.gated_delta_rule import chunk_gated_delta_rule
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    ceil = ceilings(args.quick)
+    peers = load_peers()
+    broken: set[str] = set()
+    K = V = 128
+    # (label, B, T, H, HV, varlen lengths or None)
+    shapes = [
+        ("B4 T4096", 4, 4096, 16, 32, None),
+        ("B1 T16384", 1, 16384, 16, 32, None),
+        ("B8 T2048", 8, 2048, 32, 32, None),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    mixed = [int(x) for x in torch.randint(1, 4097, (12,), generator=gen)] + [1, 63, 65, 8192]
+    shapes.append(("varlen mixed", 1, sum(mixed), 16, 32, mixed))
+    if args.quick:
+        shapes = [("B2 T1024", 2, 1024, 16, 32, None), ("varlen", 1, 1000, 16, 32, [1, 63, 65, 871])]
+
+    rows = []
+    for label, B, T, H, HV, lengths in shapes:
+        seq_lengths = lengths if lengths is not None else [T] * B
+        fl = flops_forward(seq_lengths, HV, K, V)
+        cu = None
+        if lengths is not None:
+            cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta = make_inputs(B, T, H, HV, K, V)
+        do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
+        kw = dict(use_qk_l2norm_in_kernel=True)
+
+        def fwd_fn(name):
+            if name == "cutedsl":
+                return lambda: F90.forward(q, k, v, g, beta, cu_seqlens=cu, **kw)
+            if name == "op":
+                return lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw)
+            fn = peers[name]
+            cul = None if cu is None else cu.long()
+            return lambda: fn(q, k, v, g, beta, cu_seqlens=cul, **kw)
+
+        def fb_fn(name):
+            leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v, g, beta))
+            if name == "op":
+                f = lambda: chunk_gated_delta_rule(*leaves, cu_seqlens=cu, **kw)[0]  # noqa: E731
+            else:
+                fn = peers[name]
+                cul = None if cu is None else cu.long()
+                f = lambda: fn(*leaves, cu_seqlens=cul, **kw)[0]  # noqa: E731
+            return lambda: torch.autograd.grad(f(), leaves, do)
+
+        times = {}
+        paths = {}
+        for name in ["cutedsl", "op"] + [p for p in peers if p not in broken]:
+            try:
+                t_f = bench(fwd_fn(name), args.warmup, args.rep)
+                if name == "op":
+                    paths["fwd"] = last_path("chunk_gated_delta_rule")
+                t_fb = float("nan")
+                if name != "cutedsl":
+                    t_fb = bench(fb_fn(name), args.warmup, args.rep)
+                    if name == "op":
+                        paths["fwd+bwd"] = last_path("chunk_gated_delta_rule")
+            except Exception as e:  # noqa: BLE001 - report the peer's failure once, time the others
+                if name in peers:
+                    print(f"{name} failed at {label}: {type(e).__name__}: {e}")
+                    broken.add(name)
+                    continue
+                raise
+            times[name] = (t_f, t_fb)
+        peer_f = [t[0] for n, t in times.items() if n in peers]
+        peer_fb = [t[1] for n, t in times.items() if n in peers and t[1] == t[1]]
+        best_f = min(peer_f) if peer_f else float("nan")
+        best_fb = min(peer_fb) if peer_fb else float("nan")
+        ntok = sum(seq_lengths)
+        for name, (t_f, t_fb) in times.items():
+            impl = name if name != "op" else f"op [{paths.get('fwd')} / {paths.get('fwd+bwd')}]"
+            rows.append(
+                {
+                    "shape": f"{label} H{H} HV{HV}",
+                    "impl": impl,
+                    "fwd ms": t_f,
+                    "fwd Mtok/s": ntok / t_f / 1e3,
+                    "fwd TFLOP/s": fl / t_f / 1e9,
+                    "fwd % bf16 peak": 100 * fl / t_f / 1e9 / ceil["bf16_tflops"],
+                    "fwd speedup vs best peer": best_f / t_f,
+                    "fwd+bwd ms": t_fb,
+                    "fwd+bwd TFLOP/s": 4 * fl / t_fb / 1e9,
+                    "fwd+bwd speedup vs best peer": best_fb / t_fb,
+                }
+            )
+        del q, k, v, g, beta, do
+        torch.cuda.empty_cache()
+    report(rows, args, ceil, "chunk_gated_delta_rule, K=V=128, bf16, l2norm in kernel")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Shared pieces of the SM90 Gated DeltaNet kernels (CuTeDSL): tiles, copies, WGMMA helpers.
+
+Everything here runs at trace time inside ``@cute.jit`` / ``@cute.kernel`` code
+of ``gated_delta_rule_fwd_sm90.py`` (and the backward, when it comes).
+
+Conventions
+-----------
+* One CTA is one warpgroup (128 threads); every WGMMA has M = 64 (one atom).
+* Operand tiles in shared memory are row-major ``[rows, cols]`` with ``cols``
+  contiguous, in the canonical swizzled GMMA layout (128-byte swizzle when a
+  row is 128 bytes or more). Such a tile is a K-major operand when ``cols``
+  is the reduction dim, and its transposed view ``[cols, rows]`` is the
+  MN-major operand of the same bytes (checked at trace time by
+  :func:`check_mn_major_view`).
+* Register reshuffles between an accumulator and an A fragment are derived
+  from the MMAs' own coordinate maps (:func:`acc_to_frag_map`) and checked to
+  be the same for every thread of the warpgroup, never assumed.
+"""
+
+
+import torch
+
+from ..backend import Unsupported
+from . import compile as kc
+
+CHUNK = 64
+THREADS = 128
+LOG2E = 1.4426950408889634
+
+_TORCH_TO_CUTE: dict = {}
+
+
+def cute_dtype(dt: torch.dtype):
+    cutlass, _ = kc.import_cute()
+    if not _TORCH_TO_CUTE:
+        _TORCH_TO_CUTE.update(
+            {
+                torch.bfloat16: cutlass.BFloat16,
+                torch.float16: cutlass.Float16,
+                torch.float32: cutlass.Float32,
+                torch.int32: cutlass.Int32,
+                torch.int64: cutlass.Int64,
+            }
+        )
+    return _TORCH_TO_CUTE[dt]
+
+
+def check_device(t: torch.Tensor) -> None:
+    """Decline unless ``t`` lives on an SM90 GPU."""
+    if t.device.type != "cuda":
+        raise Unsupported("no GPU" if not torch.cuda.is_available() else f"tensor on {t.device}")
+    major = kc.cuda_sm_major(t.device)
+    if major != 9:
+        cap = torch.cuda.get_device_capability(t.device)
+        raise Unsupported(f"sm_{cap[0]}{cap[1]} is not SM90")
+
+
+def check_rows_aligned(name: str, t: torch.Tensor) -> None:
+    """Decline unless the last dim is contiguous and every row starts on 16 bytes."""
+    if t.stride(-1) != 1:
+        raise Unsupported(f"{name}: last dim not contiguous")
+    if t.data_ptr() % 16:
+        raise Unsupported(f"{name}: not 16-byte aligned")
+    el = t.element_size()
+    for d in range(t.dim() - 1):
+        if (t.stride(d) * el) % 16:
+            raise Unsupported(f"{name}: stride {t.stride()} not a multiple of 16 bytes")
+
+
+def check_index_range(name: str, t: torch.Tensor) -> None:
+    """Decline tensors whose element offsets might not fit in int32."""
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
+    if span >= 2**31:
+        raise Unsupported(f"{name}: more than 2**31 addressable elements")
+
+
+# ---------------------------------------------------------------- trace-time helpers
+# (only call these while tracing a cute.jit / cute.kernel function)
+
+
+def smem_tile_layout(dtype, rows: int, cols: int):
+    """Swizzled ``[rows, cols]`` smem layout, ``cols`` contiguous: a K-major GMMA operand tile."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import warpgroup
+
+    bits = cols * dtype.width
+    if bits % 1024 == 0:
+        kind = warpgroup.SmemLayoutAtomKind.K_SW128
+    elif bits % 512 == 0:
+        kind = warpgroup.SmemLayoutAtomKind.K_SW64
+    elif bits % 256 == 0:
+        kind = warpgroup.SmemLayoutAtomKind.K_SW32
+    else:
+        kind = warpgroup.SmemLayoutAtomKind.K_INTER
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+
+
+def transpose_view(t):
+    """The ``[cols, rows]`` view of a 2-D smem tensor (same bytes)."""
+    _, cute = kc.import_cute()
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+
+
+def check_mn_major_view(dtype, rows: int, cols: int) -> None:
+    """Assert that the transposed view of ``smem_tile_layout(rows, cols)`` is the canonical
+    MN-major GMMA layout of a ``[cols (MN), rows (K)]`` operand, offset by offset."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import warpgroup
+
+    kmaj = smem_tile_layout(dtype, rows, cols)
+    bits = cols * dtype.width
+    kind = {1024: warpgroup.SmemLayoutAtomKind.MN_SW128, 512: warpgroup.SmemLayoutAtomKind.MN_SW64,
+            256: warpgroup.SmemLayoutAtomKind.MN_SW32}
+    k = next((kind[b] for b in (1024, 512, 256) if bits % b == 0), warpgroup.SmemLayoutAtomKind.MN_INTER)
+    atom = warpgroup.make_smem_layout_atom(k, dtype)
+    mn = cute.tile_to_shape(atom, (cols, rows), order=(1, 0))
+    if str(kmaj.inner) != str(mn.inner):
+        raise AssertionError(f"swizzles differ: {kmaj.inner} vs {mn.inner}")
+    t_outer = cute.select(kmaj.outer, mode=[1, 0])
+    for c in range(cols):
+        for r in range(0, rows, max(1, rows // 16)):
+            a = cute.crd2idx((c, r), t_outer)
+            b = cute.crd2idx((c, r), mn.outer)
+            if a != b:
+                raise AssertionError(f"MN-major view mismatch at {(c, r)}: {a} vs {b}")
+
+
+SAMPLE_THREADS = (0, 1, 2, 3, 4, 7, 8, 16, 31, 32, 45, 63, 64, 97, 127)
+
+
+def check_acc_pairs(mma, shape_mn, threads=SAMPLE_THREADS) -> None:
+    """Assert that accumulator elements (2e, 2e+1) are columns (n, n+1), n even, of one row:
+    the stores of paired elements rely on it."""
+    _, cute = kc.import_cute()
+    for t in threads:
+        c = mma.get_slice(t).partition_C(cute.make_identity_tensor(shape_mn))
+        for e in range(cute.size(c) // 2):
+            (m0, n0), (m1, n1) = tuple(c[2 * e]), tuple(c[2 * e + 1])
+            if m1 != m0 or n1 != n0 + 1 or n0 % 2:
+                raise AssertionError(f"thread {t}: acc elements {2 * e}, {2 * e + 1} are {(m0, n0)}, {(m1, n1)}")
+
+
+def acc_to_frag_map(mma_c, shape_mn, mma_a, shape_mk, threads=SAMPLE_THREADS):
+    """Static map ``frag index -> acc index`` so that A-fragment element ``i`` of ``mma_a``
+    (operand tile ``shape_mk``) holds the accumulator element of ``mma_c`` (tile ``shape_mn``)
+    with the same coordinate (m, k = n). Raises if the map differs between threads."""
+    _, cute = kc.import_cute()
+    ref = None
+    for t in threads:
+        cC = mma_c.get_slice(t).partition_C(cute.make_identity_tensor(shape_mn))
+        cA = mma_a.get_slice(t).partition_A(cute.make_identity_tensor(shape_mk))
+        where = {}
+        for e in range(cute.size(cC)):
+            where[tuple(cC[e])] = e
+        m = []
+        for i in range(cute.size(cA)):
+            crd = tuple(cA[i])
+            if crd not in where:
+                raise AssertionError(f"thread {t}: A coordinate {crd} is not held by the accumulator")
+            m.append(where[crd])
+        if ref is None:
+            ref = m
+        elif m != ref:
+            raise AssertionError(f"thread {t}: acc->A map differs from thread {threads[0]}")
+    return tuple(ref)
+
+
+def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool):
+    """WGMMA tiled MMA, M = 64 (one warpgroup), N = ``n``, fp32 accumulators; A K-major."""
+    _, cute = kc.import_cute()
+    from cutlass import Float32
+    from cutlass.cute.nvgpu import warpgroup
+    import cutlass.utils.hopper_helpers as sm90
+
+    K = cute.nvgpu.OperandMajorMode.K
+    MN = cute.nvgpu.OperandMajorMode.MN
+    return sm90.make_trivial_tiled_mma(
+        ab_dtype,
+        ab_dtype,
+        K,
+        MN if b_mn_major else K,
+        Float32,
+        (1, 1, 1),
+        tiler_mn=(64, n),
+        a_source=warpgroup.OperandSource.RMEM if a_regs else warpgroup.OperandSource.SMEM,
+    )

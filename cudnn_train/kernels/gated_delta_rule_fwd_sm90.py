@@ -1,0 +1,874 @@
+"""Chunked Gated DeltaNet forward for SM90 (CuTeDSL, WGMMA): two kernels.
+
+The op (per sequence, value head ``hv`` reading q/k head ``h = hv // (HV // H)``)::
+
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T      S: [K, V], float32
+    o_t = scale * S_t^T q_t
+
+with q, k optionally l2-normalized (``x / sqrt(sum x^2 + 1e-6)``). Chunks of C = 64
+tokens use the WY/UT form: with ``gc`` the in-chunk cumulative sum of g,
+
+    A    = strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j))            [C, C]
+    T    = (I + A)^-1
+    w    = T diag(beta exp(gc)) k          u = T diag(beta) v          [C, K], [C, V]
+    vn   = u - w S                                                       (S at chunk start)
+    o    = scale (q exp(gc)) S + scale tril(q k^T exp(gc_i - gc_j)) vn   (diagonal kept)
+    S'   = exp(gc_C) S + (k exp(gc_C - gc))^T vn
+
+Kernel 1, ``wy`` (grid: chunk x HV, one warpgroup): loads the chunk's k, v, g,
+beta; fuses the gate (``-exp(A_log) softplus(g + dt_bias)``), the beta sigmoid,
+the in-chunk cumsum and the k l2norm (as per-row scale factors, so k stays as
+loaded); ``k k^T`` on WGMMA; the triangular solve in float32 on CUDA cores
+(16x16 diagonal blocks by forward substitution, merged 16 -> 32 -> 64 with
+``X = -T2 A21 T1``); then ``w`` and ``u`` as two WGMMAs whose A operands are T
+with its columns scaled (the k and v tiles serve as MN-major B operands as
+loaded). Writes w, u (input dtype) and gc (float32).
+
+Kernel 2, ``state`` (grid: N x HV x V/64, one warpgroup): walks the chunks of
+one sequence in order with the state held transposed, ``S^T`` [64 (V block),
+K], in float32 WGMMA accumulators. ``S^T`` in the input dtype is the register
+A operand of ``S^T w^T`` and ``S^T q^T``; ``vn^T = u^T - S^T w^T`` stays in
+registers and is the register A operand both of ``o^T += vn^T P^T`` (P in
+shared memory) and of the state update ``S^T += vn^T diag(...) k``. The q/k
+l2norm is again folded in as row/column factors. Writes o and, when asked,
+the final state.
+
+Tails: rows past a chunk's end (T not a multiple of 64, varlen boundaries) are
+loaded as zeros and never stored; the gate is 0 there so ``gc`` stays flat.
+Varlen needs no host read: kernel 1 is launched on an upper bound of the
+chunk count (``T_total // 64 + N``) and each CTA finds its sequence by
+bisection in a device-side cumulative chunk count; surplus CTAs exit.
+
+Not yet: the backward (``cutedsl_backend`` declines calls that need gradients);
+splitting long sequences across CTAs (parallelism is N x HV x V/64 in kernel 2);
+TMA, warp specialization and load/compute overlap (loads are synchronous
+16-byte vector copies, all of a group in flight before the first smem store).
+
+Layout: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``
+(any strides, last dim of q/k/v contiguous with 16-byte aligned rows); states
+``[N, HV, K, V]`` or ``[N, HV, V, K]`` float32. Served: bf16/fp16 q/k/v,
+K and V in {64, 128}, an SM90 GPU, every tensor under 2**31 elements.
+"""
+
+
+import os
+
+import torch
+
+from ..backend import Served, Unsupported
+from . import compile as kc
+from . import gated_delta_rule_common_sm90 as cm
+
+CHUNK = cm.CHUNK
+THREADS = cm.THREADS
+VBLOCK = 64  # V columns per CTA of the state kernel
+HEAD_DIMS = (64, 128)
+L2NORM_EPS = 1e-6
+_SOURCES = (__file__, cm.__file__)
+
+# Tests set this to fill every output with NaN before the kernels write it.
+POISON = os.environ.get("CUDNN_TRAIN_POISON", "0") == "1"
+
+
+def _empty(*shape, dtype, device):
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if POISON else t
+
+
+# ------------------------------------------------------------------ shared device code
+
+
+def _make_load_tiles(rows: int):
+    """``load_tiles(((gX, sX, cols), ...), nvalid, tidx)``: copy ``rows x cols`` tiles global -> shared.
+
+    128 threads move 16-byte vectors; rows >= nvalid are zero-filled and never read from
+    memory. Every load of the group is issued before the first shared-memory store, so the
+    loads are in flight together."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    @cute.jit
+    def load_tiles(tiles: cutlass.Constexpr, nvalid: Int32, tidx: Int32):
+        frags = []
+        for ti in cutlass.range_constexpr(len(tiles)):
+            gX, sX, cols = tiles[ti]
+            VPR = cols // 8
+            RPP = THREADS // VPR
+            for p in cutlass.range_constexpr(rows // RPP):
+                r = p * RPP + tidx // VPR
+                frag = cute.make_rmem_tensor((1, 8), gX.element_type)
+                frag.fill(0.0)
+                if r < nvalid:
+                    cute.autovec_copy(cute.local_tile(gX, (1, 8), (r, tidx % VPR)), frag)
+                frags.append(frag)
+        f = 0
+        for ti in cutlass.range_constexpr(len(tiles)):
+            gX, sX, cols = tiles[ti]
+            VPR = cols // 8
+            RPP = THREADS // VPR
+            for p in cutlass.range_constexpr(rows // RPP):
+                r = p * RPP + tidx // VPR
+                cute.autovec_copy(frags[f], cute.local_tile(sX, (1, 8), (r, tidx % VPR)))
+                f += 1
+
+    return load_tiles
+
+
+# ------------------------------------------------------------------ kernel 1: w, u, gc
+
+
+def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int, l2norm: bool, gate: bool,
+              has_dt_bias: bool, beta_sigmoid: bool, beta_scale: float, varlen: bool):
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import warpgroup
+
+    C = CHUNK
+    LOG2E = cm.LOG2E
+    A_STRIDE = C + 4  # float32 row stride of the A tile: 16-byte rows, broadcast reads
+
+    load_tiles = _make_load_tiles(C)
+
+
+    @cute.jit
+    def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, zero_init: cutlass.Constexpr):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
+            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+
+    @cute.jit
+    def store_rows(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
+        # accumulator element pairs (e, e+1) are columns (n, n+1) of one row (checked at trace time)
+        for e in cutlass.range_constexpr(cute.size(acc) // 2):
+            i, d = cAcc[2 * e]
+            if i < nvalid:
+                frag = cute.make_rmem_tensor((1, 2), gX.element_type)
+                frag[0] = acc[2 * e].to(gX.element_type)
+                frag[1] = acc[2 * e + 1].to(gX.element_type)
+                cute.autovec_copy(frag, cute.local_tile(gX, (1, 2), (i, d // 2)))
+
+    @cute.jit
+    def diag_inverse(sA: cute.Tensor, sT: cute.Tensor, tidx: Int32):
+        # the four 16x16 diagonal blocks of T: thread (blk, c) solves column c of block blk
+        # by forward substitution, x_i = [i == c] - sum_{m < i} A_im x_m (all in registers)
+        if tidx < C:
+            blk = tidx // 16
+            c = tidx % 16
+            o = blk * 16
+            x = []
+            for i in cutlass.range_constexpr(16):
+                s = Float32(0.0)
+                if c == i:
+                    s = Float32(1.0)
+                for m4 in cutlass.range_constexpr((i + 3) // 4):
+                    arow = cute.make_rmem_tensor((1, 4), Float32)
+                    cute.autovec_copy(cute.local_tile(cute.domain_offset((o, o), sA), (1, 4), (i, m4)), arow)
+                    for q in cutlass.range_constexpr(4):
+                        if cutlass.const_expr(4 * m4 + q < i):
+                            s = s - arow[0, q] * x[4 * m4 + q]
+                x.append(s)
+            for i in cutlass.range_constexpr(16):
+                sT[o + i, o + c] = x[i]
+        else:
+            # the zero blocks above the diagonal inside each 32-block, read by the 32 -> 64 merge
+            t = tidx - C
+            c = t % 16
+            for q in cutlass.range_constexpr(8):
+                r = t // 16 + 4 * q  # 0..31: rows 0..15 of block (0, 1), then of block (2, 3)
+                o = (r // 16) * 32
+                sT[o + r % 16, o + 16 + c] = Float32(0.0)
+
+    @cute.jit
+    def block_mm(sD: cute.Tensor, sL: cute.Tensor, sR: cute.Tensor, tidx: Int32, S: cutlass.Constexpr,
+                 blocks: cutlass.Constexpr, negate: cutlass.Constexpr):
+        # for each (dr, dc, lr, lc, rr, rc) in blocks: D[dr:+S, dc:+S] = (-1 if negate) L[lr:+S, lc:+S] @ R[rr:+S, rc:+S]
+        # threads split evenly over the blocks; a thread owns one column and S / row_groups rows
+        NB = len(blocks)
+        TPB = THREADS // NB
+        RG = TPB // S
+        RPT = S // RG
+        for bi in cutlass.range_constexpr(NB):
+            dr, dc, lr, lc, rr, rc = blocks[bi]
+            if tidx // TPB == bi:
+                t = tidx % TPB
+                c = t % S
+                rg = t // S
+                acc = cute.make_rmem_tensor((RPT,), Float32)
+                acc.fill(0.0)
+                for m in cutlass.range(S, unroll=4):
+                    rv = sR[rr + m, rc + c]
+                    for k in cutlass.range_constexpr(RPT):
+                        acc[k] = acc[k] + sL[lr + rg + RG * k, lc + m] * rv
+                for k in cutlass.range_constexpr(RPT):
+                    val = acc[k]
+                    if cutlass.const_expr(negate):
+                        val = -val
+                    sD[dr + rg + RG * k, dc + c] = val
+
+    @cute.jit
+    def solve(sA: cute.Tensor, sT: cute.Tensor, sM: cute.Tensor, tidx: Int32):
+        """T = (I + A)^-1 for strictly lower A (64 x 64, float32, smem), lower blocks of sT.
+
+        [[T1, 0], [X, T2]] with X = -T2 A21 T1 inverts [[I + A11, 0], [A21, I + A22]]:
+        16x16 diagonal blocks by substitution, then merged to 32x32, then to 64x64."""
+        diag_inverse(sA, sT, tidx)
+        cute.arch.sync_threads()
+        # 16 -> 32, both 32-blocks at once: M = A21 T1, then X = -T2 M
+        block_mm(sM, sA, sT, tidx, 16, ((16, 0, 16, 0, 0, 0), (48, 32, 48, 32, 32, 32)), False)
+        cute.arch.sync_threads()
+        block_mm(sT, sT, sM, tidx, 16, ((16, 0, 16, 16, 16, 0), (48, 32, 48, 48, 48, 32)), True)
+        cute.arch.sync_threads()
+        # 32 -> 64
+        block_mm(sM, sA, sT, tidx, 32, ((32, 0, 32, 0, 0, 0),), False)
+        cute.arch.sync_threads()
+        block_mm(sT, sT, sM, tidx, 32, ((32, 0, 32, 32, 32, 0),), True)
+        cute.arch.sync_threads()
+
+    @cute.kernel
+    def kernel(
+        mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAlog: cute.Tensor, mDtb: cute.Tensor,
+        mCu: cute.Tensor, mCuC: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
+        T: Int32, NT: Int32, nseq: Int32, group: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cid, hv, _ = cute.arch.block_idx()
+        h = hv // group
+
+        mma_kk = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)
+        mma_w = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True)
+        mma_u = cm.make_mma(dtype, V, a_regs=False, b_mn_major=True)
+        cm.check_acc_pairs(mma_w, (C, K))
+        cm.check_acc_pairs(mma_u, (C, V))
+
+        smem = cutlass.utils.SmemAllocator()
+        lk = cm.smem_tile_layout(dtype, C, K)
+        lv = cm.smem_tile_layout(dtype, C, V)
+        lt = cm.smem_tile_layout(dtype, C, C)
+        sK = smem.allocate_tensor(dtype, lk.outer, 1024, lk.inner)
+        sV = smem.allocate_tensor(dtype, lv.outer, 1024, lv.inner)
+        sTw = smem.allocate_tensor(dtype, lt.outer, 1024, lt.inner)
+        sTu = smem.allocate_tensor(dtype, lt.outer, 1024, lt.inner)
+        sA = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_STRIDE, 1)), 16)
+        sT = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_STRIDE, 1)), 16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_STRIDE, 1)), 16)
+        sG = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sB = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+
+        # ---- which chunk: (batch row b, first token t0, valid rows)
+        b = Int32(0)
+        t0 = Int32(0)
+        tend = Int32(0)
+        valid = False
+        if cutlass.const_expr(varlen):
+            total = mCuC[nseq]
+            lo = Int32(0)
+            hi = nseq
+            for _ in cutlass.range_constexpr(32):
+                if lo < hi:
+                    mid = (lo + hi) // 2
+                    if mCuC[mid + 1] <= cid:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+            valid = cid < total
+            if valid:
+                t0 = mCu[lo] + (cid - mCuC[lo]) * C
+                tend = mCu[lo + 1]
+        else:
+            b = cid // NT
+            t0 = (cid % NT) * C
+            tend = T
+            valid = b < nseq
+        length = cutlass.min(tend - t0, C)
+
+        if valid:
+            gK = cute.domain_offset((t0, 0), mK[b, None, h, None])
+            gV = cute.domain_offset((t0, 0), mV[b, None, hv, None])
+            gW = cute.domain_offset((t0, 0), mW[b, None, hv, None])
+            gU = cute.domain_offset((t0, 0), mU[b, None, hv, None])
+            load_tiles(((gK, sK, K), (gV, sV, V)), length, tidx)
+            if tidx < C:
+                gval = Float32(0.0)
+                bval = Float32(0.0)
+                if tidx < length:
+                    gval = mG[b, t0 + tidx, hv].to(Float32)
+                    bval = mBeta[b, t0 + tidx, hv].to(Float32)
+                    if cutlass.const_expr(gate):
+                        x = gval
+                        if cutlass.const_expr(has_dt_bias):
+                            x = x + mDtb[hv].to(Float32)
+                        # softplus with FLA's threshold: x for x >= 20
+                        sp = x
+                        if x < 20.0:
+                            sp = cute.math.log1p(cute.math.exp(x))
+                        gval = -cute.math.exp(mAlog[hv].to(Float32)) * sp
+                    if cutlass.const_expr(beta_sigmoid):
+                        bval = beta_scale / (1.0 + cute.math.exp(-bval))
+                sG[tidx] = gval
+                sB[tidx] = bval
+            cute.arch.sync_threads()
+            if tidx < C:
+                # in-chunk inclusive cumsum (padded rows have g = 0, so gc stays flat past the end)
+                acc = Float32(0.0)
+                for j in cutlass.range_constexpr(C):
+                    if j <= tidx:
+                        acc = acc + sG[j]
+                sGc[tidx] = acc
+                if tidx < length:
+                    mGc[b, t0 + tidx, hv] = acc
+            else:
+                r = tidx - C
+                rk = Float32(1.0)
+                if cutlass.const_expr(l2norm):
+                    ss = Float32(0.0)
+                    for vc in cutlass.range_constexpr(K // 8):
+                        frag = cute.make_rmem_tensor((1, 8), dtype)
+                        cute.autovec_copy(cute.local_tile(sK, (1, 8), (r, vc)), frag)
+                        xv = frag.load().to(Float32)
+                        ss = ss + (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    rk = cute.math.rsqrt(ss + L2NORM_EPS)
+                sRk[r] = rk
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+            # ---- A = strictly_lower(beta_i rk_i rk_j k_i.k_j exp(gc_i - gc_j))
+            thr_kk = mma_kk.get_slice(tidx)
+            accA = cute.make_rmem_tensor(thr_kk.partition_shape_C((C, C)), Float32)
+            gemm(mma_kk, accA, mma_kk.make_fragment_A(thr_kk.partition_A(sK)),
+                 mma_kk.make_fragment_B(thr_kk.partition_B(sK)), True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cA = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
+            for e in cutlass.range_constexpr(cute.size(accA)):
+                i, j = cA[e]
+                a = Float32(0.0)
+                if i > j:
+                    coef = sB[i] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+                    if cutlass.const_expr(l2norm):
+                        coef = coef * sRk[i] * sRk[j]
+                    a = accA[e] * coef
+                sA[i, j] = a
+            cute.arch.sync_threads()
+
+            # ---- T = (I + A)^-1 in float32 by block doubling (see `solve` below)
+            solve(sA, sT, sM, tidx)
+            # column-scaled copies of T in the input dtype: A operands of the w and u products
+            c = tidx % C
+            cw = sB[c] * cute.math.exp2(sGc[c] * LOG2E, fastmath=True)
+            if cutlass.const_expr(l2norm):
+                cw = cw * sRk[c]
+            cu = sB[c]
+            for q in cutlass.range_constexpr(C * C // THREADS):
+                i = tidx // C + (THREADS // C) * q
+                tv = Float32(0.0)
+                if i >= c:  # T is lower triangular; blocks above the diagonal are never written
+                    tv = sT[i, c]
+                sTw[i, c] = (tv * cw).to(dtype)
+                sTu[i, c] = (tv * cu).to(dtype)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+            # ---- w = Tw k, u = Tu v  (B operands: MN-major views of the k and v tiles)
+            thr_w = mma_w.get_slice(tidx)
+            thr_u = mma_u.get_slice(tidx)
+            accW = cute.make_rmem_tensor(thr_w.partition_shape_C((C, K)), Float32)
+            accU = cute.make_rmem_tensor(thr_u.partition_shape_C((C, V)), Float32)
+            gemm(mma_w, accW, mma_w.make_fragment_A(thr_w.partition_A(sTw)),
+                 mma_w.make_fragment_B(thr_w.partition_B(cm.transpose_view(sK))), True)
+            gemm(mma_u, accU, mma_u.make_fragment_A(thr_u.partition_A(sTu)),
+                 mma_u.make_fragment_B(thr_u.partition_B(cm.transpose_view(sV))), True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            store_rows(accW, thr_w.partition_C(cute.make_identity_tensor((C, K))), gW, length)
+            store_rows(accU, thr_u.partition_C(cute.make_identity_tensor((C, V))), gU, length)
+
+    @cute.jit
+    def host(
+        mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAlog: cute.Tensor, mDtb: cute.Tensor,
+        mCu: cute.Tensor, mCuC: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
+        T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32, stream,
+    ):
+        _static_checks(dtype, K, V)
+        HV = mV.shape[2]
+        kernel(mK, mV, mG, mBeta, mAlog, mDtb, mCu, mCuC, mW, mU, mGc, T, NT, nseq, group).launch(
+            grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    f = _fakes()
+    args = (
+        f.rows4(dtype, K), f.rows4(dtype, V), f.any3(g_dtype), f.any3(beta_dtype), f.vec(alog_dtype), f.vec(dtb_dtype),
+        f.vec(cutlass.Int32), f.vec(cutlass.Int32), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
+        Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+    )
+    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
+
+
+# ------------------------------------------------------------------ kernel 2: state recurrence + output
+
+
+def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool):
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import warpgroup
+
+    C = CHUNK
+    VB = VBLOCK
+    LOG2E = cm.LOG2E
+    U_STRIDE = VB + 8  # padded row-major u tile: conflict-free transposed reads
+
+    load_tiles = _make_load_tiles(C)
+
+
+    @cute.jit
+    def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, zero_init: cutlass.Constexpr):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
+            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+
+    @cute.jit
+    def row_inv_norm(sX: cute.Tensor, r: Int32):
+        ss = Float32(0.0)
+        for vc in cutlass.range_constexpr(K // 8):
+            frag = cute.make_rmem_tensor((1, 8), dtype)
+            cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, vc)), frag)
+            xv = frag.load().to(Float32)
+            ss = ss + (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        return cute.math.rsqrt(ss + L2NORM_EPS)
+
+    @cute.kernel
+    def kernel(
+        mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
+        mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, scale: Float32, T: Int32, group: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, hv, vb = cute.arch.block_idx()
+        h = hv // group
+        v0 = vb * VB
+
+        # S^T [v, d] += ..: A = vn^T (regs), B = k as (N = d, K = j): MN-major view of the k tile
+        mma_s = cm.make_mma(dtype, K, a_regs=True, b_mn_major=True)
+        # S^T w^T, S^T q^T, vn^T P^T: A in regs, B K-major [64 rows, reduction dim]
+        mma_x = cm.make_mma(dtype, C, a_regs=True, b_mn_major=False)
+        # P = q k^T
+        mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)
+        map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
+        map_vn = cm.acc_to_frag_map(mma_x, (VB, C), mma_x, (VB, C))
+        map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
+
+        smem = cutlass.utils.SmemAllocator()
+        lqk = cm.smem_tile_layout(dtype, C, K)
+        lp = cm.smem_tile_layout(dtype, C, C)
+        sQ = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
+        sK = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
+        sW = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
+        sP = smem.allocate_tensor(dtype, lp.outer, 1024, lp.inner)
+        sU = smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16)
+        sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+
+        thr_s = mma_s.get_slice(tidx)
+        thr_x = mma_x.get_slice(tidx)
+        thr_p = mma_p.get_slice(tidx)
+        tBw = mma_x.make_fragment_B(thr_x.partition_B(sW))
+        tBq = mma_x.make_fragment_B(thr_x.partition_B(sQ))
+        tBp = mma_x.make_fragment_B(thr_x.partition_B(sP))
+        tAq = mma_p.make_fragment_A(thr_p.partition_A(sQ))
+        tBk = mma_p.make_fragment_B(thr_p.partition_B(sK))
+        tBkt = mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(sK)))
+        rS = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
+        rVn = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, C)))
+        rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
+        cS = thr_s.partition_C(cute.make_identity_tensor((VB, K)))  # (v, d)
+        cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
+        cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
+
+        b = n
+        ts = Int32(0)
+        te = T
+        if cutlass.const_expr(varlen):
+            b = Int32(0)
+            ts = mCu[n]
+            te = mCu[n + 1]
+        nchunks = (te - ts + C - 1) // C
+
+        # ---- state S^T [v, d] (float32 accumulators)
+        accS = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
+        if cutlass.const_expr(has_h0):
+            for e in cutlass.range_constexpr(cute.size(accS)):
+                hv_, hd_ = cS[e]
+                if cutlass.const_expr(state_vk):
+                    accS[e] = mH0[n, hv, v0 + hv_, hd_]
+                else:
+                    accS[e] = mH0[n, hv, hd_, v0 + hv_]
+        else:
+            accS.fill(0.0)
+
+        for ci in cutlass.range(nchunks, unroll=1):
+            t0 = ts + ci * C
+            length = cutlass.min(te - t0, C)
+            cute.arch.sync_threads()  # the previous chunk is done with every smem tile
+            load_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K),
+                        (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K)), length, tidx)
+            load_tiles(((cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K),
+                        (cute.domain_offset((t0, v0), mU[b, None, hv, None]), sU, VB)), length, tidx)
+            if tidx < C:
+                sGc[tidx] = mGc[b, t0 + cutlass.min(tidx, length - 1), hv]
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+            # ---- S^T in the input dtype as a register A operand
+            for f in cutlass.range_constexpr(cute.size(rS)):
+                rS[f] = accS[map_s[f]].to(dtype)
+            accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
+            accO = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
+            accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
+            gemm(mma_x, accX, rS, tBw, True)  # S^T w^T   [v, i]
+            gemm(mma_x, accO, rS, tBq, True)  # S^T q^T   [v, i]
+            gemm(mma_p, accP, tAq, tBk, True)  # q k^T    [i, j]
+            warpgroup.commit_group()
+            if cutlass.const_expr(l2norm):
+                if tidx < C:
+                    sRq[tidx] = row_inv_norm(sQ, tidx)
+                else:
+                    sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+            warpgroup.wait_group(0)
+            if cutlass.const_expr(l2norm):
+                cute.arch.sync_threads()
+
+            # ---- vn^T = u^T - S^T w^T (in place)
+            for e in cutlass.range_constexpr(cute.size(accX)):
+                xv, xi = cX[e]
+                accX[e] = sU[xi, xv].to(Float32) - accX[e]
+            # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j -> smem (B operand of the o update)
+            for e in cutlass.range_constexpr(cute.size(accP)):
+                pi, pj = cP[e]
+                pval = Float32(0.0)
+                if pj <= pi:
+                    pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
+                    if cutlass.const_expr(l2norm):
+                        pcoef = pcoef * sRq[pi] * sRk[pj]
+                    pval = accP[e] * pcoef
+                sP[pi, pj] = pval.to(dtype)
+            # ---- o^T = scale exp(gc_i) rq_i S^T q^T + ...
+            for e in cutlass.range_constexpr(cute.size(accO)):
+                _, oi = cX[e]
+                ocoef = scale * cute.math.exp2(sGc[oi] * LOG2E, fastmath=True)
+                if cutlass.const_expr(l2norm):
+                    ocoef = ocoef * sRq[oi]
+                accO[e] = accO[e] * ocoef
+            glast = sGc[C - 1]
+            for f in cutlass.range_constexpr(cute.size(rVn)):
+                rVn[f] = accX[map_vn[f]].to(dtype)
+            for f in cutlass.range_constexpr(cute.size(rVd)):
+                _, dj = cX[map_vd[f]]
+                dcoef = cute.math.exp2((glast - sGc[dj]) * LOG2E, fastmath=True)
+                if cutlass.const_expr(l2norm):
+                    dcoef = dcoef * sRk[dj]
+                rVd[f] = (accX[map_vd[f]] * dcoef).to(dtype)
+            decay = cute.math.exp2(glast * LOG2E, fastmath=True)
+            for e in cutlass.range_constexpr(cute.size(accS)):
+                accS[e] = accS[e] * decay
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()  # P visible to the async proxy
+
+            gemm(mma_x, accO, rVn, tBp, False)  # o^T += vn^T P^T
+            gemm(mma_s, accS, rVd, tBkt, False)  # S^T += (vn^T diag(exp(gl - gc) rk)) k
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            for e in cutlass.range_constexpr(cute.size(accO)):
+                ov, oi = cX[e]
+                if oi < length:
+                    mO[b, t0 + oi, hv, v0 + ov] = accO[e].to(dtype)
+
+        if cutlass.const_expr(out_final):
+            for e in cutlass.range_constexpr(cute.size(accS)):
+                fv, fd = cS[e]
+                if cutlass.const_expr(state_vk):
+                    mHT[n, hv, v0 + fv, fd] = accS[e]
+                else:
+                    mHT[n, hv, fd, v0 + fv] = accS[e]
+
+    @cute.jit
+    def host(
+        mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
+        mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, scale: Float32, T: Int32, group: Int32, nseq: Int32, stream,
+    ):
+        _static_checks(dtype, K, V)
+        HV = mU.shape[2]
+        kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, scale, T, group).launch(
+            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
+        )
+
+    f = _fakes()
+    args = (
+        f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
+        f.state(), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), f.stream(),
+    )
+    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
+
+
+# ------------------------------------------------------------------ trace-time checks and fake tensors
+
+
+def _static_checks(dtype, K: int, V: int) -> None:
+    """Layout facts the kernels rely on, asserted while tracing (no GPU needed)."""
+    cm.check_mn_major_view(dtype, CHUNK, K)
+    cm.check_mn_major_view(dtype, CHUNK, V)
+
+
+class _fakes:
+    """Fake tensors with symbolic sizes and strides: one compile serves every shape."""
+
+    def __init__(self):
+        _, self.cute = kc.import_cute()
+
+    def rows4(self, dtype, d: int):
+        cute = self.cute
+        s = [cute.sym_int(), cute.sym_int(), cute.sym_int()]
+        st = [cute.sym_int(divisibility=8), cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)]
+        return cute.runtime.make_fake_tensor(dtype, (*s, d), (*st, 1), assumed_align=16)
+
+    def any3(self, dtype):
+        cute = self.cute
+        return cute.runtime.make_fake_tensor(
+            dtype, (cute.sym_int(), cute.sym_int(), cute.sym_int()), (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+            assumed_align=dtype.width // 8,
+        )
+
+    def vec(self, dtype):
+        cute = self.cute
+        return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), (cute.sym_int(),), assumed_align=dtype.width // 8)
+
+    def state(self):
+        cute = self.cute
+        from cutlass import Float32
+
+        return cute.runtime.make_fake_tensor(
+            Float32, tuple(cute.sym_int() for _ in range(4)), tuple(cute.sym_int() for _ in range(4)), assumed_align=4
+        )
+
+    def stream(self):
+        return self.cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+# ------------------------------------------------------------------ compile (cached)
+
+
+def _dt(t: torch.dtype | None):
+    # absent optional tensors get a float32 placeholder
+    return cm.cute_dtype(torch.float32 if t is None else t)
+
+
+def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2norm, gate, has_dt_bias,
+                  beta_sigmoid, beta_scale, varlen):
+    key = ("wy", str(dtype), str(g_dtype), str(beta_dtype), str(alog_dtype), str(dtb_dtype), K, V, bool(l2norm),
+           bool(gate), bool(has_dt_bias), bool(beta_sigmoid), float(beta_scale), bool(varlen))
+
+    def build():
+        return _build_wy(_dt(dtype), _dt(g_dtype), _dt(beta_dtype), _dt(alog_dtype), _dt(dtb_dtype), K, V, l2norm,
+                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen)
+
+    return kc.get_kernel("gdn_fwd_wy", key, build, _SOURCES)
+
+
+def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk):
+    key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk))
+
+    def build():
+        return _build_state(_dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk)
+
+    return kc.get_kernel("gdn_fwd_state", key, build, _SOURCES)
+
+
+# ------------------------------------------------------------------ launch
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DUMMIES: dict = {}
+
+
+def _dummies(dev: torch.device):
+    """Placeholders for absent optional tensors (never read by the kernels)."""
+    d = _DUMMIES.get(dev)
+    if d is None:
+        d = _DUMMIES[dev] = (torch.zeros(1, dtype=torch.float32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
+    return d
+
+
+def check_serve(q, k, v, g, beta, initial_state=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                cu_seqlens=None, chunk_size=64) -> None:
+    """Raise Unsupported (touching no memory) for what these kernels do not serve."""
+    cm.check_device(q)
+    if chunk_size != CHUNK:
+        raise Unsupported(f"chunk_size={chunk_size} (kernels use {CHUNK})")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise Unsupported(f"dtype {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise Unsupported("q, k, v dtypes differ")
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise Unsupported("shapes")
+    K, V = q.shape[-1], v.shape[-1]
+    if K not in HEAD_DIMS or V not in HEAD_DIMS:
+        raise Unsupported(f"head dims K={K}, V={V} (served: {HEAD_DIMS})")
+    H, HV = q.shape[2], v.shape[2]
+    if H == 0 or HV % H:
+        raise Unsupported(f"HV={HV} is not a multiple of H={H}")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.dtype not in _FLOAT_DTYPES or tuple(t.shape) != tuple(v.shape[:3]):
+            raise Unsupported(f"{name}: dtype {t.dtype} / shape {tuple(t.shape)}")
+    if use_gate_in_kernel:
+        if A_log is None or A_log.dtype not in _FLOAT_DTYPES or A_log.numel() != HV:
+            raise Unsupported("A_log")
+        if dt_bias is not None and (dt_bias.dtype not in _FLOAT_DTYPES or dt_bias.numel() != HV):
+            raise Unsupported("dt_bias")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise Unsupported(f"initial_state dtype {initial_state.dtype} (float32 served)")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise Unsupported("cu_seqlens with B != 1")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        cm.check_rows_aligned(name, t)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if t is not None:
+            if t.device != q.device:
+                raise Unsupported(f"{name} on {t.device}")
+            cm.check_index_range(name, t)
+    if q.shape[0] * q.shape[1] * HV * max(K, V) >= 2**31:
+        raise Unsupported("more than 2**31 elements in an intermediate")
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    chunk_size: int = 64,
+    return_intermediates: bool = False,
+):
+    """The chunked GDN forward on SM90. Returns ``Served((o, final_state), "sm90")``.
+
+    ``o`` has q's dtype and shape ``[B, T, HV, V]``; ``final_state`` is float32
+    ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None. With
+    ``return_intermediates`` the value is ``(o, final_state, (w, u, gc))``: the
+    WY factors and the in-chunk cumulative gate (natural log, float32,
+    ``[B, T, HV]``). Arguments follow ``fused.chunk_gated_delta_rule``; they
+    are assumed validated there. Declines with ``Unsupported`` before any
+    device work for what it does not serve (see ``check_serve``).
+    """
+    check_serve(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, cu_seqlens, chunk_size)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    varlen = cu_seqlens is not None
+    nseq = (cu_seqlens.numel() - 1) if varlen else B
+    if initial_state is not None:
+        want = (nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)
+        if tuple(initial_state.shape) != want:
+            raise Unsupported(f"initial_state shape {tuple(initial_state.shape)} (expected {want})")
+    if scale is None:
+        scale = K**-0.5
+    beta_scale = 2.0 if (use_beta_sigmoid_in_kernel and allow_neg_eigval) else 1.0
+    dev = q.device
+
+    wy = get_wy_kernel(
+        q.dtype, g.dtype, beta.dtype, A_log.dtype if use_gate_in_kernel else None,
+        dt_bias.dtype if (use_gate_in_kernel and dt_bias is not None) else None,
+        K, V, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_gate_in_kernel and dt_bias is not None,
+        use_beta_sigmoid_in_kernel, beta_scale, varlen,
+    )
+    st = get_state_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, initial_state is not None,
+                          output_final_state, state_v_first)
+
+    o = _empty(B, T, HV, V, dtype=q.dtype, device=dev)
+    w = _empty(B, T, HV, K, dtype=q.dtype, device=dev)
+    u = _empty(B, T, HV, V, dtype=q.dtype, device=dev)
+    gc = _empty(B, T, HV, dtype=torch.float32, device=dev)
+    if output_final_state:
+        ht = _empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
+    else:
+        ht = None
+
+    f32_dummy, i32_dummy = _dummies(dev)
+    state_dummy = f32_dummy.view(1, 1, 1, 1)
+    if varlen:
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+        nch = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
+        cu_chunks = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0, dtype=torch.int32)])
+        grid_chunks = T // CHUNK + nseq
+        NT = 0
+    else:
+        cu = cu_chunks = i32_dummy  # not read without varlen
+        NT = -(-T // CHUNK)
+        grid_chunks = B * NT
+    alog = A_log.reshape(HV) if use_gate_in_kernel else f32_dummy
+    dtb = dt_bias.reshape(HV) if (use_gate_in_kernel and dt_bias is not None) else f32_dummy
+    group = HV // H
+
+    if T == 0 or nseq == 0:  # no tokens: the final state is the initial one
+        if ht is not None:
+            if initial_state is None:
+                ht.zero_()
+            else:
+                ht.copy_(initial_state)
+    else:
+        wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, T, NT, nseq, group, grid_chunks)
+        st(q, k, w, u, gc, state_dummy if initial_state is None else initial_state, o,
+           state_dummy if ht is None else ht, cu, float(scale), T, group, nseq)
+    if return_intermediates:
+        return Served((o, ht, (w, u, gc)), "sm90")
+    return Served((o, ht), "sm90")
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                    use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+                    cu_seqlens, chunk_size, cu_seqlens_cpu=None):
+    """The ``cutedsl`` backend of op ``chunk_gated_delta_rule`` (keyword arguments of its torch backend).
+
+    Forward only for now: a call that needs gradients declines (there is no backward kernel
+    yet), so training falls through to the next backend. ``cu_seqlens`` values are trusted
+    as FLA does (never read on the host; ``cu_seqlens_cpu`` is not needed). A half-precision
+    initial state is read as float32.
+    """
+    if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        raise Unsupported("no SM90 backward kernel yet")
+    if torch.compiler.is_compiling():
+        raise Unsupported("traced by torch.compile (kernels launch on real tensors only)")
+    if initial_state is not None and initial_state.dtype in (torch.float16, torch.bfloat16):
+        # every other decline first: nothing is copied for a call that is not served
+        check_serve(q, k, v, g, beta, None, use_gate_in_kernel, A_log, dt_bias, cu_seqlens, chunk_size)
+        cm.check_index_range("initial_state", initial_state)
+        if initial_state.device != q.device:
+            raise Unsupported(f"initial_state on {initial_state.device}")
+        initial_state = initial_state.float()
+    return forward(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log if use_gate_in_kernel else None,
+        dt_bias=dt_bias if use_gate_in_kernel else None, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, chunk_size=chunk_size,
+    )

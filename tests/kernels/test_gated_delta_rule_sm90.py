@@ -1,0 +1,377 @@
+"""SM90 Gated DeltaNet kernels: compiled for sm_90a on any machine; on a GPU, checked against
+FLA's float32 naive recurrence (the oracle) under the FLA-compat rule, with FLA's chunk
+kernels as the peer."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.utils import fla_compat_ok, rel_l2
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+# ------------------------------------------------------------------ compile tier (CPU, sm_90a)
+
+# (q dtype, g dtype, beta dtype, K, V, l2norm, gate, dt_bias, beta sigmoid, beta scale, varlen)
+WY_VARIANTS = [
+    (torch.bfloat16, torch.float32, torch.bfloat16, 128, 128, True, True, True, True, 2.0, True),
+    (torch.float16, torch.float16, torch.float32, 64, 64, False, False, False, False, 1.0, False),
+]
+# (q dtype, K, V, l2norm, varlen, has h0, final state, state [V, K])
+STATE_VARIANTS = [
+    (torch.bfloat16, 128, 128, True, False, True, True, False),
+    (torch.float16, 64, 128, False, True, False, True, True),
+]
+
+
+@pytest.mark.compile
+def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    if not torch.cuda.is_available():
+        assert kc.target_arch() == "sm_90a"
+    kc.clear_memory_cache()
+    for v in WY_VARIANTS:
+        dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = v
+        fn = F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
+                               K, V, l2, gate, dtb, sig, bscale, varlen)
+        assert callable(fn)
+    for v in STATE_VARIANTS:
+        assert callable(F90.get_state_kernel(*v))
+    objs = sorted(p.name for p in tmp_path.rglob("*.o"))
+    assert len(objs) == len(WY_VARIANTS) + len(STATE_VARIANTS), objs
+    # another process loads them from disk without compiling
+    kc.clear_memory_cache()
+    assert callable(F90.get_state_kernel(*STATE_VARIANTS[0]))
+    assert len(list(tmp_path.rglob("*.o"))) == len(objs)
+
+
+@pytest.mark.compile
+def test_layout_facts_the_kernels_rely_on():
+    """The register and shared-memory layout facts, checked for more threads than at trace time."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_common_sm90 as cm
+
+    cutlass, cute = kc.import_cute()
+    # every bit of the thread index and a spread of others (all 128 take minutes to trace)
+    threads = tuple(sorted(set(range(0, 128, 9)) | {1, 2, 4, 8, 16, 32, 64, 127}))
+    seen = {}
+
+    @cute.jit
+    def check():
+        # the register layouts are those of any 16-bit type; the swizzled tile is checked for both
+        cm.check_mn_major_view(cutlass.Float16, 64, 128)
+        for dt, K in ((cutlass.BFloat16, 128), (cutlass.BFloat16, 64)):
+            cm.check_mn_major_view(dt, 64, K)
+            mma_s = cm.make_mma(dt, K, a_regs=True, b_mn_major=True)
+            mma_x = cm.make_mma(dt, 64, a_regs=True, b_mn_major=False)
+            m1 = cm.acc_to_frag_map(mma_s, (64, K), mma_x, (64, K), threads=threads)
+            m2 = cm.acc_to_frag_map(mma_x, (64, 64), mma_x, (64, 64), threads=threads)
+            m3 = cm.acc_to_frag_map(mma_x, (64, 64), mma_s, (64, 64), threads=threads)
+            cm.check_acc_pairs(cm.make_mma(dt, K, a_regs=False, b_mn_major=True), (64, K), threads=threads)
+            seen[(str(dt), K)] = (m1, m2, m3)
+
+    check()
+    assert len(seen) == 2
+    for m1, m2, m3 in seen.values():
+        # each map is a permutation of the fragment
+        assert sorted(m1) == list(range(len(m1))) and sorted(m2) == list(range(len(m2)))
+        assert sorted(m3) == list(range(len(m3)))
+
+
+def test_forward_declines_before_touching_memory():
+    from cudnn_train.backend import Unsupported
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    q = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
+    g = torch.randn(1, 8, 2)
+    with pytest.raises(Unsupported, match="no GPU|tensor on cpu|not SM90"):
+        F90.forward(q, q, v, g, g.sigmoid())
+
+
+# ------------------------------------------------------------------ GPU tier
+
+
+def _l2n(x):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def oracle(q, k, v, g, beta, scale, h0, cu, *, l2norm, A_log=None, dt_bias=None, beta_sigmoid=False, neg=False,
+           state_v_first=False):
+    """FLA's naive float32 recurrence per sequence, with the op's pre-processing done in float32 here."""
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule as naive
+
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if l2norm:
+        q, k = _l2n(q), _l2n(k)
+    if A_log is not None:
+        x = g + (0.0 if dt_bias is None else dt_bias.float())
+        g = -A_log.float().exp() * F.softplus(x)
+    if beta_sigmoid:
+        beta = beta.sigmoid() * (2.0 if neg else 1.0)
+    H, HV = q.shape[2], v.shape[2]
+    q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    if h0 is not None and state_v_first:
+        h0 = h0.transpose(-1, -2)
+    if cu is None:
+        o, ht = naive(q, k, v, beta, g, scale=scale, initial_state=None if h0 is None else h0.float(),
+                      output_final_state=True)
+    else:
+        bounds = cu.tolist()
+        outs, states = [], []
+        for n in range(len(bounds) - 1):
+            a, b = bounds[n], bounds[n + 1]
+            s0 = None if h0 is None else h0[n : n + 1].float()
+            if b == a:  # an empty sequence keeps its initial state
+                states.append(v.new_zeros(1, HV, q.shape[-1], v.shape[-1]) if s0 is None else s0)
+                continue
+            o_n, h_n = naive(q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b], g[:, a:b], scale=scale, initial_state=s0,
+                             output_final_state=True)
+            outs.append(o_n)
+            states.append(h_n)
+        o, ht = torch.cat(outs, 1), torch.cat(states, 0)
+    if state_v_first:
+        ht = ht.transpose(-1, -2)
+    return o, ht
+
+
+def peer(q, k, v, g, beta, scale, h0, cu, **kw):
+    """FLA's Triton chunk kernels on the same inputs, or None (with the reason printed)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+        return fla_chunk(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                         cu_seqlens=None if cu is None else cu.long(), **kw)
+    except Exception as e:  # the comparison then uses the floor alone
+        print(f"FLA peer unavailable ({type(e).__name__}: {e}); FLA-compat rule uses its floor")
+        return None
+
+
+def _inputs(B, T, H, HV, K, V, dtype, *, l2norm=True, raw_gate=False, beta_logits=False, h0=True, nseq=None,
+            state_v_first=False):
+    dev = "cuda"
+    q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    if not l2norm:  # the recurrence is only stable for unit-norm keys
+        q, k = _l2n(q.float()).to(dtype), _l2n(k.float()).to(dtype)
+    v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    if raw_gate:
+        g = torch.randn(B, T, HV, device=dev, dtype=torch.float32)
+    else:
+        g = F.logsigmoid(torch.rand(B, T, HV, device=dev, dtype=torch.float32))
+    beta = torch.randn(B, T, HV, device=dev, dtype=dtype) if beta_logits else torch.rand(B, T, HV, device=dev, dtype=dtype)
+    n = B if nseq is None else nseq
+    s = (n, HV, V, K) if state_v_first else (n, HV, K, V)
+    state = torch.randn(*s, device=dev, dtype=torch.float32) * 0.5 if h0 else None
+    return q, k, v, g, beta, state
+
+
+def _check(name, ours, ref, fla):
+    assert ours.shape == ref.shape, name
+    assert torch.isfinite(ours).all(), f"{name}: non-finite values (an element the kernel did not write?)"
+    e_ours = rel_l2(ours, ref)
+    e_peer = 0.0 if fla is None else rel_l2(fla, ref)
+    assert fla_compat_ok(e_ours, e_peer), f"{name}: ours {e_ours:.2e} vs FLA {e_peer:.2e}"
+
+
+def _run_and_compare(q, k, v, g, beta, h0, cu=None, *, l2norm=True, A_log=None, dt_bias=None, beta_sigmoid=False,
+                     neg=False, state_v_first=False):
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    K = q.shape[-1]
+    scale = K**-0.5
+    res = F90.forward(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                      use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu, use_gate_in_kernel=A_log is not None,
+                      A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg,
+                      state_v_first=state_v_first)
+    assert res.tag == "sm90"
+    o, ht = res.value
+    assert o.dtype == q.dtype and ht.dtype == torch.float32
+    ref_o, ref_h = oracle(q, k, v, g, beta, scale, h0, cu, l2norm=l2norm, A_log=A_log, dt_bias=dt_bias,
+                          beta_sigmoid=beta_sigmoid, neg=neg, state_v_first=state_v_first)
+    kw = dict(use_qk_l2norm_in_kernel=l2norm, state_v_first=state_v_first)
+    if A_log is not None:
+        kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    if beta_sigmoid:
+        kw.update(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg)
+    fla = peer(q, k, v, g, beta, scale, h0, cu, **kw)
+    _check("o", o.float(), ref_o, None if fla is None else fla[0].float())
+    _check("final_state", ht, ref_h, None if fla is None else fla[1].float())
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setattr(F90, "POISON", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_matches_oracle(poisoned, T, dtype):
+    q, k, v, g, beta, h0 = _inputs(2, T, 2, 4, 128, 128, dtype)
+    _run_and_compare(q, k, v, g, beta, h0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_gva(poisoned, ratio, dtype):
+    q, k, v, g, beta, h0 = _inputs(2, 200, 2, 2 * ratio, 128, 128, dtype)
+    _run_and_compare(q, k, v, g, beta, h0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lengths", [[0, 1, 63, 130, 1, 257, 64, 0], [1000], [5, 0, 0, 77]])
+def test_forward_varlen(poisoned, dtype, lengths):
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, dtype, nseq=len(lengths))
+    _run_and_compare(q, k, v, g, beta, h0, cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_forward_state_layouts(poisoned, state_v_first, with_h0):
+    q, k, v, g, beta, h0 = _inputs(3, 150, 1, 2, 128, 128, torch.bfloat16, h0=with_h0, state_v_first=state_v_first)
+    _run_and_compare(q, k, v, g, beta, h0, state_v_first=state_v_first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K, V", [(64, 64), (64, 128), (128, 64)])
+def test_forward_head_dims(poisoned, K, V):
+    q, k, v, g, beta, h0 = _inputs(2, 131, 2, 4, K, V, torch.bfloat16)
+    _run_and_compare(q, k, v, g, beta, h0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_dt_bias", [False, True])
+@pytest.mark.parametrize("neg", [False, True])
+def test_forward_in_kernel_gate_and_beta(poisoned, dtype, with_dt_bias, neg):
+    q, k, v, g, beta, h0 = _inputs(2, 97, 2, 4, 128, 128, dtype, raw_gate=True, beta_logits=True)
+    # FLA's GatedDeltaNet initialization: A ~ U(1, 16), dt ~ logU(1e-3, 1e-1), dt_bias = softplus^-1(dt)
+    A_log = torch.log(torch.empty(4, device="cuda").uniform_(1, 16))
+    dt = torch.exp(torch.empty(4, device="cuda").uniform_(math.log(1e-3), math.log(1e-1)))
+    dt_bias = dt + torch.log(-torch.expm1(-dt)) if with_dt_bias else None
+    _run_and_compare(q, k, v, g, beta, h0, A_log=A_log, dt_bias=dt_bias, beta_sigmoid=True, neg=neg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_without_in_kernel_l2norm(poisoned, dtype):
+    q, k, v, g, beta, h0 = _inputs(2, 300, 2, 4, 128, 128, dtype, l2norm=False)
+    _run_and_compare(q, k, v, g, beta, h0, l2norm=False)
+
+
+@pytest.mark.gpu
+def test_forward_strided_inputs_and_bf16_gate(poisoned):
+    # q, k, v as views into one packed projection, as a layer's fused projection produces them
+    B, T, H, HV, K, V = 2, 77, 2, 4, 128, 128
+    packed = torch.randn(B, T, 2 * H * K + HV * V, device="cuda", dtype=torch.bfloat16)
+    q = packed[..., : H * K].view(B, T, H, K)
+    k = packed[..., H * K : 2 * H * K].view(B, T, H, K)
+    v = packed[..., 2 * H * K :].view(B, T, HV, V)
+    g = F.logsigmoid(torch.randn(B, T, HV, device="cuda")).to(torch.bfloat16)
+    beta = torch.rand(B, T, 2 * HV, device="cuda", dtype=torch.bfloat16)[..., ::2]
+    h0 = torch.randn(B, HV, K, V, device="cuda")
+    _run_and_compare(q, k, v, g, beta, h0)
+
+
+@pytest.mark.gpu
+def test_forward_no_final_state_and_empty_batch(poisoned):
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    q, k, v, g, beta, h0 = _inputs(1, 70, 1, 1, 128, 128, torch.bfloat16)
+    o, ht = F90.forward(q, k, v, g, beta, initial_state=h0, use_qk_l2norm_in_kernel=True).value
+    assert ht is None
+    ref_o, _ = oracle(q, k, v, g, beta, 128**-0.5, h0, None, l2norm=True)
+    fla = peer(q, k, v, g, beta, 128**-0.5, h0, None, use_qk_l2norm_in_kernel=True)
+    _check("o", o.float(), ref_o, None if fla is None else fla[0].float())
+    # zero tokens: no launch; the final state is the initial one
+    e = [t[:, :0] for t in (q, k, v, g, beta)]
+    o, ht = F90.forward(*e, initial_state=h0, output_final_state=True).value
+    assert o.shape == (1, 0, 1, 128) and torch.equal(ht, h0)
+
+
+@pytest.mark.gpu
+def test_forward_declines_unserved_head_dim():
+    from cudnn_train.backend import Unsupported
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    q, k, v, g, beta, _ = _inputs(1, 10, 1, 1, 96, 128, torch.bfloat16)
+    with pytest.raises(Unsupported, match="head dims"):
+        F90.forward(q, k, v, g, beta)
+    q, k, v, g, beta, _ = _inputs(1, 10, 1, 1, 128, 128, torch.float32)
+    with pytest.raises(Unsupported, match="dtype"):
+        F90.forward(q, k, v, g, beta)
+
+
+@pytest.mark.gpu
+def test_forward_varlen_is_graph_capturable(poisoned):
+    """Varlen needs no device-to-host read: the forward replays inside a CUDA graph."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    lengths = [3, 0, 200, 64, 1]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths))
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    F90.forward(q, k, v, g, beta, **args)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, ht = F90.forward(q, k, v, g, beta, **args).value
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        v.copy_(torch.randn_like(v))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_h = oracle(q, k, v, g, beta, 128**-0.5, h0, cu, l2norm=True)
+        fla = peer(q, k, v, g, beta, 128**-0.5, h0, cu, use_qk_l2norm_in_kernel=True)
+        _check("o", o.float(), ref_o, None if fla is None else fla[0].float())
+        _check("final_state", ht, ref_h, None if fla is None else fla[1].float())
+
+
+@pytest.mark.gpu
+def test_forward_is_bitwise_reproducible():
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    q, k, v, g, beta, h0 = _inputs(2, 777, 2, 4, 128, 128, torch.bfloat16)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    first = [t.clone() for t in F90.forward(q, k, v, g, beta, **args).value]
+    second = F90.forward(q, k, v, g, beta, **args).value
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_backend_function_serves_inference_and_declines_training(poisoned):
+    from cudnn_train.backend import Unsupported
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    q, k, v, g, beta, h0 = _inputs(1, 100, 2, 4, 128, 128, torch.bfloat16)
+    kw = dict(scale=128**-0.5, initial_state=h0.to(torch.bfloat16), output_final_state=True,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
+              chunk_size=64, cu_seqlens_cpu=None)
+    res = F90.cutedsl_backend(q, k, v, g, beta, **kw)
+    assert res.tag == "sm90"
+    o, ht = res.value
+    ref_o, ref_h = oracle(q, k, v, g, beta, 128**-0.5, h0.to(torch.bfloat16).float(), None, l2norm=True)
+    fla = peer(q, k, v, g, beta, 128**-0.5, h0.to(torch.bfloat16).float(), None, use_qk_l2norm_in_kernel=True)
+    _check("o", o.float(), ref_o, None if fla is None else fla[0].float())
+    _check("final_state", ht, ref_h, None if fla is None else fla[1].float())
+    with pytest.raises(Unsupported, match="backward"):
+        F90.cutedsl_backend(q.requires_grad_(), k, v, g, beta, **kw)
+    with torch.no_grad():
+        assert F90.cutedsl_backend(q, k, v, g, beta, **kw).tag == "sm90"
+    with pytest.raises(Unsupported, match="chunk_size"):
+        F90.cutedsl_backend(q.detach(), k, v, g, beta, **{**kw, "chunk_size": 32})
