@@ -1,0 +1,576 @@
+"""The SM90 CuTeDSL GEMM: planning (CPU), compile tier (sm_90a on any machine), GPU tier.
+
+Oracles: float32 ``torch.matmul`` on the same (bf16/fp16) inputs; ``torch.nn.functional.silu``;
+``torch.autograd`` for the SwiGLU derivative. Tolerance relL2 <= 2e-3 for 16-bit outputs (rounding
+a float32 result to bf16 alone costs about 1.7e-3).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cudnn_train.backend import Unsupported
+from cudnn_train.kernels import compile as kc
+from cudnn_train.kernels import gemm_sm90 as gk
+from tests.utils import poison_, rel_l2
+
+TOL16 = 2e-3
+TOL32 = 1e-5
+
+
+# ------------------------------------------------------------------ operand builders
+
+
+def make_a(m, k, major, dtype=torch.bfloat16, device="cpu"):
+    """[M, K], row-major ("k") or column-major ("m", leading dimension padded to a multiple of 8)."""
+    if major == "k":
+        return torch.randn(m, k, device=device).to(dtype)
+    return torch.randn(k, -(-m // 8) * 8, device=device).to(dtype)[:, :m].t()
+
+
+def make_b(k, n, major, dtype=torch.bfloat16, device="cpu"):
+    """[K, N] as the kernel reads it: "k" = column-major (``w.t()`` of a [N, K] weight), "n" = row-major."""
+    if major == "k":
+        return (torch.randn(n, k, device=device) / k**0.5).to(dtype).t()
+    return (torch.randn(k, n, device=device) / k**0.5).to(dtype)
+
+
+def make_grouped_b(g, k, n, major, dtype=torch.bfloat16, device="cpu"):
+    """[G, K, N]: "k" = ``w.transpose(1, 2)`` of [G, N, K] weights, "n" = contiguous [G, K, N]."""
+    if major == "k":
+        return (torch.randn(g, n, k, device=device) / k**0.5).to(dtype).transpose(1, 2)
+    return (torch.randn(g, k, n, device=device) / k**0.5).to(dtype)
+
+
+def offsets_of(sizes, start=0, device="cpu"):
+    offs = [start]
+    for s in sizes:
+        offs.append(offs[-1] + s)
+    return torch.tensor(offs, dtype=torch.int32, device=device)
+
+
+# ------------------------------------------------------------------ references (float32)
+
+
+def ref_gemm(a, b, bias=None, alpha=1.0, beta=0.0, row_scale=None, out0=None):
+    y = alpha * (a.float() @ b.float())
+    if bias is not None:
+        y = y + bias.float()
+    if row_scale is not None:
+        y = y * row_scale.float()[:, None]
+    if beta != 0.0:
+        y = y + beta * out0.float()
+    return y
+
+
+def ref_swiglu(a, b_gate, b_up, bias_gate=None, bias_up=None, row_scale=None):
+    gate = a.float() @ b_gate.float()
+    up = a.float() @ b_up.float()
+    if bias_gate is not None:
+        gate = gate + bias_gate.float()
+        up = up + bias_up.float()
+    h = F.silu(gate) * up
+    if row_scale is not None:
+        h = h * row_scale.float()[:, None]
+    return h, gate, up
+
+
+def ref_dswiglu(a, b, gate, up, row_scale=None):
+    """dgate, dup by autograd through silu(gate) * up."""
+    dh = a.float() @ b.float()
+    if row_scale is not None:
+        dh = dh * row_scale.float()[:, None]
+    g = gate.float().requires_grad_(True)
+    u = up.float().requires_grad_(True)
+    (F.silu(g) * u).backward(dh)
+    return g.grad, u.grad
+
+
+def ref_grouped(fn, a, offs, *per_group, rows_out):
+    """Apply ``fn(a_g, *per_group[g]) -> tensor or tuple`` group by group; rows outside stay NaN."""
+    offs = offs.tolist()
+    outs = None
+    for g in range(len(offs) - 1):
+        lo, hi = offs[g], offs[g + 1]
+        res = fn(a[lo:hi], *[p[g] for p in per_group])
+        res = res if isinstance(res, tuple) else (res,)
+        if outs is None:
+            outs = [torch.full((rows_out, r.shape[1]), float("nan"), device=a.device) for r in res]
+        for o, r in zip(outs, res):
+            o[lo:hi] = r
+    return outs
+
+
+def plan_cpu(*args, **kwargs):
+    return gk._plan(*args, _device_check=False, _num_sms=132, **kwargs)
+
+
+# ------------------------------------------------------------------ planning (CPU, no compile)
+
+
+@pytest.mark.parametrize(
+    "case,a_major,b_major",
+    [("forward x @ W^T", "k", "k"), ("dgrad dy @ W", "k", "n"), ("wgrad dy^T @ x", "m", "n")],
+)
+def test_plan_layouts_need_no_copies(case, a_major, b_major):
+    m, k, n = 256, 192, 320
+    x = torch.randn(m, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    dy = torch.randn(m, n).bfloat16()
+    if case.startswith("forward"):
+        a, b = x, w.t()
+    elif case.startswith("dgrad"):
+        a, b = dy, w
+    else:
+        a, b = dy.t(), x
+    p = plan_cpu(a, b, None, epilogue="none")
+    assert (p.spec.a_major, p.spec.b_major) == (a_major, b_major)
+    # the kernel views share storage with the inputs (no copies)
+    assert p.a.data_ptr() == a.data_ptr() and p.b.data_ptr() == b.data_ptr()
+    assert p.b.shape == (b.shape[1], b.shape[0])
+
+
+def test_choose_config_documented_heuristic():
+    sms = 132
+    # 8192^3 and the MLP down GEMM: 128x256 tiles, 2-CTA cluster, 4 stages
+    assert gk.choose_config(8192, 8192, "none", False, False, sms) == (256, 2, 4)
+    assert gk.choose_config(16384, 4096, "none", False, False, sms) == (256, 2, 4)
+    # SwiGLU gate/up: 128 columns of each operand per tile (256 MMA columns), 4 stages
+    assert gk.choose_config(16384, 12288, "swiglu", False, False, sms) == (128, 2, 4)
+    assert gk.choose_config(8192, 17408, "dswiglu", False, False, sms) == (128, 2, 7)
+    # float32 / accumulating epilogues use 128-wide tiles
+    assert gk.choose_config(4096, 4096, "none", False, True, sms)[0] == 128
+    # small problems: narrower tiles, no cluster
+    assert gk.choose_config(1, 256, "none", False, False, sms) == (64, 1, 8)
+    assert gk.choose_config(1000, 4096, "none", False, False, sms) == (128, 1, 7)
+    # grouped: never clustered
+    assert gk.choose_config(8 * 4096, 4096, "none", True, False, sms, groups=8)[1] == 1
+    for bn, nb in ((64, 1), (128, 1), (256, 1), (128, 2)):
+        stages = min(gk.MAX_STAGES, (gk.SMEM_BYTES - gk.SMEM_RESERVE) // gk._stage_bytes(bn, nb))
+        assert stages >= 4 and stages * gk._stage_bytes(bn, nb) + gk.SMEM_RESERVE <= gk.SMEM_BYTES
+
+
+def test_unit_dims_get_aligned_strides():
+    # M == 1 views with an unaligned (irrelevant) row stride are re-strided, not declined
+    x = torch.randn(3, 40).bfloat16()[1:2, :16]  # stride (40, 1) is fine; make a worse one:
+    a = x.as_strided((1, 16), (3, 1))
+    p = plan_cpu(a, torch.randn(16, 24).bfloat16(), None, epilogue="none")
+    assert p.spec.a_major == "k" and p.a.stride() == (16, 1)
+
+
+def _dense(m=64, k=64, n=64, dtype=torch.bfloat16):
+    return torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["K not a multiple of 8", "N not a multiple of 8", "float32", "unaligned pointer", "strided rows", "K == 0",
+     "unaligned out rows", "int64 bias"],
+)
+def test_declines(what):
+    a, b = _dense()
+    kw = {}
+    if what == "K not a multiple of 8":
+        a, b = torch.randn(64, 60).bfloat16(), torch.randn(60, 64).bfloat16()
+    elif what == "N not a multiple of 8":
+        b = torch.randn(64, 60).bfloat16()
+    elif what == "float32":
+        a, b = a.float(), b.float()
+    elif what == "unaligned pointer":
+        a = torch.randn(64, 72).bfloat16()[:, 1:65]  # 2-byte offset
+    elif what == "strided rows":
+        a = torch.randn(64, 128).bfloat16()[:, ::2]
+    elif what == "K == 0":
+        a, b = torch.randn(64, 0).bfloat16(), torch.randn(0, 64).bfloat16()
+    elif what == "unaligned out rows":
+        kw["out"] = torch.empty(64, 68).bfloat16()[:, :64]
+    elif what == "int64 bias":
+        kw["bias"] = torch.zeros(64, dtype=torch.int64)
+    with pytest.raises(Unsupported):
+        plan_cpu(a, b, None, epilogue="none", **kw)
+
+
+def test_declines_without_sm90_before_touching_memory():
+    a, b = _dense()
+    with pytest.raises(Unsupported):
+        gk.can_implement(a, b)
+    with pytest.raises(Unsupported):
+        gk.gemm(a, b)
+
+
+@pytest.mark.parametrize(
+    "what,arg",
+    [
+        ("a 1-D", "a"), ("K mismatch", "b"), ("dtype mismatch", "b"), ("beta without out", "beta"),
+        ("bias shape", "bias"), ("row_scale shape", "row_scale"), ("out shape", "out"), ("offsets dtype", "group_offsets"),
+        ("offsets length", "group_offsets"), ("bad epilogue", "epilogue"), ("b_up shape", "b_up"), ("gate shape", "gate"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_argument(what, arg):
+    a, b = _dense()
+    kw = dict(epilogue="none")
+    b2 = None
+    if what == "a 1-D":
+        a = torch.randn(64).bfloat16()
+    elif what == "K mismatch":
+        b = torch.randn(32, 64).bfloat16()
+    elif what == "dtype mismatch":
+        b = b.half()
+    elif what == "beta without out":
+        kw["beta"] = 1.0
+    elif what == "bias shape":
+        kw["bias"] = torch.zeros(63).bfloat16()
+    elif what == "row_scale shape":
+        kw["row_scale"] = torch.zeros(65)
+    elif what == "out shape":
+        kw["out"] = torch.empty(64, 72).bfloat16()
+    elif what == "offsets dtype":
+        b = torch.randn(2, 64, 64).bfloat16()
+        kw["group_offsets"] = torch.tensor([0, 32, 64])
+    elif what == "offsets length":
+        b = torch.randn(2, 64, 64).bfloat16()
+        kw["group_offsets"] = torch.tensor([0, 64], dtype=torch.int32)
+    elif what == "bad epilogue":
+        kw["epilogue"] = "gelu"
+    elif what == "b_up shape":
+        kw["epilogue"] = "swiglu"
+        b2 = torch.randn(64, 32).bfloat16()
+    elif what == "gate shape":
+        kw.update(epilogue="dswiglu", gate=torch.randn(64, 32).bfloat16(), up=torch.randn(64, 64).bfloat16())
+    with pytest.raises(ValueError, match=arg):
+        plan_cpu(a, b, b2, **kw)
+
+
+# ------------------------------------------------------------------ compile tier (sm_90a, no GPU needed)
+
+
+def _compile_cases():
+    """(name, plan kwargs builder, expected spec facts): every epilogue, layout and schedule."""
+    bf, fp = torch.bfloat16, torch.float16
+
+    def fwd():
+        x, w = torch.empty(16384, 4096, dtype=bf), torch.empty(4096, 4096, dtype=bf)
+        return (x, w.t(), None), {}
+
+    def dgrad_bias_rs():
+        dy, w = torch.empty(1000, 4096, dtype=fp), torch.empty(4096, 1024, dtype=fp)
+        return (dy, w, None), dict(bias=torch.empty(1024), row_scale=torch.empty(1000))
+
+    def wgrad_accumulate():
+        dy, x = torch.empty(8192, 4096, dtype=bf), torch.empty(8192, 4096, dtype=bf)
+        return (dy.t(), x, None), dict(out=torch.empty(4096, 4096), beta=1.0)
+
+    def small_n():
+        return (torch.empty(256, 512, dtype=bf), torch.empty(64, 512, dtype=bf).t(), None), {}
+
+    def swiglu():
+        x, w = torch.empty(16384, 4096, dtype=bf), torch.empty(2 * 12288, 4096, dtype=bf)
+        return (x, w[:12288].t(), w[12288:].t()), dict(
+            epilogue="swiglu", store_preact=True, bias=torch.empty(12288, dtype=bf), bias2=torch.empty(12288, dtype=bf)
+        )
+
+    def dswiglu():
+        dout, wd = torch.empty(8192, 5120, dtype=bf), torch.empty(5120, 17408, dtype=bf)
+        g = torch.empty(8192, 17408, dtype=bf)
+        return (dout, wd, None), dict(epilogue="dswiglu", gate=g, up=torch.empty_like(g), row_scale=torch.empty(8192))
+
+    def grouped():
+        h, w = torch.empty(8 * 4096, 7168, dtype=bf), torch.empty(8, 4096, 7168, dtype=bf)
+        return (h, w.transpose(1, 2), None), dict(
+            group_offsets=torch.zeros(9, dtype=torch.int32), row_scale=torch.empty(8 * 4096)
+        )
+
+    def grouped_swiglu():
+        x, wg, wu = torch.empty(32768, 2048, dtype=bf), torch.empty(128, 2048, 768, dtype=bf), torch.empty(128, 2048, 768, dtype=bf)
+        return (x, wg, wu), dict(epilogue="swiglu", group_offsets=torch.zeros(129, dtype=torch.int32))
+
+    def grouped_dswiglu():
+        dout, wd = torch.empty(4096, 2048, dtype=bf), torch.empty(16, 1536, 2048, dtype=bf)
+        g = torch.empty(4096, 1536, dtype=bf)
+        return (dout.t().contiguous().t(), wd.transpose(1, 2), None), dict(
+            epilogue="dswiglu", gate=g, up=torch.empty_like(g), group_offsets=torch.zeros(17, dtype=torch.int32)
+        )
+
+    return [
+        ("fwd_xWt", fwd, dict(a_major="k", b_major="k", bn=256, cluster_m=2, epilogue="none")),
+        ("dgrad_fp16_bias_rowscale", dgrad_bias_rs, dict(a_major="k", b_major="n", ab_dtype="float16", bias_dtype="float32", rs_dtype="float32")),
+        ("wgrad_fp32_accumulate", wgrad_accumulate, dict(a_major="m", b_major="n", out_dtype="float32", has_beta=True, bn=128)),
+        ("small_n", small_n, dict(bn=64, cluster_m=1)),
+        ("swiglu_preact_bias", swiglu, dict(epilogue="swiglu", store_preact=True, bias_dtype="bfloat16", bn=128, cluster_m=2)),
+        ("dswiglu_rowscale", dswiglu, dict(epilogue="dswiglu", b_major="n", rs_dtype="float32")),
+        ("grouped_rowscale", grouped, dict(grouped=True, cluster_m=1, b_major="k", rs_dtype="float32")),
+        ("grouped_swiglu", grouped_swiglu, dict(grouped=True, epilogue="swiglu", b_major="n")),
+        ("grouped_dswiglu_m_major", grouped_dswiglu, dict(grouped=True, epilogue="dswiglu", a_major="m", b_major="k")),
+    ]
+
+
+_CASES = _compile_cases()
+
+
+def _cubin_resources(path):
+    """(registers per thread, stack frame bytes) of the one kernel in a cubin, from its ELF
+    ``.nv.info`` section (EIATTR_REGCOUNT = 0x2f, EIATTR_FRAME_SIZE = 0x11; values are
+    (symbol index, count) pairs)."""
+    import struct
+
+    d = open(path, "rb").read()
+    shoff = struct.unpack_from("<Q", d, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", d, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", d, shoff + i * shentsize) for i in range(shnum)]
+    names_off = secs[shstrndx][4]
+    found = {}
+    for sec in secs:
+        name = d[names_off + sec[0]: d.index(b"\0", names_off + sec[0])]
+        if name != b".nv.info":
+            continue
+        p, end = sec[4], sec[4] + sec[5]
+        while p < end:
+            fmt, attr = d[p], d[p + 1]
+            if fmt == 0x04:  # EIFMT_SVAL: 2-byte size, then the value
+                size = struct.unpack_from("<H", d, p + 2)[0]
+                if attr in (0x2F, 0x11):
+                    found[attr] = struct.unpack_from("<II", d, p + 4)[1]
+                p += 4 + size
+            else:
+                p += 4
+    return found.get(0x2F), found.get(0x11)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,build,expect", _CASES, ids=[c[0] for c in _CASES])
+def test_compiles_for_sm90a_and_caches_on_disk(name, build, expect, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDNN_TRAIN_ARCH", "sm_90a")
+    args, kw = build()
+    kw.setdefault("epilogue", "none")
+    spec = plan_cpu(*args, **kw).spec
+    for field, value in expect.items():
+        assert getattr(spec, field) == value, (field, spec)
+    kc.clear_memory_cache()
+    cubin_dir = tmp_path / "cubin"
+    cubin_dir.mkdir()
+    monkeypatch.setattr(gk, "_EXTRA_COMPILE_OPTIONS", f" --keep-cubin --dump-dir {cubin_dir}")
+    fn = gk.get_compiled(spec)
+    assert callable(fn)
+    objs = list(tmp_path.rglob("*.o"))
+    assert len(objs) == 1 and objs[0].stat().st_size > 0
+    # setmaxnreg 24 (producer) / 240 (consumers) needs the whole register file at launch:
+    # 168 registers x 384 threads = 24 x 128 + 240 x 256; and no spills (no stack frame)
+    (cubin,) = list(cubin_dir.glob("*.cubin"))
+    regs, frame = _cubin_resources(cubin)
+    assert regs * gk.THREADS == gk.PRODUCER_REGS * 128 + gk.CONSUMER_REGS * 256, regs
+    assert frame == 0, f"{frame} bytes of stack: register spills"
+    # a second process (simulated: empty memory cache) loads the object without compiling
+    kc.clear_memory_cache()
+
+    def no_compile(_spec):
+        raise AssertionError("compiled again instead of loading from the disk cache")
+
+    monkeypatch.setattr(gk, "_build", no_compile)
+    assert callable(gk.get_compiled(spec))
+    kc.clear_memory_cache()
+
+
+# ------------------------------------------------------------------ GPU tier
+
+gpu = pytest.mark.gpu
+DEV = "cuda"
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 127, 129, 1000])
+@pytest.mark.parametrize("a_major,b_major", [("k", "k"), ("k", "n"), ("m", "k"), ("m", "n")])
+def test_gemm_layouts_and_odd_m(m, a_major, b_major):
+    k, n = 136, 520  # K tail (136 = 2 * 64 + 8) and N tail (520 = 8 * 64 + 8)
+    a = make_a(m, k, a_major, device=DEV)
+    b = make_b(k, n, b_major, device=DEV)
+    out = poison_(torch.empty(m, n, device=DEV, dtype=torch.bfloat16))
+    gk.gemm(a, b, out=out)
+    assert rel_l2(out, ref_gemm(a, b)) <= TOL16
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(4200, 4096, 512), (4096, 8192, 256), (300, 64, 1024)])
+def test_gemm_tile_configs(dtype, m, n, k):
+    # (4200, 4096): 128x256 tiles in 2-CTA clusters with an odd number of M-tiles (one CTA of the
+    # last cluster has no rows); (4096, 8192): full tiles only; (300, 64): 128x64 tiles
+    a = make_a(m, k, "k", dtype, device=DEV)
+    b = make_b(k, n, "k", dtype, device=DEV)
+    spec = gk._plan(a, b, None, epilogue="none").spec
+    if (m, n) != (300, 64):
+        assert (spec.bn, spec.cluster_m) == (256, 2)
+    out = poison_(torch.empty(m, n, device=DEV, dtype=dtype))
+    gk.gemm(a, b, out=out)
+    assert rel_l2(out, ref_gemm(a, b)) <= TOL16
+
+
+@gpu
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_rs", [False, True])
+def test_gemm_bias_alpha_row_scale(bias_dtype, with_rs):
+    m, k, n = 1000, 256, 520
+    a = make_a(m, k, "k", device=DEV)
+    b = make_b(k, n, "n", device=DEV)
+    bias = torch.randn(n, device=DEV).to(bias_dtype) if bias_dtype else None
+    rs = torch.rand(m, device=DEV) if with_rs else None
+    out = poison_(torch.empty(m, n, device=DEV, dtype=torch.bfloat16))
+    gk.gemm(a, b, out=out, bias=bias, alpha=0.75, row_scale=rs)
+    assert rel_l2(out, ref_gemm(a, b, bias=bias, alpha=0.75, row_scale=rs)) <= TOL16
+
+
+@gpu
+@pytest.mark.parametrize("m", [129, 2048])
+def test_gemm_float32_out_and_accumulate(m):
+    k, n = 264, 1024
+    dy = make_a(m, k, "m", device=DEV)  # wgrad-like: a = dy.t()
+    x = make_b(k, n, "n", device=DEV)
+    out = poison_(torch.empty(m, n, device=DEV))
+    gk.gemm(dy, x, out=out)
+    assert rel_l2(out, ref_gemm(dy, x)) <= TOL32
+    main_grad = torch.randn(m, n, device=DEV)
+    expect = ref_gemm(dy, x, beta=1.0, out0=main_grad)
+    res = gk.gemm(dy, x, out=main_grad, beta=1.0)
+    assert res is main_grad
+    assert rel_l2(main_grad, expect) <= TOL32
+    fresh = gk.gemm(dy, x, out_dtype=torch.float32)
+    assert fresh.dtype == torch.float32 and rel_l2(fresh, ref_gemm(dy, x)) <= TOL32
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 1000])
+@pytest.mark.parametrize("store_preact,with_bias,with_rs", [(False, False, False), (True, True, True), (True, False, False)])
+def test_swiglu(m, store_preact, with_bias, with_rs):
+    k, i = 512, 1032
+    x = make_a(m, k, "k", device=DEV)
+    w = (torch.randn(2 * i, k, device=DEV) / k**0.5).bfloat16()  # stacked [gate; up]
+    bg, bu = w[:i].t(), w[i:].t()
+    biases = (torch.randn(i, device=DEV).bfloat16(), torch.randn(i, device=DEV).bfloat16()) if with_bias else (None, None)
+    rs = torch.rand(m, device=DEV) if with_rs else None
+    out = poison_(torch.empty(m, i, device=DEV, dtype=torch.bfloat16))
+    outs = dict(out_gate=poison_(torch.empty_like(out)), out_up=poison_(torch.empty_like(out))) if store_preact else {}
+    res = gk.gemm_swiglu(x, bg, bu, bias_gate=biases[0], bias_up=biases[1], row_scale=rs, store_preact=store_preact, out=out, **outs)
+    h_ref, g_ref, u_ref = ref_swiglu(x, bg, bu, *biases, row_scale=rs)
+    if store_preact:
+        h, g, u = res
+        assert g is outs["out_gate"] and u is outs["out_up"]
+        assert rel_l2(g, g_ref) <= TOL16 and rel_l2(u, u_ref) <= TOL16
+    else:
+        h = res
+    assert h is out
+    assert rel_l2(h, h_ref) <= TOL16
+
+
+@gpu
+@pytest.mark.parametrize("m", [129, 1000])
+@pytest.mark.parametrize("with_rs", [False, True])
+def test_dswiglu(m, with_rs):
+    k, i = 384, 776
+    dout = make_a(m, k, "k", device=DEV)
+    wd = make_b(k, i, "n", device=DEV)  # dh = dout @ w_down, w_down [H=k, I=i] row-major
+    gate = torch.randn(m, i, device=DEV).bfloat16() * 3
+    up = torch.randn(m, i, device=DEV).bfloat16()
+    rs = torch.rand(m, device=DEV) if with_rs else None
+    dg = poison_(torch.empty(m, i, device=DEV, dtype=torch.bfloat16))
+    du = poison_(torch.empty_like(dg))
+    gk.gemm_dswiglu(dout, wd, gate, up, row_scale=rs, out_dgate=dg, out_dup=du)
+    dg_ref, du_ref = ref_dswiglu(dout, wd, gate, up, row_scale=rs)
+    assert rel_l2(dg, dg_ref) <= TOL16
+    assert rel_l2(du, du_ref) <= TOL16
+
+
+GROUP_SIZES = [0, 1, 300, 0, 129, 7, 1000, 0, 2500, 128]
+
+
+@gpu
+@pytest.mark.parametrize("b_major", ["k", "n"])
+@pytest.mark.parametrize("a_major", ["k", "m"])
+@pytest.mark.parametrize("with_rs", [False, True])
+def test_grouped_gemm_uneven_and_empty_groups(a_major, b_major, with_rs):
+    k, n = 200, 392
+    start, tail = 5, 3  # rows before the first group and after the last one are not written
+    rows = start + sum(GROUP_SIZES) + tail
+    a = make_a(rows, k, a_major, device=DEV)
+    b = make_grouped_b(len(GROUP_SIZES), k, n, b_major, device=DEV)
+    offs = offsets_of(GROUP_SIZES, start, device=DEV)
+    rs = torch.rand(rows, device=DEV) if with_rs else None
+    out = poison_(torch.empty(rows, n, device=DEV, dtype=torch.bfloat16))
+    gk.grouped_gemm(a, b, offs, out=out, row_scale=rs)
+    (ref,) = ref_grouped(lambda ag, bg, rsg: ref_gemm(ag, bg, row_scale=rsg), a, offs, b,
+                         [None if rs is None else rs[offs[g]:offs[g + 1]] for g in range(len(GROUP_SIZES))],
+                         rows_out=rows)
+    inside = ~torch.isnan(ref[:, 0])
+    assert torch.isnan(out[~inside].float()).all(), "rows outside every group were written"
+    assert rel_l2(out[inside], ref[inside]) <= TOL16
+
+
+@gpu
+def test_grouped_swiglu_and_dswiglu():
+    k, i = 256, 520
+    sizes = [3, 0, 700, 129, 0, 1]
+    rows = sum(sizes)
+    offs = offsets_of(sizes, device=DEV)
+    x = make_a(rows, k, "k", device=DEV)
+    wg = make_grouped_b(len(sizes), k, i, "k", device=DEV)
+    wu = make_grouped_b(len(sizes), k, i, "k", device=DEV)
+    rs = torch.rand(rows, device=DEV)
+    out = poison_(torch.empty(rows, i, device=DEV, dtype=torch.bfloat16))
+    h, g, u = gk.gemm_swiglu(x, wg, wu, row_scale=rs, store_preact=True, out=out, group_offsets=offs)
+    refs = ref_grouped(lambda xg, bg, bu, r: ref_swiglu(xg, bg, bu, row_scale=r), x, offs, wg, wu,
+                       [rs[offs[j]:offs[j + 1]] for j in range(len(sizes))], rows_out=rows)
+    for got, want in zip((h, g, u), refs):
+        assert rel_l2(got, want) <= TOL16
+    # backward: dgate/dup from dout @ w_down[g] (w_down [G, H=k, I] row-major -> b = [G, K=k, N=i])
+    dout = make_a(rows, k, "k", device=DEV)
+    wd = make_grouped_b(len(sizes), k, i, "n", device=DEV)
+    dg, du = gk.gemm_dswiglu(dout, wd, g, u, row_scale=rs, group_offsets=offs)
+    drefs = ref_grouped(lambda dg_, b_, g_, u_, r_: ref_dswiglu(dg_, b_, g_, u_, row_scale=r_), dout, offs, wd,
+                        [g[offs[j]:offs[j + 1]] for j in range(len(sizes))],
+                        [u[offs[j]:offs[j + 1]] for j in range(len(sizes))],
+                        [rs[offs[j]:offs[j + 1]] for j in range(len(sizes))], rows_out=rows)
+    assert rel_l2(dg, drefs[0]) <= TOL16
+    assert rel_l2(du, drefs[1]) <= TOL16
+
+
+@gpu
+def test_deterministic_bitwise():
+    a = make_a(3000, 1024, "k", device=DEV)
+    b = make_b(1024, 2048, "k", device=DEV)
+    r1 = gk.gemm(a, b)
+    r2 = gk.gemm(a, b)
+    assert torch.equal(r1, r2)
+    offs = offsets_of([1000, 0, 1999, 1], device=DEV)
+    bg = make_grouped_b(4, 1024, 512, "n", device=DEV)
+    g1 = gk.grouped_gemm(a, bg, offs)
+    g2 = gk.grouped_gemm(a, bg, offs)
+    assert torch.equal(g1, g2)
+
+
+@gpu
+def test_grouped_gemm_is_graph_capturable_with_device_offsets():
+    k, n = 128, 256
+    rows = 1024
+    a = make_a(rows, k, "k", device=DEV)
+    b = make_grouped_b(4, k, n, "k", device=DEV)
+    offs = offsets_of([100, 400, 0, 524], device=DEV)
+    out = torch.zeros(rows, n, device=DEV, dtype=torch.bfloat16)
+    gk.grouped_gemm(a, b, offs, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gk.grouped_gemm(a, b, offs, out=out)
+    offs.copy_(offsets_of([0, 1, 1000, 23], device=DEV))  # new routing, same buffers, no host sync
+    graph.replay()
+    torch.cuda.synchronize()
+    (ref,) = ref_grouped(lambda ag, bg: ref_gemm(ag, bg), a, offs, b, rows_out=rows)
+    assert rel_l2(out, ref) <= TOL16
+
+
+@gpu
+def test_declines_on_gpu_before_touching_memory():
+    a = make_a(64, 60, "k", device=DEV)
+    b = make_b(60, 64, "k", device=DEV)
+    with pytest.raises(Unsupported, match="K=60"):
+        gk.gemm(a, b)
+    with pytest.raises(Unsupported, match="dtype"):
+        gk.gemm(a.float()[:, :56], b.float()[:56])
