@@ -9,7 +9,7 @@ from cudnn_train.kernels import rms_norm_gated_sm90 as k
 
 copy = ceilings()["copy_gbs"]
 print(f"copy {copy:.0f} GB/s")
-variants = [(128, 8, 4), (128, 8, 8), (256, 4, 4), (256, 4, 6), (128, 4, 8), (128, 16, 8)]
+variants = [(128, 4, 8), (128, 4, 6), (128, 4, 12), (256, 4, 4), (128, 8, 4), (256, 2, 4)]
 if len(sys.argv) > 1:
     variants = [tuple(map(int, v.split(","))) for v in sys.argv[1:]]
 for m, d in [(65536, 256), (65536, 128), (16384, 256)]:

@@ -33,8 +33,8 @@ import os
 
 # Tuning knobs (read when a kernel is first built; part of the compile key).
 THREADS = 128  # threads per CTA
-LOADS_IN_FLIGHT = 8  # 16-byte loads per thread before the first reduction
-CTAS_PER_SM = 4  # backward persistent grid
+LOADS_IN_FLIGHT = 4  # 16-byte loads per thread per row block (the backward double-buffers them)
+CTAS_PER_SM = 8  # backward persistent grid
 MAX_D = 2048
 _SOURCES = (__file__,)
 
@@ -139,6 +139,23 @@ def _build(kind: str, dtype, wdtype, d: int, act: str, threads: int, loads: int)
         return frag.load().to(Float32)
 
     @cute.jit
+    def prefetch(mDY, mX, mG, mR, bDY, bX, bG, bR, base, lane, M):
+        for r in cutlass.range_constexpr(R):
+            row = base + r * GROUPS
+            bR[r] = Float32(0.0)
+            for v in cutlass.range_constexpr(NV):
+                i = r * NV + v
+                bDY[i, None].fill(0)
+                bX[i, None].fill(0)
+                bG[i, None].fill(0)
+                if row < M:
+                    cute.autovec_copy(vec_tile(mDY, row, v, lane), bDY[i, None])
+                    cute.autovec_copy(vec_tile(mX, row, v, lane), bX[i, None])
+                    cute.autovec_copy(vec_tile(mG, row, v, lane), bG[i, None])
+            if row < M:
+                bR[r] = mR[row]
+
+    @cute.jit
     def load_weight(mW, lane):
         ws = []
         for v in cutlass.range_constexpr(NV):
@@ -225,22 +242,27 @@ def _build(kind: str, dtype, wdtype, d: int, act: str, threads: int, loads: int)
                 ws = load_weight(mW, lane)
             dw = cute.make_rmem_tensor((NV, VEC), Float32)
             dw.fill(0.0)
+            # Register double buffer: the raw 16-bit vectors of the next row block are
+            # loaded while the current one is computed, so loads stay in flight.
+            NBUF = R * NV
+            bDY = cute.make_rmem_tensor((NBUF, VEC), mDY.element_type)
+            bX = cute.make_rmem_tensor((NBUF, VEC), mX.element_type)
+            bG = cute.make_rmem_tensor((NBUF, VEC), mG.element_type)
+            bR = cute.make_rmem_tensor((R,), Float32)
+            prefetch(mDY, mX, mG, mR, bDY, bX, bG, bR, bidx * ROWS + grp, lane, M)
             for blk in cutlass.range(bidx, nblocks, nctas):
                 base = blk * ROWS + grp
                 xs = []
                 gs = []
                 dys = []
                 rs = []
+                for i in cutlass.range_constexpr(NBUF):
+                    dys.append(bDY[i, None].load().to(Float32))
+                    xs.append(bX[i, None].load().to(Float32))
+                    gs.append(bG[i, None].load().to(Float32))
                 for r in cutlass.range_constexpr(R):
-                    row = base + r * GROUPS
-                    for v in cutlass.range_constexpr(NV):
-                        dys.append(load_vec(mDY, row, v, lane, M))
-                        xs.append(load_vec(mX, row, v, lane, M))
-                        gs.append(load_vec(mG, row, v, lane, M))
-                    rstd = Float32(0.0)
-                    if row < M:
-                        rstd = mR[row]
-                    rs.append(rstd)
+                    rs.append(bR[r])
+                prefetch(mDY, mX, mG, mR, bDY, bX, bG, bR, (blk + nctas) * ROWS + grp, lane, M)
                 for r in cutlass.range_constexpr(R):
                     row = base + r * GROUPS
                     rstd = rs[r]
