@@ -82,8 +82,14 @@ column-blocks in L2. The producer runs up to ``stages`` k-blocks ahead, across
 tile boundaries, so the next tile's loads overlap the current tile's epilogue.
 Grouped GEMMs walk the concatenation of every group's tiles: each role keeps a
 cursor over ``group_offsets`` (a few scalar loads per group, no host sync); the
-A tile of group g starts at row ``group_offsets[g] + mt * 128`` (TMA zero-fills
-rows past M), and B is the g-th slice of a 3-D TMA descriptor.
+A tile of group g starts at row ``start_g + mt * 128`` (TMA zero-fills rows past
+M), and B is the g-th slice of a 3-D TMA descriptor. ``start_g`` is
+``group_offsets[g]`` for a row-major A; for a column-major A it is rounded down
+to a multiple of 8 rows, because M is then A's innermost dimension and a TMA
+box must start on a 16-byte boundary there (an unaligned start faults with an
+illegal instruction). The rows of the previous group that this puts in the
+first tile are computed but never stored (the epilogue stores rows
+``[group_offsets[g], group_offsets[g + 1])`` only).
 
 With a 2-CTA cluster (``cluster_m = 2``) the two CTAs of a cluster take
 vertically adjacent tiles that share their B tile: each loads half of it and
@@ -91,8 +97,9 @@ multicasts it to both (``CopyBulkTensorTileG2SMulticastOp``).
 
 Epilogue: straight from the accumulator registers. Every thread holds pairs
 of adjacent columns, so full tiles store with 4-byte (16-bit outputs) or
-8-byte (fp32) vector stores and no predicates; edge tiles (M, N or group
-tails) store element by element under ``row < row_limit and col < N`` and read
+8-byte (fp32) vector stores and no predicates; edge tiles (M, N, group
+tails, aligned group heads) store element by element under
+``row_first <= row < row_limit and col < N`` and read
 their epilogue operands at clamped coordinates, so nothing outside the output
 (or outside the group) is read or written. (A TMA store cannot stop at a group
 boundary, which is why the epilogue does not use one.) No atomics and no
@@ -231,6 +238,10 @@ def _build(spec: KernelSpec):
     a_layout = LayoutEnum.ROW_MAJOR if spec.a_major == "k" else LayoutEnum.COL_MAJOR
     b_layout = LayoutEnum.ROW_MAJOR if spec.b_major == "k" else LayoutEnum.COL_MAJOR
     TX_BYTES = _stage_bytes(BN, NB, AB.width // 8)
+    # The innermost coordinate of a TMA box must be a multiple of 16 bytes (else the copy faults with
+    # an illegal instruction). A column-major A has M innermost, so a grouped GEMM starts each group's
+    # tiles at a row rounded down to a multiple of 8; dense tiles start at multiples of 128 anyway.
+    A_ALIGN = 16 // (AB.width // 8) if (GROUPED and spec.a_major == "m") else 1
     st = {}  # host-traced objects the kernel body needs (shared storage struct)
 
     # ---------------------------------------------------------- scheduling helpers
@@ -240,9 +251,25 @@ def _build(spec: KernelSpec):
         return (x + (d - 1)) // d
 
     @cute.jit
+    def tile_start(s):
+        """First row of a group's first tile: the group's first row ``s``, rounded down to a multiple of
+        A_ALIGN rows (a column-major A has M innermost, and a TMA box must start 16 bytes aligned there)."""
+        r = s
+        if const_expr(A_ALIGN > 1):
+            r = s - (s & (A_ALIGN - 1))  # floor to a multiple (two's complement: also for s < 0)
+        return r
+
+    @cute.jit
+    def group_mtiles(s, e):
+        """M-tiles of the group of rows [s, e): 0 when it is empty, else enough to cover [tile_start(s), e)."""
+        mt = Int32(0)
+        if e > s:
+            mt = ceil_div(e - tile_start(s), BM)
+        return mt
+
+    @cute.jit
     def group_tiles(s, e, n_tiles):
-        rows = cutlass.max(e - s, Int32(0))
-        return ceil_div(rows, BM) * n_tiles
+        return group_mtiles(s, e) * n_tiles
 
     @cute.jit
     def seek_group(t, g, tb, s, e, gt, mOffs, G, n_tiles):
@@ -274,12 +301,19 @@ def _build(spec: KernelSpec):
         return 1.0 / (1.0 + cute.math.exp2(x * (-LOG2E), fastmath=True))
 
     @cute.jit
+    def clamp_row(r, row_lo, row_lim):
+        """Row r clamped into the tile's rows [row_lo, row_lim) and into [0, M) (for reads only; row_lo >= 0)."""
+        if const_expr(GROUPED):
+            r = cutlass.max(r, row_lo)
+        return cutlass.max(cutlass.min(r, row_lim - 1), Int32(0))
+
+    @cute.jit
     def tile_view(mT, row0, col0):
         """The (BM, BN) window of a row-major [rows, cols] tensor whose corner is (row0, col0)."""
         return cute.local_tile(cute.domain_offset((row0, col0), mT), (BM, BN), (0, 0))
 
     @cute.jit
-    def load_operand(mT, thr_mma, tCc, row0, col0, row_lim, col_lim, full):
+    def load_operand(mT, thr_mma, tCc, row0, col0, row_lo, row_lim, col_lim, full):
         """An [M, N] epilogue operand at this thread's accumulator positions, as float32 values."""
         tCg = thr_mma.partition_C(tile_view(mT, row0, col0))
         frag = cute.make_rmem_tensor(tCc.shape, mT.element_type)
@@ -288,13 +322,13 @@ def _build(spec: KernelSpec):
         else:
             for i in cutlass.range_constexpr(cute.size(frag)):
                 c = tCc[i]
-                r = cutlass.max(cutlass.min(row0 + c[0], row_lim - 1), Int32(0))
+                r = clamp_row(row0 + c[0], row_lo, row_lim)
                 cc = cutlass.min(col0 + c[1], col_lim - 1)
                 frag[i] = mT[r, cc]
         return frag.load().to(Float32)
 
     @cute.jit
-    def store_result(vals, mT, thr_mma, tCc, row0, col0, row_lim, col_lim, full):
+    def store_result(vals, mT, thr_mma, tCc, row0, col0, row_lo, row_lim, col_lim, full):
         """Store float32 values held at this thread's accumulator positions into mT (converted)."""
         tCg = thr_mma.partition_C(tile_view(mT, row0, col0))
         frag = cute.make_rmem_tensor(tCc.shape, mT.element_type)
@@ -305,18 +339,18 @@ def _build(spec: KernelSpec):
             for i in cutlass.range_constexpr(cute.size(frag)):
                 c = tCc[i]
                 r = row0 + c[0]
-                if cutlass.and_(r < row_lim, r >= 0, col0 + c[1] < col_lim):
+                if cutlass.and_(r < row_lim, r >= row_lo, col0 + c[1] < col_lim):
                     tCg[i] = frag[i]
 
     @cute.jit
-    def add_bias_scale(frag, mV, mRSv, tCc, row0, col0, row_lim, col_lim, scale, add_bias, add_rs):
+    def add_bias_scale(frag, mV, mRSv, tCc, row0, col0, row_lo, row_lim, col_lim, scale, add_bias, add_rs):
         """frag = (frag * scale + bias[col]) * row_scale[row], in place, per element (bias/row_scale at clamped indices)."""
         for i in cutlass.range_constexpr(cute.size(frag)):
             x = frag[i] * scale
             if const_expr(add_bias):
                 x = x + mV[cutlass.min(col0 + tCc[i][1], col_lim - 1)].to(Float32)
             if const_expr(add_rs):
-                x = x * mRSv[cutlass.max(cutlass.min(row0 + tCc[i][0], row_lim - 1), Int32(0))].to(Float32)
+                x = x * mRSv[clamp_row(row0 + tCc[i][0], row_lo, row_lim)].to(Float32)
             frag[i] = x
 
     # ---------------------------------------------------------- device kernel
@@ -422,8 +456,8 @@ def _build(spec: KernelSpec):
                     nt = Int32(0)
                     row0 = Int32(0)
                     if const_expr(GROUPED):
-                        mt, nt = swizzle(t - tb, ceil_div(cutlass.max(e - s, Int32(0)), BM), n_tiles)
-                        row0 = s + mt * BM
+                        mt, nt = swizzle(t - tb, group_mtiles(s, e), n_tiles)
+                        row0 = tile_start(s) + mt * BM
                     else:
                         cm, nt = swizzle(t, m_cluster_rows, n_tiles)
                         mt = cm * CM + rank_m
@@ -514,10 +548,12 @@ def _build(spec: KernelSpec):
                 mt = Int32(0)
                 nt = Int32(0)
                 row0 = Int32(0)
+                row_lo = Int32(0)
                 row_lim = M
                 if const_expr(GROUPED):
-                    mt, nt = swizzle(t - tb, ceil_div(cutlass.max(e - s, Int32(0)), BM), n_tiles)
-                    row0 = s + mt * BM
+                    mt, nt = swizzle(t - tb, group_mtiles(s, e), n_tiles)
+                    row0 = tile_start(s) + mt * BM
+                    row_lo = cutlass.max(s, Int32(0))  # rows [tile_start(s), s) belong to the previous group
                     row_lim = cutlass.min(e, M)
                 else:
                     cm, nt = swizzle(t, m_cluster_rows, n_tiles)
@@ -555,37 +591,37 @@ def _build(spec: KernelSpec):
                 release_state.advance()
 
                 # ---- epilogue
-                full = cutlass.and_(row0 >= 0, row0 + BM <= row_lim, col0 + BN <= N)
+                full = cutlass.and_(row0 >= row_lo, row0 + BM <= row_lim, col0 + BN <= N)
                 if const_expr(EPI == "none"):
                     # out = row_scale * (alpha * acc + bias) + beta * out
-                    add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lim, N, alpha, HAS_BIAS, HAS_RS)
+                    add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, alpha, HAS_BIAS, HAS_RS)
                     v = acc.load()
                     if const_expr(HAS_BETA):
-                        v = v + beta * load_operand(mD, thr_mma, tCc, row0, col0, row_lim, N, full)
-                    store_result(v, mD, thr_mma, tCc, row0, col0, row_lim, N, full)
+                        v = v + beta * load_operand(mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                    store_result(v, mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
                 elif const_expr(EPI == "swiglu"):
                     # gate = acc + bias_gate, up = acc2 + bias_up, h = silu(gate) * up * row_scale
                     if const_expr(HAS_BIAS):
-                        add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lim, N, Float32(1.0), True, False)
-                        add_bias_scale(acc2, mBias2, mRS, tCc, row0, col0, row_lim, N, Float32(1.0), True, False)
+                        add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), True, False)
+                        add_bias_scale(acc2, mBias2, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), True, False)
                     if const_expr(PREACT):
-                        store_result(acc.load(), mE1, thr_mma, tCc, row0, col0, row_lim, N, full)
-                        store_result(acc2.load(), mE2, thr_mma, tCc, row0, col0, row_lim, N, full)
+                        store_result(acc.load(), mE1, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                        store_result(acc2.load(), mE2, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
                     gv = acc.load()
                     acc.store(gv * sigmoid(gv) * acc2.load())
                     if const_expr(HAS_RS):
-                        add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lim, N, Float32(1.0), False, True)
-                    store_result(acc.load(), mD, thr_mma, tCc, row0, col0, row_lim, N, full)
+                        add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), False, True)
+                    store_result(acc.load(), mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
                 else:
                     # dh = acc * row_scale; dup = dh * silu(gate); dgate = dh * up * silu'(gate)
                     if const_expr(HAS_RS):
-                        add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lim, N, Float32(1.0), False, True)
-                    gv = load_operand(mG, thr_mma, tCc, row0, col0, row_lim, N, full)
-                    uv = load_operand(mU, thr_mma, tCc, row0, col0, row_lim, N, full)
+                        add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), False, True)
+                    gv = load_operand(mG, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                    uv = load_operand(mU, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
                     sg = sigmoid(gv)
                     dh = acc.load()
-                    store_result(dh * (gv * sg), mE1, thr_mma, tCc, row0, col0, row_lim, N, full)
-                    store_result(dh * uv * (sg * (1.0 + gv * (1.0 - sg))), mD, thr_mma, tCc, row0, col0, row_lim, N, full)
+                    store_result(dh * (gv * sg), mE1, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                    store_result(dh * uv * (sg * (1.0 + gv * (1.0 - sg))), mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
 
                 t = t + n_clusters
                 if const_expr(GROUPED):
@@ -1052,7 +1088,10 @@ def _num_ctas(plan: _Plan) -> int:
     n_tiles = -(-plan.n // spec.bn)
     m_tiles = -(-plan.m // BM)
     if spec.grouped:
-        return max(1, min(plan.num_sms, (m_tiles + plan.groups) * n_tiles))
+        # each group may end in a partial tile, and with a column-major A also start in one (its first
+        # tile starts at a row rounded down to a multiple of 8)
+        per_group = 2 if spec.a_major == "m" else 1
+        return max(1, min(plan.num_sms, (m_tiles + per_group * plan.groups) * n_tiles))
     cm = spec.cluster_m
     clusters = -(-m_tiles // cm) * n_tiles
     return max(1, min(clusters, _max_clusters(plan.a.device, cm, plan.num_sms))) * cm

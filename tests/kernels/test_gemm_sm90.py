@@ -3,7 +3,26 @@
 Oracles: float32 ``torch.matmul`` on the same (bf16/fp16) inputs; ``torch.nn.functional.silu``;
 ``torch.autograd`` for the SwiGLU derivative. Tolerance relL2 <= 2e-3 for 16-bit outputs (rounding
 a float32 result to bf16 alone costs about 1.7e-3).
+
+GPU tests run in a child pytest process (see ``gpu`` below): a kernel fault (illegal instruction,
+illegal address) kills the CUDA context of the process it happens in, and would otherwise turn
+every later test into an error. The parent runs the remaining GPU tests of this file in one child
+that stops at its first failure; the failed test reports the child's traceback (or, if the child
+died, its output), and the tests after it go to a fresh child. Each test still runs in full,
+with the same seed and the same checks, and passes or fails on its own. The child also
+synchronizes after each test, so an asynchronous fault is charged to the test that launched the
+kernel. ``CUDNN_TRAIN_GPU_TESTS_INPROCESS=1`` runs them in the pytest process instead.
 """
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,8 +392,118 @@ def test_compiles_for_sm90a_and_caches_on_disk(name, build, expect, tmp_path, mo
 
 # ------------------------------------------------------------------ GPU tier
 
-gpu = pytest.mark.gpu
 DEV = "cuda"
+_CHILD_LOG = os.environ.get("CUDNN_TRAIN_GPU_TEST_LOG")  # set: this process is a child running GPU tests
+_INPROCESS = os.environ.get("CUDNN_TRAIN_GPU_TESTS_INPROCESS") == "1"
+_CHILD_IDLE_S = 1800  # a child that finishes no test for this long (a hung kernel) is stopped
+_CHILD_EXIT_S = 120  # a child that has run its last test and does not exit within this is stopped
+_current: dict = {}  # the running test's item and config (set by the autouse fixture below)
+_results: dict[str, tuple[str, str]] = {}  # parent: nodeid -> (outcome, detail) reported by a child
+
+
+@pytest.fixture(autouse=True)
+def _note_current_test(request):
+    _current["node"] = request.node
+    _current["config"] = request.config
+    yield
+
+
+def _child_log(nodeid: str, event: str, detail: str = "") -> None:
+    with open(_CHILD_LOG, "a") as f:
+        f.write(json.dumps({"nodeid": nodeid, "event": event, "detail": detail}) + "\n")
+
+
+def _run_logged(fn, nodeid, args, kwargs):
+    """Child side: run the test body, then wait for the GPU, and log the outcome as it happens."""
+    _child_log(nodeid, "start")
+    try:
+        fn(*args, **kwargs)
+        torch.cuda.synchronize()
+    except pytest.skip.Exception as exc:
+        _child_log(nodeid, "skipped", str(exc))
+        raise
+    except BaseException:
+        _child_log(nodeid, "failed", traceback.format_exc())
+        raise
+    _child_log(nodeid, "passed")
+
+
+def _read_child_log(log: Path) -> tuple[list[str], dict[str, tuple[str, str]]]:
+    started, ended = [], {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["event"] == "start":
+                started.append(rec["nodeid"])
+            else:
+                ended[rec["nodeid"]] = (rec["event"], rec["detail"])
+    return started, ended
+
+
+def _run_child(node, config) -> None:
+    """Parent side: run this GPU test and the later ones of this file that have no result yet in one
+    child pytest process (it stops at the first failure), and record what it reports."""
+    items = node.session.items
+    later = items[items.index(node):]
+    batch = [it.nodeid for it in later
+             if it.path == node.path and it.get_closest_marker("gpu") is not None and it.nodeid not in _results]
+    root = str(config.rootpath)
+    with tempfile.TemporaryDirectory() as tmp:
+        log, out = Path(tmp) / "log.jsonl", Path(tmp) / "out.txt"
+        env = dict(os.environ, CUDNN_TRAIN_GPU_TEST_LOG=str(log))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.pop("PYTEST_ADDOPTS", None)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=1", *batch]
+        stopped = ""
+        with open(out, "w") as f:
+            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT)
+            seen, last, finished = -1, time.monotonic(), False
+            while proc.poll() is None:
+                time.sleep(0.5)
+                size = log.stat().st_size if log.exists() else 0
+                if size != seen:
+                    seen, last = size, time.monotonic()
+                    started, ended = _read_child_log(log)
+                    # all done, or stopped at a failure: the child only has to exit now
+                    finished = len(ended) == len(batch) or any(o == "failed" for o, _ in ended.values())
+                idle = time.monotonic() - last
+                if finished and idle > _CHILD_EXIT_S:
+                    stopped = f"it did not exit within {_CHILD_EXIT_S} s of its last test, stopped"
+                elif idle > _CHILD_IDLE_S:
+                    stopped = f"no test finished for {_CHILD_IDLE_S} s, stopped"
+                if stopped:
+                    proc.kill()
+                    proc.wait()
+        started, ended = _read_child_log(log)
+        _results.update(ended)
+        why = stopped or f"exit code {proc.returncode}"
+        tail = out.read_text(errors="replace")[-8000:]
+        for nodeid in started:
+            if nodeid not in _results:  # it began and never ended: the child died (or hung) in it
+                _results[nodeid] = ("failed", f"the child process died during this test ({why}); its output:\n{tail}")
+        if node.nodeid not in _results:
+            _results[node.nodeid] = ("failed", f"the child process did not run this test ({why}); its output:\n{tail}")
+
+
+def gpu(fn):
+    """``@pytest.mark.gpu``, and run the test in a child process (see the module docstring)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        node = _current["node"]
+        if _CHILD_LOG is not None:
+            return _run_logged(fn, node.nodeid, args, kwargs)
+        if _INPROCESS:
+            return fn(*args, **kwargs)
+        if node.nodeid not in _results:
+            _run_child(node, _current["config"])
+        outcome, detail = _results[node.nodeid]
+        if outcome == "skipped":
+            pytest.skip(detail)
+        if outcome != "passed":
+            pytest.fail(f"in the child process:\n{detail}", pytrace=False)
+
+    return pytest.mark.gpu(run)
 
 
 @gpu
@@ -530,6 +659,48 @@ def test_grouped_swiglu_and_dswiglu():
                         [rs[offs[j]:offs[j + 1]] for j in range(len(sizes))], rows_out=rows)
     assert rel_l2(dg, drefs[0]) <= TOL16
     assert rel_l2(du, drefs[1]) <= TOL16
+
+
+@gpu
+@pytest.mark.parametrize("epilogue", ["swiglu", "dswiglu"])
+def test_grouped_epilogues_with_column_major_a(epilogue):
+    # a column-major A has M innermost, and a TMA box must start on a 16-byte (8-row) boundary there:
+    # every group below starts off that grid, so the kernel starts each group's tiles at a rounded-down
+    # row and must not store the rows of the previous group (or before the first) that this brings in
+    k, i = 136, 264
+    sizes = [5, 0, 128, 300, 1, 0, 77]
+    start, tail = 3, 6
+    rows = start + sum(sizes) + tail
+    offs = offsets_of(sizes, start, device=DEV)
+    bounds = offsets_of(sizes, start).tolist()
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    a = make_a(rows, k, "m", device=DEV)
+    rs = torch.rand(rows, device=DEV)
+    new_out = lambda: poison_(torch.empty(rows, i, device=DEV, dtype=torch.bfloat16))  # noqa: E731
+    if epilogue == "swiglu":
+        wg = make_grouped_b(len(sizes), k, i, "n", device=DEV)
+        wu = make_grouped_b(len(sizes), k, i, "n", device=DEV)
+        out, out_gate, out_up = new_out(), new_out(), new_out()
+        got = gk.gemm_swiglu(a, wg, wu, row_scale=rs, store_preact=True, out=out, out_gate=out_gate, out_up=out_up,
+                             group_offsets=offs)
+        assert got[0] is out and got[1] is out_gate and got[2] is out_up
+        want = ref_grouped(lambda ag, bg, bu, r: ref_swiglu(ag, bg, bu, row_scale=r), a, offs, wg, wu,
+                           [rs[lo:hi] for lo, hi in spans], rows_out=rows)
+    else:
+        wd = make_grouped_b(len(sizes), k, i, "k", device=DEV)
+        gate = torch.randn(rows, i, device=DEV).bfloat16() * 3
+        up = torch.randn(rows, i, device=DEV).bfloat16()
+        out_dgate, out_dup = new_out(), new_out()
+        got = gk.gemm_dswiglu(a, wd, gate, up, row_scale=rs, out_dgate=out_dgate, out_dup=out_dup, group_offsets=offs)
+        assert got[0] is out_dgate and got[1] is out_dup
+        want = ref_grouped(lambda ag, b_, g_, u_, r_: ref_dswiglu(ag, b_, g_, u_, row_scale=r_), a, offs, wd,
+                           [gate[lo:hi] for lo, hi in spans], [up[lo:hi] for lo, hi in spans],
+                           [rs[lo:hi] for lo, hi in spans], rows_out=rows)
+    inside = ~torch.isnan(want[0][:, 0])
+    assert int(inside.sum()) == sum(sizes)
+    for o, w in zip(got, want):
+        assert torch.isnan(o[~inside].float()).all(), "rows outside every group were written"
+        assert rel_l2(o[inside], w[inside]) <= TOL16
 
 
 @gpu
