@@ -7,12 +7,16 @@ Public names:
     Unsupported            what a backend raises to decline a call
 """
 
+from .fla import accelerate_fla, is_accelerated, restore_fla
 from .backend import Unsupported, deterministic, is_deterministic, last_path, registered_ops, use_backend
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Unsupported",
+    "accelerate_fla",
+    "is_accelerated",
+    "restore_fla",
     "deterministic",
     "is_deterministic",
     "last_path",

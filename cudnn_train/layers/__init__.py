@@ -1,5 +1,19 @@
 """nn.Modules built on the fused ops."""
 
+from .csa import CSACompressor
+from .dsa import DSAIndexer, attach_indexer_loss
+from .gated_deltanet import GatedDeltaNet, ShortConvolution
+from .gnn import SAGEAggregation
+from .kda import KimiDeltaAttention
 from .norm import RMSNormGated
 
-__all__ = ["RMSNormGated"]
+__all__ = [
+    "CSACompressor",
+    "DSAIndexer",
+    "GatedDeltaNet",
+    "KimiDeltaAttention",
+    "RMSNormGated",
+    "SAGEAggregation",
+    "ShortConvolution",
+    "attach_indexer_loss",
+]
