@@ -854,6 +854,8 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
     as FLA does (never read on the host; ``cu_seqlens_cpu`` is not needed). A half-precision
     initial state is read as float32.
     """
+    if not q.is_cuda:
+        raise Unsupported("no GPU" if not torch.cuda.is_available() else f"tensor on {q.device}")
     if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         raise Unsupported("no SM90 backward kernel yet")
     if torch.compiler.is_compiling():
