@@ -16,6 +16,7 @@ from .gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delt
 from .gnn import CscGraph, agg_simple, agg_simple_ref
 from .kda import chunk_kda, fused_recurrent_kda, naive_kda_ref
 from .rms_norm_gated import rms_norm_gated, rms_norm_gated_ref
+from .swiglu_mlp import swiglu, swiglu_mlp, swiglu_mlp_ref
 
 __all__ = [
     "CscGraph",
@@ -43,4 +44,7 @@ __all__ = [
     "rms_norm_gated_ref",
     "sparse_mla_attention",
     "sparse_mla_attention_ref",
+    "swiglu",
+    "swiglu_mlp",
+    "swiglu_mlp_ref",
 ]

@@ -5,6 +5,7 @@ from .dsa import DSAIndexer, attach_indexer_loss
 from .gated_deltanet import GatedDeltaNet, ShortConvolution
 from .gnn import SAGEAggregation
 from .kda import KimiDeltaAttention
+from .mlp import SwiGLUMLP
 from .norm import RMSNormGated
 
 __all__ = [
@@ -15,5 +16,6 @@ __all__ = [
     "RMSNormGated",
     "SAGEAggregation",
     "ShortConvolution",
+    "SwiGLUMLP",
     "attach_indexer_loss",
 ]

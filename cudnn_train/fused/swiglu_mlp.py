@@ -1,0 +1,269 @@
+"""SwiGLU MLP: ``out = (silu(x w_gate^T) * (x w_up^T)) w_down^T``, with an explicit backward.
+
+Shapes: x ``[..., H]``, w_gate and w_up ``[I, H]``, w_down ``[H, I]`` (nn.Linear layout),
+out ``[..., H]``. With ``M`` the number of rows of x:
+
+forward::
+
+    gate = x @ w_gate^T                  [M, I]
+    up   = x @ w_up^T                    [M, I]
+    h    = silu(gate) * up               [M, I]   (the SwiGLU epilogue of the gate/up GEMM)
+    out  = h @ w_down^T                  [M, H]
+
+backward (``s = sigmoid(gate)``)::
+
+    dh      = dout @ w_down              [M, I]
+    dgate   = dh * up * s * (1 + gate * (1 - s))      (the dSwiGLU epilogue of the dh GEMM)
+    dup     = dh * silu(gate)
+    dx      = dgate @ w_gate + dup @ w_up
+    dw_gate = dgate^T @ x,   dw_up = dup^T @ x,   dw_down = dout^T @ h
+
+Saved for backward: x, gate and up (two ``[M, I]`` tensors; eager PyTorch keeps four:
+gate, silu(gate), up and h), or only x with ``recompute=True`` (gate and up are
+recomputed in the backward; h is always rebuilt from gate and up).
+
+Backends, in order: ``cutedsl`` (the SM90 GEMM with SwiGLU / dSwiGLU epilogues, registered
+once ``kernels/gemm_sm90.py`` provides them) then ``torch``. Forward and backward are separate
+dispatch points (``swiglu_mlp`` and ``swiglu_mlp_bwd``). The torch backend multiplies in the
+input dtype (float32 accumulation on every device torch supports) and does the elementwise
+SwiGLU / dSwiGLU math in float32, rounding gate, up, h, dh, dgate and dup to the input dtype
+where a kernel would store them. ``swiglu_mlp_ref`` is the float32 oracle.
+
+Under ``torch.autocast`` the inputs are cast to the autocast dtype first, as ``F.linear`` does,
+so an MLP with float32 master weights runs in bf16 inside an autocast region.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backend
+from .._validate import FLOAT_DTYPES, check_same_device, check_tensor, compute_dtype
+
+__all__ = ["swiglu", "swiglu_mlp", "swiglu_mlp_ref"]
+
+fwd_op = backend.Op("swiglu_mlp", ["cutedsl", "torch"])
+bwd_op = backend.Op("swiglu_mlp_bwd", ["cutedsl", "torch"])
+
+# The ``cutedsl`` backends of both ops are not registered yet (only ``torch`` is, so ``last_path``
+# reads "torch"). They take the same arguments as the torch backends below and map onto
+# kernels/gemm_sm90.py (declining through its ``can_implement``) as:
+#   forward:  h, gate, up = gemm_swiglu(x2, wg.t(), wu.t(), store_preact=store_gate_up)
+#             out = gemm(h, wd.t())
+#   backward: gate, up (and h) from gemm_swiglu(..., store_preact=True) when gate is None,
+#             else h = silu(gate) * up elementwise;
+#             dgate, dup = gemm_dswiglu(dout2, wd, gate, up)
+#             dx = gemm(dgate, wg); gemm(dup, wu, out=dx, beta=1.0)
+#             dwg = gemm(dgate.t(), x2); dwu = gemm(dup.t(), x2); dwd = gemm(dout2.t(), h)
+
+
+# ---------------------------------------------------------------- elementwise helpers
+
+
+def _swiglu_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in the compute dtype of gate (float32, or float64 for float64)."""
+    ct = compute_dtype(gate)
+    g, u = gate.to(ct), up.to(ct)
+    return g * torch.sigmoid(g) * u
+
+
+def _dswiglu_math(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dgate, dup, h) in the compute dtype, from dh and the saved gate / up."""
+    ct = compute_dtype(gate)
+    d, g, u = dh.to(ct), gate.to(ct), up.to(ct)
+    s = torch.sigmoid(g)
+    silu = g * s
+    dgate = d * u * s * (1.0 + g * (1.0 - s))
+    dup = d * silu
+    return dgate, dup, silu * u
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``silu(gate) * up`` in float32 math, output in gate's dtype (differentiable)."""
+    check_tensor("gate", gate, dtypes=FLOAT_DTYPES)
+    check_tensor("up", up, dtypes=FLOAT_DTYPES)
+    if up.shape != gate.shape:
+        raise ValueError(f"up: expected the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    if up.dtype != gate.dtype:
+        raise ValueError(f"up: expected gate's dtype {gate.dtype}, got {up.dtype}")
+    check_same_device(gate=gate, up=up)
+    return _swiglu_math(gate, up).to(gate.dtype)
+
+
+# ---------------------------------------------------------------- reference
+
+
+def swiglu_mlp_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The oracle: float32 math (float64 if x is float64), output in x's dtype; autograd gives its gradients."""
+    ct = compute_dtype(x)
+    xf = x.to(ct)
+    gate = xf @ w_gate.to(ct).t()
+    up = xf @ w_up.to(ct).t()
+    h = torch.nn.functional.silu(gate) * up
+    return (h @ w_down.to(ct).t()).to(x.dtype)
+
+
+# ---------------------------------------------------------------- torch backend
+
+
+def _torch_fwd(x2, wg, wu, wd, store_gate_up: bool):
+    gate = x2 @ wg.t()
+    up = x2 @ wu.t()
+    h = _swiglu_math(gate, up).to(x2.dtype)
+    out = h @ wd.t()
+    if not store_gate_up:  # two distinct placeholders: custom-op outputs may not alias
+        gate, up = x2.new_empty(0), x2.new_empty(0)
+    return out, gate, up
+
+
+def _torch_bwd(dout2, x2, wg, wu, wd, gate, up):
+    if gate is None:  # recompute=True: only x was saved
+        gate = x2 @ wg.t()
+        up = x2 @ wu.t()
+    dh = dout2 @ wd
+    dgate, dup, h = _dswiglu_math(dh, gate, up)
+    dt = x2.dtype
+    dgate, dup, h = dgate.to(dt), dup.to(dt), h.to(dt)
+    dx = dgate @ wg
+    dx.addmm_(dup, wu)
+    dwg = dgate.t() @ x2
+    dwu = dup.t() @ x2
+    dwd = dout2.t() @ h
+    return dx, dwg, dwu, dwd
+
+
+@fwd_op.register("torch")
+def _fwd_torch(x2, wg, wu, wd, store_gate_up):
+    return _torch_fwd(x2, wg, wu, wd, store_gate_up)
+
+
+@bwd_op.register("torch")
+def _bwd_torch(dout2, x2, wg, wu, wd, gate, up):
+    return _torch_bwd(dout2, x2, wg, wu, wd, gate, up)
+
+
+# ---------------------------------------------------------------- custom ops (torch.compile)
+
+
+@torch.library.custom_op("cudnn_train::swiglu_mlp_fwd", mutates_args=())
+def _fwd_custom(
+    x2: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, store_gate_up: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, gate, up = fwd_op(x2, wg, wu, wd, store_gate_up)
+    return out, gate, up
+
+
+@_fwd_custom.register_fake
+def _(x2, wg, wu, wd, store_gate_up):
+    m, i = x2.shape[0], wg.shape[0]
+    out = x2.new_empty(m, wd.shape[0])
+    if store_gate_up:
+        return out, x2.new_empty(m, i), x2.new_empty(m, i)
+    return out, x2.new_empty(0), x2.new_empty(0)
+
+
+@torch.library.custom_op("cudnn_train::swiglu_mlp_bwd", mutates_args=())
+def _bwd_custom(
+    dout2: torch.Tensor,
+    x2: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    gate: torch.Tensor | None,
+    up: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dwg, dwu, dwd = bwd_op(dout2, x2, wg, wu, wd, gate, up)
+    return dx, dwg, dwu, dwd
+
+
+@_bwd_custom.register_fake
+def _(dout2, x2, wg, wu, wd, gate, up):
+    return torch.empty_like(x2), torch.empty_like(wg), torch.empty_like(wu), torch.empty_like(wd)
+
+
+# ---------------------------------------------------------------- autograd
+
+
+class _SwiGLUMLPFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, wg, wu, wd, recompute):
+        store = not recompute
+        if torch.compiler.is_compiling():
+            out, gate, up = _fwd_custom(x2, wg, wu, wd, store)
+        else:  # eager: skip the custom-op dispatcher (tens of microseconds)
+            out, gate, up = fwd_op(x2, wg, wu, wd, store)
+        if recompute:
+            ctx.save_for_backward(x2, wg, wu, wd)
+        else:
+            ctx.save_for_backward(x2, wg, wu, wd, gate, up)
+        ctx.recompute = recompute
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if ctx.recompute:
+            x2, wg, wu, wd = ctx.saved_tensors
+            gate = up = None
+        else:
+            x2, wg, wu, wd, gate, up = ctx.saved_tensors
+        dout = dout.contiguous()
+        if torch.compiler.is_compiling():
+            dx, dwg, dwu, dwd = _bwd_custom(dout, x2, wg, wu, wd, gate, up)
+        else:
+            dx, dwg, dwu, dwd = bwd_op(dout, x2, wg, wu, wd, gate, up)
+        return dx, dwg, dwu, dwd, None
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return None
+    return None
+
+
+def swiglu_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """``(silu(x w_gate^T) * (x w_up^T)) w_down^T``; x ``[..., H]``, w_gate/w_up ``[I, H]``, w_down ``[H, I]``.
+
+    ``recompute=True`` saves only x for the backward and recomputes gate and up there.
+    All four tensors must share one dtype and device (under ``torch.autocast`` they are
+    cast to the autocast dtype first). Returns a tensor of x's shape and dtype.
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
+    check_tensor("w_gate", w_gate, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor("w_up", w_up, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor("w_down", w_down, dtypes=FLOAT_DTYPES, ndim=2)
+    h = x.shape[-1]
+    i = w_gate.shape[0]
+    if h == 0:
+        raise ValueError("x: the last dim (H) must be at least 1")
+    if i == 0:
+        raise ValueError("w_gate: the intermediate size (dim 0) must be at least 1")
+    if w_gate.shape[1] != h:
+        raise ValueError(f"w_gate: expected shape (I, {h}) to match x's last dim, got {tuple(w_gate.shape)}")
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up: expected the shape of w_gate {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
+    if tuple(w_down.shape) != (h, i):
+        raise ValueError(f"w_down: expected shape ({h}, {i}), got {tuple(w_down.shape)}")
+    check_same_device(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    if not isinstance(recompute, bool):
+        raise ValueError(f"recompute: expected a bool, got {recompute!r}")
+    ac = _autocast_dtype(x.device.type)
+    if ac is not None:  # as F.linear under autocast: float64 is left alone
+        x, w_gate, w_up, w_down = (t if t.dtype == torch.float64 else t.to(ac) for t in (x, w_gate, w_up, w_down))
+    for name, t in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name}: expected x's dtype {x.dtype}, got {t.dtype}")
+    shape = x.shape
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = _SwiGLUMLPFn.apply(x2, w_gate, w_up, w_down, recompute)
+    return out.view(*shape[:-1], h)
