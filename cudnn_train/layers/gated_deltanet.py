@@ -267,6 +267,44 @@ def heads(x: torch.Tensor, d: int) -> torch.Tensor:
     """``[..., H * d] -> [..., H, d]``."""
     return x.reshape(*x.shape[:-1], x.shape[-1] // d, d)
 
+class _Step:
+    """What both delta-rule layers compute before and after their op (FLA's layer skeleton)."""
+
+    __slots__ = ("x", "indices", "cu_seqlens", "q", "k", "v", "conv_state", "recurrent_state", "mode",
+                 "batch_size", "q_len")
+
+
+def delta_layer_inputs(module: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                       past_key_values: Any, use_cache: bool, kwargs: dict) -> _Step:
+    """Validate, pick the mode, unpad, run the short convolutions and split heads."""
+    st = _Step()
+    cu_seqlens = kwargs.get("cu_seqlens")
+    check_inputs(hidden_states, module.hidden_size, attention_mask if cu_seqlens is None else None)
+    st.batch_size, st.q_len, _ = hidden_states.shape
+    st.mode = pick_mode(module, st.q_len)
+    if module.training and st.mode != "chunk":
+        raise ValueError(f"mode: only 'chunk' trains (got {st.mode!r} in training mode)")
+    last_state = layer_cache(module, past_key_values)
+    st.x, st.indices, st.cu_seqlens = unpad(hidden_states, attention_mask, cu_seqlens)
+    q, k, v, st.conv_state = short_convs(module, st.x, last_state, use_cache, st.cu_seqlens)
+    st.q, st.k = heads(q, module.head_k_dim), heads(k, module.head_k_dim)
+    st.v = heads(v, module.head_v_dim)
+    st.recurrent_state = last_state.get("recurrent_state") if last_state is not None else None
+    return st
+
+
+def delta_layer_output(module: nn.Module, st: _Step, o: torch.Tensor, recurrent_state: torch.Tensor | None,
+                       past_key_values: Any, gate: torch.Tensor | None) -> tuple[torch.Tensor, None, Any]:
+    """Update the cache, apply the output norm (gated when ``gate`` is given), project and re-pad."""
+    if past_key_values is not None:
+        past_key_values.update(
+            recurrent_state=recurrent_state, conv_state=st.conv_state, layer_idx=module.layer_idx, offset=st.q_len
+        )
+    o = module.o_norm(o) if gate is None else module.o_norm(o, heads(gate, module.head_v_dim))
+    o = module.o_proj(o.reshape(*o.shape[:2], module.value_dim))
+    return repad(o, st.indices, st.batch_size, st.q_len), None, past_key_values
+
+
 
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet (arXiv 2412.06464), FLA 0.6's ``GatedDeltaNet`` layer.
@@ -371,36 +409,13 @@ class GatedDeltaNet(nn.Module):
         output_attentions: bool | None = False,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None, Any]:
-        cu_seqlens = kwargs.get("cu_seqlens")
-        check_inputs(hidden_states, self.hidden_size, attention_mask if cu_seqlens is None else None)
-        batch_size, q_len, _ = hidden_states.shape
-        mode = pick_mode(self, q_len)
-        if self.training and mode != "chunk":
-            raise ValueError(f"mode: only 'chunk' trains (got {mode!r} in training mode)")
-        last_state = layer_cache(self, past_key_values)
-
-        x, indices, cu_seqlens = unpad(hidden_states, attention_mask, cu_seqlens)
-        q, k, v, conv_state = short_convs(self, x, last_state, bool(use_cache), cu_seqlens)
-        q, k = heads(q, self.head_k_dim), heads(k, self.head_k_dim)
-        v = heads(v, self.head_v_dim)
-        recurrent_state = last_state.get("recurrent_state") if last_state is not None else None
-
-        delta_rule = chunk_gated_delta_rule if mode == "chunk" else fused_recurrent_gated_delta_rule
+        st = delta_layer_inputs(self, hidden_states, attention_mask, past_key_values, bool(use_cache), kwargs)
+        delta_rule = chunk_gated_delta_rule if st.mode == "chunk" else fused_recurrent_gated_delta_rule
         o, recurrent_state = delta_rule(
-            q, k, v, g=self.a_proj(x), beta=self.b_proj(x), initial_state=recurrent_state,
+            st.q, st.k, st.v, g=self.a_proj(st.x), beta=self.b_proj(st.x), initial_state=st.recurrent_state,
             output_final_state=bool(use_cache), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
-            allow_neg_eigval=self.allow_neg_eigval, state_v_first=True, cu_seqlens=cu_seqlens,
+            allow_neg_eigval=self.allow_neg_eigval, state_v_first=True, cu_seqlens=st.cu_seqlens,
         )
-
-        if past_key_values is not None:
-            past_key_values.update(
-                recurrent_state=recurrent_state, conv_state=conv_state, layer_idx=self.layer_idx, offset=q_len
-            )
-
-        if self.use_gate:
-            o = self.o_norm(o, heads(self.g_proj(x), self.head_v_dim))
-        else:
-            o = self.o_norm(o)
-        o = self.o_proj(o.reshape(*o.shape[:2], self.value_dim))
-        return repad(o, indices, batch_size, q_len), None, past_key_values
+        gate = self.g_proj(st.x) if self.use_gate else None
+        return delta_layer_output(self, st, o, recurrent_state, past_key_values, gate)

@@ -18,14 +18,10 @@ from ..fused.kda import chunk_kda, fused_recurrent_kda
 from .gated_deltanet import (
     ShortConvolution,
     check_heads,
-    check_inputs,
+    delta_layer_inputs,
+    delta_layer_output,
     heads,
     inv_softplus_dt,
-    layer_cache,
-    pick_mode,
-    repad,
-    short_convs,
-    unpad,
 )
 from .norm import RMSNormGated
 
@@ -132,38 +128,17 @@ class KimiDeltaAttention(nn.Module):
         output_attentions: bool | None = False,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None, Any]:
-        cu_seqlens = kwargs.get("cu_seqlens")
-        check_inputs(hidden_states, self.hidden_size, attention_mask if cu_seqlens is None else None)
-        batch_size, q_len, _ = hidden_states.shape
-        mode = pick_mode(self, q_len)
-        if self.training and mode != "chunk":
-            raise ValueError(f"mode: only 'chunk' trains (got {mode!r} in training mode)")
-        last_state = layer_cache(self, past_key_values)
-
-        x, indices, cu_seqlens = unpad(hidden_states, attention_mask, cu_seqlens)
-        q, k, v, conv_state = short_convs(self, x, last_state, bool(use_cache), cu_seqlens)
-        q, k = heads(q, self.head_k_dim), heads(k, self.head_k_dim)
-        v = heads(v, self.head_v_dim)
-        g = heads(self.f_proj(x), self.head_k_dim)  # [.., HV, K]
-        beta = self.b_proj(x)
-        recurrent_state = last_state.get("recurrent_state") if last_state is not None else None
-
+        st = delta_layer_inputs(self, hidden_states, attention_mask, past_key_values, bool(use_cache), kwargs)
+        g = heads(self.f_proj(st.x), self.head_k_dim)  # [.., HV, K]
+        beta = self.b_proj(st.x)
         common = dict(
-            initial_state=recurrent_state, output_final_state=bool(use_cache), use_qk_l2norm_in_kernel=True,
+            initial_state=st.recurrent_state, output_final_state=bool(use_cache), use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
             allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound, state_v_first=True,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=st.cu_seqlens,
         )
-        if mode == "chunk":
-            o, recurrent_state = chunk_kda(q, k, v, g, beta, safe_gate=self.safe_gate, **common)
+        if st.mode == "chunk":
+            o, recurrent_state = chunk_kda(st.q, st.k, st.v, g, beta, safe_gate=self.safe_gate, **common)
         else:
-            o, recurrent_state = fused_recurrent_kda(q, k, v, g, beta, **common)
-
-        if past_key_values is not None:
-            past_key_values.update(
-                recurrent_state=recurrent_state, conv_state=conv_state, layer_idx=self.layer_idx, offset=q_len
-            )
-
-        o = self.o_norm(o, heads(self.g_proj(x), self.head_v_dim))
-        o = self.o_proj(o.reshape(*o.shape[:2], self.value_dim))
-        return repad(o, indices, batch_size, q_len), None, past_key_values
+            o, recurrent_state = fused_recurrent_kda(st.q, st.k, st.v, g, beta, **common)
+        return delta_layer_output(self, st, o, recurrent_state, past_key_values, self.g_proj(st.x))
