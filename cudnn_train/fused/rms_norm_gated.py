@@ -161,7 +161,7 @@ class _RMSNormGatedFn(torch.autograd.Function):
             y, rstd = fwd_op(x2, g2, w, eps, act)
         ctx.save_for_backward(x2, g2, w, rstd)
         ctx.eps, ctx.act, ctx.shape = eps, act, x.shape
-        return y.view(x.shape)
+        return y if x.dim() == 2 else y.view(x.shape)  # a view costs several us: only when needed
 
     @staticmethod
     def backward(ctx, dy):
@@ -172,7 +172,9 @@ class _RMSNormGatedFn(torch.autograd.Function):
             dw = None if w is None else dw
         else:
             dx, dg, dw = bwd_op(dy2, x2, g2, w, rstd, ctx.eps, ctx.act)
-        return dx.view(ctx.shape), dg.view(ctx.shape), dw, None, None
+        if len(ctx.shape) != 2:
+            dx, dg = dx.view(ctx.shape), dg.view(ctx.shape)
+        return dx, dg, dw, None, None
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:

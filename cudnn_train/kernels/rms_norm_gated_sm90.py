@@ -17,7 +17,8 @@ Backward: a persistent grid (at most ``CTAS_PER_SM`` CTAs per SM) walks the row
 blocks; each thread accumulates its columns of dweight in registers over the
 rows it visits; the row groups of a CTA are summed in shared memory in a fixed
 order into one partial row per CTA of a float32 workspace ``[grid, D]``, which
-is then summed in a fixed order. No float atomics: the result is bitwise
+a second kernel of the same launch sums in a fixed order into dweight (in the
+weight's dtype). No float atomics: the result is bitwise
 reproducible run to run.
 
 Rows past M are loaded as zeros (they add nothing to dweight) and never stored.
@@ -316,6 +317,33 @@ def _build(kind: str, dtype, wdtype, d: int, act: str, threads: int, loads: int)
                         acc = acc + sDW[gi, col]
                     mDWp[bidx, col] = acc
 
+        RW = 8  # warps of the dweight reduction; each lane owns one column
+
+        @cute.kernel
+        def reduce_dw(mDWp: cute.Tensor, mDW: cute.Tensor):
+            # dweight[c] = sum over the CTA partial rows p of mDWp[p, c], in a fixed order:
+            # warp w sums rows w, w + RW, ... ; then the RW warp sums in warp order.
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            P = mDWp.shape[0]
+            lane = tidx % 32
+            wid = tidx // 32
+            col = bidx * 32 + lane
+            acc = Float32(0.0)
+            if col < D:
+                for p in cutlass.range(wid, P, RW, unroll=4):
+                    acc = acc + mDWp[p, col]
+            smem = cutlass.utils.SmemAllocator()
+            sAcc = smem.allocate_tensor(Float32, cute.make_layout((RW, 32), stride=(32, 1)), 16)
+            sAcc[wid, lane] = acc
+            cute.arch.sync_threads()
+            if wid == 0:
+                tot = Float32(0.0)
+                for w in cutlass.range_constexpr(RW):
+                    tot = tot + sAcc[w, lane]
+                if col < D:
+                    mDW[col] = tot.to(mDW.element_type)
+
         @cute.jit
         def host(
             mDY: cute.Tensor,
@@ -326,10 +354,13 @@ def _build(kind: str, dtype, wdtype, d: int, act: str, threads: int, loads: int)
             mDX: cute.Tensor,
             mDG: cute.Tensor,
             mDWp: cute.Tensor,
+            mDW: cute.Tensor,
             stream,
         ):
             nctas = mDWp.shape[0]
             kernel(mDY, mX, mG, mW, mR, mDX, mDG, mDWp).launch(grid=[nctas, 1, 1], block=[threads, 1, 1], stream=stream)
+            if cutlass.const_expr(HAS_W):
+                reduce_dw(mDWp, mDW).launch(grid=[(D + 31) // 32, 1, 1], block=[32 * RW, 1, 1], stream=stream)
 
     # fake tensors: symbolic M and row strides (16-byte aligned), static D
     m = cute.sym_int()
@@ -347,7 +378,8 @@ def _build(kind: str, dtype, wdtype, d: int, act: str, threads: int, loads: int)
     p = cute.sym_int()
     dwp_fake = cute.runtime.make_fake_compact_tensor(Float32, (p, D), stride_order=(1, 0), assumed_align=16)
     return cute.compile(
-        host, rows_t(dtype), rows_t(dtype), rows_t(dtype), w_fake, r_fake, rows_t(dtype), rows_t(dtype), dwp_fake, stream, options=opts
+        host, rows_t(dtype), rows_t(dtype), rows_t(dtype), w_fake, r_fake, rows_t(dtype), rows_t(dtype), dwp_fake, w_fake, stream,
+        options=opts,
     )
 
 
@@ -375,11 +407,18 @@ def get_compiled(kind: str, dtype: torch.dtype, wdtype: torch.dtype | None, d: i
 # ------------------------------------------------------------------ launch
 
 
+_fwd_plans: dict = kc.launcher_cache()
+
+
 def forward(x2: torch.Tensor, g2: torch.Tensor, w: torch.Tensor | None, eps: float, act: str):
     _check_serve(x2, w, (g2,))
     m, d = x2.shape
-    _plan(d, x2.element_size())
-    fn = get_compiled("fwd", x2.dtype, None if w is None else w.dtype, d, act)
+    wdtype = None if w is None else w.dtype
+    key = (x2.dtype, wdtype, d, act, THREADS, LOADS_IN_FLIGHT)
+    fn = _fwd_plans.get(key)
+    if fn is None:
+        _plan(d, x2.element_size())
+        fn = _fwd_plans[key] = get_compiled("fwd", x2.dtype, wdtype, d, act)
     y = _out_like(x2)
     rstd = _out_like(x2.new_empty(m, dtype=torch.float32))
     if m > 0:
@@ -387,20 +426,28 @@ def forward(x2: torch.Tensor, g2: torch.Tensor, w: torch.Tensor | None, eps: flo
     return Served((y, rstd), "sm90")
 
 
+_bwd_plans: dict = kc.launcher_cache()
+
+
 def backward(dy2, x2, g2, w, rstd, act: str):
     _check_serve(x2, w, (g2, dy2))
     m, d = x2.shape
-    vec, tpr, nv = _plan(d, x2.element_size())
-    fn = get_compiled("bwd", x2.dtype, None if w is None else w.dtype, d, act)
-    groups = THREADS // tpr
-    rows = groups * _rows_per_thread(nv, 3, LOADS_IN_FLIGHT)
-    nctas = max(1, min(-(-m // rows), kc.num_sms(x2.device) * CTAS_PER_SM))
+    wdtype = None if w is None else w.dtype
+    key = (x2.dtype, wdtype, d, act, x2.device.index, THREADS, LOADS_IN_FLIGHT, CTAS_PER_SM)
+    plan = _bwd_plans.get(key)
+    if plan is None:
+        vec, tpr, nv = _plan(d, x2.element_size())
+        rows = (THREADS // tpr) * _rows_per_thread(nv, 3, LOADS_IN_FLIGHT)
+        plan = (get_compiled("bwd", x2.dtype, wdtype, d, act), rows, kc.num_sms(x2.device) * CTAS_PER_SM)
+        _bwd_plans[key] = plan
+    fn, rows, max_ctas = plan
+    nctas = max(1, min(-(-m // rows), max_ctas))
     dx = _out_like(x2)
     dg = _out_like(g2)
-    part = _out_like(x2.new_empty(nctas, d, dtype=torch.float32))
-    if m > 0:
-        fn(dy2, x2, g2, x2[0] if w is None else w, rstd, dx, dg, part)
-        dw = None if w is None else part.sum(dim=0).to(w.dtype)
-    else:
-        dw = None if w is None else torch.zeros_like(w)
+    if m == 0:
+        return Served((dx, dg, None if w is None else torch.zeros_like(w)), "sm90")
+    # dweight: per-CTA partial rows, reduced in a fixed order by a second kernel of the same launch
+    part = x2.new_empty(nctas, d, dtype=torch.float32)
+    dw = None if w is None else _out_like(w)
+    fn(dy2, x2, g2, x2[0] if w is None else w, rstd, dx, dg, part, x2[0] if w is None else dw)
     return Served((dx, dg, dw), "sm90")
