@@ -11,7 +11,12 @@ Targets (``gdn`` is an alias of ``gated_delta_rule``) and the FLA functions they
   ``chunk_gdn``) and ``fla.ops.gated_delta_rule.fused_recurrent.fused_recurrent_gated_delta_rule``;
 * ``kda``: ``fla.ops.kda.chunk.chunk_kda`` and ``fla.ops.kda.fused_recurrent.fused_recurrent_kda``;
 * ``causal_conv1d``: ``fla.modules.causal_conv1d.ops.causal_conv1d`` (what ``ShortConvolution`` calls);
-* ``rms_norm_gated``: ``fla.modules.norm.fused_norm_gate.rms_norm_gated`` (``FusedRMSNormGated``).
+* ``rms_norm_gated``: ``fla.modules.norm.fused_norm_gate.rms_norm_gated`` (``FusedRMSNormGated``);
+* ``gated_mlp``: the method ``fla.modules.mlp.GatedMLP.forward`` (a class attribute, rebound on
+  the class, so every instance and every subclass that does not override it follows): with
+  ``hidden_act='swish'``, bias-free plain ``nn.Linear`` projections without hooks, the whole
+  MLP runs as ``cudnn_train.fused.swiglu_mlp`` (gate/up GEMM with the SwiGLU epilogue, down
+  GEMM, fused backward); anything else goes to FLA's forward unchanged.
 
 How it patches: FLA's layers (and many users) bind FLA's functions by name
 (``from fla.ops.gated_delta_rule import chunk_gated_delta_rule``), so rebinding one module
@@ -70,7 +75,7 @@ from . import backend
 
 __all__ = ["accelerate_fla", "restore_fla", "is_accelerated", "last_path", "original", "TARGETS"]
 
-TARGETS = ("gated_delta_rule", "kda", "causal_conv1d", "rms_norm_gated")
+TARGETS = ("gated_delta_rule", "kda", "causal_conv1d", "rms_norm_gated", "gated_mlp")
 _ALIASES = {"gdn": "gated_delta_rule"}
 
 _lock = threading.RLock()
@@ -292,6 +297,29 @@ def _wrap_rms_norm_gated(original: Callable, ours_mod: ModuleType) -> Callable:
     return rms_norm_gated
 
 
+def _plain_linear(m) -> bool:
+    """An ``nn.Linear`` as torch makes it: no bias, no hooks, a plain tensor weight (not a DTensor)."""
+    return (type(m) is torch.nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+            and type(m.weight.data) is torch.Tensor)
+
+
+def _wrap_gated_mlp_forward(original: Callable, ours_mod: ModuleType) -> Callable:
+    ours = ours_mod.swiglu_mlp
+
+    @functools.wraps(original, updated=())
+    def forward(self, x, **kwargs):
+        projs = (getattr(self, "gate_proj", None), getattr(self, "up_proj", None), getattr(self, "down_proj", None))
+        reason = _first(
+            f"hidden_act={getattr(self, 'hidden_act', None)!r}" if getattr(self, "hidden_act", None) != "swish" else None,
+            None if all(_plain_linear(m) for m in projs) else "a projection with a bias, hooks or a non-plain weight",
+        )
+        # FLA's forward ignores its **kwargs, and so does ours
+        return _route("gated_mlp", "swiglu_mlp", functools.partial(original, self), dict(x=x, **kwargs), reason,
+                      lambda: ours(x, projs[0].weight, projs[1].weight, projs[2].weight))
+
+    return forward
+
+
 @dataclass(frozen=True)
 class _Spec:
     fla_module: str
@@ -299,6 +327,7 @@ class _Spec:
     ours_module: str
     wrap: Callable[[Callable, ModuleType], Callable]
     params: tuple[str, ...]  # FLA 0.6's named parameters, in order (a **kwargs tail is allowed)
+    owner: str | None = None  # a class of fla_module whose attribute ``attr`` is patched (a method)
 
 
 _SPECS: dict[str, tuple[_Spec, ...]] = {
@@ -334,6 +363,10 @@ _SPECS: dict[str, tuple[_Spec, ...]] = {
         _Spec("fla.modules.norm.fused_norm_gate", "rms_norm_gated", "cudnn_train.fused.rms_norm_gated",
               _wrap_rms_norm_gated,
               ("x", "g", "weight", "bias", "activation", "residual", "prenorm", "residual_in_fp32", "eps")),
+    ),
+    "gated_mlp": (
+        _Spec("fla.modules.mlp", "forward", "cudnn_train.fused.swiglu_mlp", _wrap_gated_mlp_forward, ("self", "x"),
+              owner="GatedMLP"),
     ),
 }
 
@@ -409,9 +442,15 @@ def _resolve(spec: _Spec) -> _Patch:
         fla_mod = importlib.import_module(spec.fla_module)
     except Exception as e:  # ImportError, or triton failing at import
         raise _Unavailable(f"{spec.fla_module} does not import ({type(e).__name__}: {e})") from None
-    current = getattr(fla_mod, spec.attr, None)
+    if spec.owner is not None:
+        cls = getattr(fla_mod, spec.owner, None)
+        current = vars(cls).get(spec.attr) if isinstance(cls, type) else None
+        where = f"{spec.owner}.{spec.attr}"
+    else:
+        current = getattr(fla_mod, spec.attr, None)
+        where = spec.attr
     if current is None:
-        raise _Unavailable(f"{spec.fla_module} has no {spec.attr}")
+        raise _Unavailable(f"{spec.fla_module} has no {where}")
     original = getattr(current, "_cudnn_train_original", current)
     problem = _signature_problem(original, spec.params)
     if problem:
@@ -427,12 +466,19 @@ def _resolve(spec: _Spec) -> _Patch:
     return _Patch(spec=spec, original=original, wrapper=wrapper)
 
 
-def _modules() -> list[ModuleType]:
-    """The modules in sys.modules, each once (FLA registers some under several names)."""
-    seen: dict[int, ModuleType] = {}
+def _modules() -> list[ModuleType | type]:
+    """The modules in sys.modules, each once (FLA registers some under several names), and the
+    FLA classes whose methods are targets (``_Spec.owner``)."""
+    seen: dict[int, ModuleType | type] = {}
     for m in list(sys.modules.values()):
         if isinstance(m, ModuleType):
             seen.setdefault(id(m), m)
+    for specs in _SPECS.values():
+        for spec in specs:
+            mod = sys.modules.get(spec.fla_module)
+            cls = getattr(mod, spec.owner, None) if spec.owner is not None and mod is not None else None
+            if isinstance(cls, type):
+                seen.setdefault(id(cls), cls)
     return list(seen.values())
 
 

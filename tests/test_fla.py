@@ -241,6 +241,44 @@ def test_fla_ops_run_on_cpu_after_accelerate():
     assert rel_l2(o, naive_recurrent_kda(q, k, v, gk, beta)[0]) <= 1e-5
 
 
+def test_gated_mlp_target_routes_the_method_and_declines_what_it_does_not_fuse():
+    from fla.modules.mlp import GatedMLP
+
+    class Sub(GatedMLP):  # a subclass that does not override forward follows the class patch
+        pass
+
+    orig = ctf.original("gated_mlp")
+    assert GatedMLP.forward is orig
+    assert ctf.accelerate_fla("gated_mlp") == ("gated_mlp",)
+    assert GatedMLP.forward is not orig and GatedMLP.forward._cudnn_train_original is orig
+    assert ctf.accelerate_fla("gated_mlp") == ("gated_mlp",) and GatedMLP.forward._cudnn_train_original is orig
+    for cls in (GatedMLP, Sub):
+        m = cls(32, intermediate_size=64)
+        x = torch.randn(2, 5, 32, requires_grad=True)
+        y = m(x, some_kwarg_fla_ignores=1)
+        assert ctf.last_path("gated_mlp").startswith("cudnn_train:torch")
+        ref_m = cls(32, intermediate_size=64)
+        ref_m.load_state_dict(m.state_dict())
+        xr = x.detach().clone().requires_grad_()
+        f = torch.nn.functional
+        ref = ref_m.down_proj(f.silu(ref_m.gate_proj(xr)) * ref_m.up_proj(xr))
+        assert rel_l2(y, ref) <= 1e-6
+        y.square().sum().backward()
+        ref.square().sum().backward()
+        assert rel_l2(x.grad, xr.grad) <= 1e-5
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            assert rel_l2(getattr(m, name).weight.grad, getattr(ref_m, name).weight.grad) <= 1e-5
+    # what we do not fuse goes to FLA's forward, which says why in last_path
+    m = GatedMLP(32, intermediate_size=64)
+    m.gate_proj.register_forward_hook(lambda *a: None)
+    try:
+        m(torch.randn(3, 32))
+    except Exception:  # noqa: BLE001 - FLA's own forward may need Triton on this machine
+        pass
+    assert ctf.last_path("gated_mlp") == "fla:a projection with a bias, hooks or a non-plain weight"
+    assert ctf.restore_fla("gated_mlp") == ("gated_mlp",) and GatedMLP.forward is orig
+
+
 # ---------------------------------------------------------------------- GPU
 
 
@@ -267,3 +305,21 @@ def test_gpu_patched_fla_op_agrees_with_fla(dtype):
         o_r, s_r = fla_gdr.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
     for what, a, f, r in (("o", o_o, o_f, o_r), ("state", s_o, s_f, s_r)):
         assert fla_compat_ok(rel_l2(a, r), rel_l2(f, r)), what
+
+
+@pytest.mark.gpu
+def test_gpu_patched_gated_mlp_agrees_with_fla_and_uses_the_sm90_gemms():
+    from fla.modules.mlp import GatedMLP
+
+    m = GatedMLP(512, intermediate_size=1536).cuda().to(torch.bfloat16)
+    x = torch.randn(4, 128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    theirs = m(x)
+    ctf.accelerate_fla("gated_mlp")
+    ours = m(x)
+    assert ctf.last_path("gated_mlp") == "cudnn_train:cutedsl:sm90"
+    xf = x.detach().float()
+    mf = GatedMLP(512, intermediate_size=1536).cuda()
+    mf.load_state_dict({k: v.float() for k, v in m.state_dict().items()})
+    f = torch.nn.functional
+    ref = mf.down_proj(f.silu(mf.gate_proj(xf)) * mf.up_proj(xf))
+    assert fla_compat_ok(rel_l2(ours, ref), rel_l2(theirs, ref))

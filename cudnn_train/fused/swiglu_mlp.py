@@ -18,12 +18,12 @@ backward (``s = sigmoid(gate)``)::
     dx      = dgate @ w_gate + dup @ w_up
     dw_gate = dgate^T @ x,   dw_up = dup^T @ x,   dw_down = dout^T @ h
 
-Saved for backward: x, gate and up (two ``[M, I]`` tensors; eager PyTorch keeps four:
-gate, silu(gate), up and h), or only x with ``recompute=True`` (gate and up are
-recomputed in the backward; h is always rebuilt from gate and up).
+Saved for backward: x, gate, up and h (three ``[M, I]`` tensors, all written by the forward
+anyway; eager PyTorch keeps four: gate, silu(gate), up and h), or only x with
+``recompute=True`` (gate, up and h are recomputed in the backward by the gate/up GEMM).
 
-Backends, in order: ``cutedsl`` (the SM90 GEMM with SwiGLU / dSwiGLU epilogues, registered
-once ``kernels/gemm_sm90.py`` provides them) then ``torch``. Forward and backward are separate
+Backends, in order: ``cutedsl`` (the SM90 GEMM of ``kernels/gemm_sm90.py`` with its SwiGLU and
+dSwiGLU epilogues, below) then ``torch``. Forward and backward are separate
 dispatch points (``swiglu_mlp`` and ``swiglu_mlp_bwd``). The torch backend multiplies in the
 input dtype (float32 accumulation on every device torch supports) and does the elementwise
 SwiGLU / dSwiGLU math in float32, rounding gate, up, h, dh, dgate and dup to the input dtype
@@ -44,18 +44,6 @@ __all__ = ["swiglu", "swiglu_mlp", "swiglu_mlp_ref"]
 
 fwd_op = backend.Op("swiglu_mlp", ["cutedsl", "torch"])
 bwd_op = backend.Op("swiglu_mlp_bwd", ["cutedsl", "torch"])
-
-# The ``cutedsl`` backends of both ops are not registered yet (only ``torch`` is, so ``last_path``
-# reads "torch"). They take the same arguments as the torch backends below and map onto
-# kernels/gemm_sm90.py (declining through its ``can_implement``) as:
-#   forward:  h, gate, up = gemm_swiglu(x2, wg.t(), wu.t(), store_preact=store_gate_up)
-#             out = gemm(h, wd.t())
-#   backward: gate, up (and h) from gemm_swiglu(..., store_preact=True) when gate is None,
-#             else h = silu(gate) * up elementwise;
-#             dgate, dup = gemm_dswiglu(dout2, wd, gate, up)
-#             dx = gemm(dgate, wg); gemm(dup, wu, out=dx, beta=1.0)
-#             dwg = gemm(dgate.t(), x2); dwu = gemm(dup.t(), x2); dwd = gemm(dout2.t(), h)
-
 
 # ---------------------------------------------------------------- elementwise helpers
 
@@ -111,19 +99,20 @@ def _torch_fwd(x2, wg, wu, wd, store_gate_up: bool):
     up = x2 @ wu.t()
     h = _swiglu_math(gate, up).to(x2.dtype)
     out = h @ wd.t()
-    if not store_gate_up:  # two distinct placeholders: custom-op outputs may not alias
-        gate, up = x2.new_empty(0), x2.new_empty(0)
-    return out, gate, up
+    if not store_gate_up:  # distinct placeholders: custom-op outputs may not alias
+        gate, up, h = x2.new_empty(0), x2.new_empty(0), x2.new_empty(0)
+    return out, gate, up, h
 
 
-def _torch_bwd(dout2, x2, wg, wu, wd, gate, up):
+def _torch_bwd(dout2, x2, wg, wu, wd, gate, up, h):
     if gate is None:  # recompute=True: only x was saved
         gate = x2 @ wg.t()
         up = x2 @ wu.t()
     dh = dout2 @ wd
-    dgate, dup, h = _dswiglu_math(dh, gate, up)
+    dgate, dup, h_ = _dswiglu_math(dh, gate, up)
     dt = x2.dtype
-    dgate, dup, h = dgate.to(dt), dup.to(dt), h.to(dt)
+    dgate, dup = dgate.to(dt), dup.to(dt)
+    h = h_.to(dt) if h is None else h
     dx = dgate @ wg
     dx.addmm_(dup, wu)
     dwg = dgate.t() @ x2
@@ -138,8 +127,77 @@ def _fwd_torch(x2, wg, wu, wd, store_gate_up):
 
 
 @bwd_op.register("torch")
-def _bwd_torch(dout2, x2, wg, wu, wd, gate, up):
-    return _torch_bwd(dout2, x2, wg, wu, wd, gate, up)
+def _bwd_torch(dout2, x2, wg, wu, wd, gate, up, h):
+    return _torch_bwd(dout2, x2, wg, wu, wd, gate, up, h)
+
+
+# ---------------------------------------------------------------- cutedsl backend (SM90 GEMM)
+#
+# forward:  h, gate, up = gemm_swiglu(x, wg^T, wu^T)        gate/up stored only when saved
+#           out = gemm(h, wd^T)
+# backward: gate, up recomputed by gemm_swiglu when only x was saved
+#           dgate, dup = gemm_dswiglu(dout, wd, gate, up)   dh never reaches memory
+#           h saved by the forward, or recomputed with gate and up by gemm_swiglu
+#           dx = dgate @ wg, then += dup @ wu (accumulating epilogue, beta = 1)
+#           dwg = dgate^T @ x, dwu = dup^T @ x, dwd = dout^T @ h (column-major A, no copies)
+# Every GEMM is checked with ``can_implement`` before anything is written, so a decline
+# (no SM90 GPU, a dim not a multiple of 8 -- M included, as the wgrad GEMMs reduce over M --
+# misaligned operands) hands the whole call to the torch backend untouched.
+
+
+def _gemm():
+    from ..kernels import gemm_sm90
+
+    return gemm_sm90
+
+
+def _check_weights_cutedsl(g, x2, wg, wu, wd) -> None:
+    m, i = x2.shape[0], wg.shape[0]
+    probe_i = x2.new_empty(0, i)  # stands for h / dgate / dup ([M, I], row-major, ours)
+    g.can_implement(probe_i, wd.t())  # out = h @ wd^T
+    g.can_implement(probe_i, wg)  # dx = dgate @ wg (and dup @ wu)
+    g.can_implement(probe_i, wu)
+    if m == 0:
+        raise backend.Unsupported("M == 0")
+
+
+@fwd_op.register("cutedsl")
+def _fwd_cutedsl(x2, wg, wu, wd, store_gate_up):
+    g = _gemm()
+    g.can_implement(x2, wg.t(), epilogue="swiglu", b_up=wu.t(), store_preact=store_gate_up)
+    _check_weights_cutedsl(g, x2, wg, wu, wd)
+    if store_gate_up:
+        h, gate, up = g.gemm_swiglu(x2, wg.t(), wu.t(), store_preact=True)
+    else:
+        h = g.gemm_swiglu(x2, wg.t(), wu.t())
+    out = g.gemm(h, wd.t())
+    if not store_gate_up:
+        gate, up, h = x2.new_empty(0), x2.new_empty(0), x2.new_empty(0)
+    return backend.Served((out, gate, up, h), "sm90")
+
+
+@bwd_op.register("cutedsl")
+def _bwd_cutedsl(dout2, x2, wg, wu, wd, gate, up, h):
+    g = _gemm()
+    recompute = gate is None
+    g.can_implement(x2, wg.t(), epilogue="swiglu", b_up=wu.t(), store_preact=True)
+    _check_weights_cutedsl(g, x2, wg, wu, wd)
+    if recompute:
+        g.can_implement(dout2, wd)
+    else:
+        g.can_implement(dout2, wd, epilogue="dswiglu", gate=gate, up=up)
+    g.can_implement(dout2.t(), x2)  # wgrad: [I or H, M] column-major A times x / h, K = M
+    if recompute:
+        h, gate, up = g.gemm_swiglu(x2, wg.t(), wu.t(), store_preact=True)
+    elif h is None:  # a forward that did not keep h (not ours)
+        h = _swiglu_math(gate, up).to(x2.dtype)
+    dgate, dup = g.gemm_dswiglu(dout2, wd, gate, up)
+    dx = g.gemm(dgate, wg)
+    g.gemm(dup, wu, out=dx, beta=1.0)
+    dwg = g.gemm(dgate.t(), x2)
+    dwu = g.gemm(dup.t(), x2)
+    dwd = g.gemm(dout2.t(), h)
+    return backend.Served((dx, dwg, dwu, dwd), "sm90")
 
 
 # ---------------------------------------------------------------- custom ops (torch.compile)
@@ -148,9 +206,9 @@ def _bwd_torch(dout2, x2, wg, wu, wd, gate, up):
 @torch.library.custom_op("cudnn_train::swiglu_mlp_fwd", mutates_args=())
 def _fwd_custom(
     x2: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor, store_gate_up: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, gate, up = fwd_op(x2, wg, wu, wd, store_gate_up)
-    return out, gate, up
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, gate, up, h = fwd_op(x2, wg, wu, wd, store_gate_up)
+    return out, gate, up, h
 
 
 @_fwd_custom.register_fake
@@ -158,8 +216,8 @@ def _(x2, wg, wu, wd, store_gate_up):
     m, i = x2.shape[0], wg.shape[0]
     out = x2.new_empty(m, wd.shape[0])
     if store_gate_up:
-        return out, x2.new_empty(m, i), x2.new_empty(m, i)
-    return out, x2.new_empty(0), x2.new_empty(0)
+        return out, x2.new_empty(m, i), x2.new_empty(m, i), x2.new_empty(m, i)
+    return out, x2.new_empty(0), x2.new_empty(0), x2.new_empty(0)
 
 
 @torch.library.custom_op("cudnn_train::swiglu_mlp_bwd", mutates_args=())
@@ -171,13 +229,14 @@ def _bwd_custom(
     wd: torch.Tensor,
     gate: torch.Tensor | None,
     up: torch.Tensor | None,
+    h: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dwg, dwu, dwd = bwd_op(dout2, x2, wg, wu, wd, gate, up)
+    dx, dwg, dwu, dwd = bwd_op(dout2, x2, wg, wu, wd, gate, up, h)
     return dx, dwg, dwu, dwd
 
 
 @_bwd_custom.register_fake
-def _(dout2, x2, wg, wu, wd, gate, up):
+def _(dout2, x2, wg, wu, wd, gate, up, h):
     return torch.empty_like(x2), torch.empty_like(wg), torch.empty_like(wu), torch.empty_like(wd)
 
 
@@ -189,13 +248,13 @@ class _SwiGLUMLPFn(torch.autograd.Function):
     def forward(ctx, x2, wg, wu, wd, recompute):
         store = not recompute
         if torch.compiler.is_compiling():
-            out, gate, up = _fwd_custom(x2, wg, wu, wd, store)
+            out, gate, up, h = _fwd_custom(x2, wg, wu, wd, store)
         else:  # eager: skip the custom-op dispatcher (tens of microseconds)
-            out, gate, up = fwd_op(x2, wg, wu, wd, store)
+            out, gate, up, h = fwd_op(x2, wg, wu, wd, store)
         if recompute:
             ctx.save_for_backward(x2, wg, wu, wd)
         else:
-            ctx.save_for_backward(x2, wg, wu, wd, gate, up)
+            ctx.save_for_backward(x2, wg, wu, wd, gate, up, h)
         ctx.recompute = recompute
         return out
 
@@ -203,14 +262,14 @@ class _SwiGLUMLPFn(torch.autograd.Function):
     def backward(ctx, dout):
         if ctx.recompute:
             x2, wg, wu, wd = ctx.saved_tensors
-            gate = up = None
+            gate = up = h = None
         else:
-            x2, wg, wu, wd, gate, up = ctx.saved_tensors
+            x2, wg, wu, wd, gate, up, h = ctx.saved_tensors
         dout = dout.contiguous()
         if torch.compiler.is_compiling():
-            dx, dwg, dwu, dwd = _bwd_custom(dout, x2, wg, wu, wd, gate, up)
+            dx, dwg, dwu, dwd = _bwd_custom(dout, x2, wg, wu, wd, gate, up, h)
         else:
-            dx, dwg, dwu, dwd = bwd_op(dout, x2, wg, wu, wd, gate, up)
+            dx, dwg, dwu, dwd = bwd_op(dout, x2, wg, wu, wd, gate, up, h)
         return dx, dwg, dwu, dwd, None
 
 
