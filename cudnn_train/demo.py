@@ -464,6 +464,9 @@ def run(args: argparse.Namespace) -> dict:
     losses, lrs = [], []
     tokens = 0
     t_train = time.time()
+    # steady-state rate: from the end of the first few steps (kernel compiles, autotuning) on
+    skip = min(5, args.steps // 5)
+    t_steady, tokens_steady = None, 0
     bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     for step in bar:
         lr = lr_at(step, args.steps, args.lr)
@@ -482,10 +485,15 @@ def run(args: argparse.Namespace) -> dict:
         losses.append(value / math.log(2))
         lrs.append(lr)
         tokens += b.tokens
+        if step + 1 == skip:
+            t_steady = time.time()
+        elif t_steady is not None:
+            tokens_steady += b.tokens
         tps = tokens / max(time.time() - t_train, 1e-9)
         bar.set_postfix_str(f"loss {losses[-1]:.3f} bits/byte, {tps:,.0f} tok/s, lr {lr:.1e}")
     bar.close()
     train_s = time.time() - t_train
+    steady_tps = tokens_steady / max(time.time() - t_steady, 1e-9) if t_steady is not None and tokens_steady else None
 
     bpb_after = bits_per_byte(model, evals, device)
     sample = greedy_sample(model, PROMPT, args.sample_bytes, device)
@@ -493,7 +501,8 @@ def run(args: argparse.Namespace) -> dict:
     drop = 1.0 - bpb_after / bpb_before
 
     print(f"{PROG}: held-out bits/byte: {bpb_before:.3f} -> {bpb_after:.3f} ({100 * drop:.1f}% lower)")
-    print(f"{PROG}: {tokens:,} bytes in {train_s:.1f} s of training, {tokens / train_s:,.0f} tokens/s")
+    print(f"{PROG}: {tokens:,} bytes in {train_s:.1f} s of training, {tokens / train_s:,.0f} tokens/s"
+          + (f" ({steady_tps:,.0f} tokens/s after the first {skip} steps)" if steady_tps else ""))
     print(f"{PROG}: backend that served each op (cudnn_train.last_path()):")
     width = max((len(k) for k in paths), default=0)
     for op in sorted(paths):
@@ -526,6 +535,8 @@ def run(args: argparse.Namespace) -> dict:
         "heldout_drop_fraction": drop,
         "train_seconds": train_s,
         "tokens_per_second": tokens / train_s,
+        "tokens_per_second_after_first_steps": steady_tps,
+        "first_steps_left_out": skip,
         "total_seconds": time.time() - t_start,
         "last_path": paths,
         "backend_env": os.environ.get("CUDNN_TRAIN_BACKEND"),
