@@ -170,7 +170,8 @@ def get_kernel(name: str, key: tuple, build: Callable[[], Any], sources: Iterabl
         if use_disk:
             folder = cache_dir() / _fingerprint(tuple(sorted(str(s) for s in sources)))
             obj = folder / f"{symbol}.o"
-            with _file_lock(folder / ".lock"):
+            # one lock per kernel: processes building other kernels of the same sources go on in parallel
+            with _file_lock(folder / f"{symbol}.lock"):
                 if not obj.exists():
                     compiled = build()
                     fd, tmp = tempfile.mkstemp(suffix=".o", dir=folder)
