@@ -7,6 +7,11 @@ y written), forward+backward 8 (forward's 3, then dy, x, gate read and dx, dgate
 written); rstd and weight are ignored (under 1%). The kernel-alone rows time one
 launch of each kernel with the bytes it must move (forward: x, gate, y; backward:
 dy, x, gate, dx, dgate) against the copy bandwidth measured in the same run.
+
+Two timings of forward+backward per implementation: eager (``torch.autograd.grad`` as a user
+calls it, host time of Python, the autograd engine and the launches included; the ANCHORS
+figures are of this kind) and graphed (the same call captured once as a CUDA graph and
+replayed: GPU time only, as a training step under CUDA graphs sees it).
 """
 
 from __future__ import annotations

@@ -135,8 +135,9 @@ def report(rows: Iterable[dict[str, Any]], args: argparse.Namespace, ceil: dict[
             cols += [k for k in r if k not in cols]
         print("| " + " | ".join(cols) + " |")
         print("| " + " | ".join("---" for _ in cols) + " |")
-        for r in rows:
-            print("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+        for r in rows:  # a cell never breaks the table: newlines and pipes are flattened
+            cells = (fmt(r.get(c, "")).replace("\n", " ").replace("|", "/") for c in cols)
+            print("| " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

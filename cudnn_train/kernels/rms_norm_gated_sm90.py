@@ -317,7 +317,9 @@ def _build(kind: str, dtype, wdtype, d: int, act: str, threads: int, loads: int)
                         acc = acc + sDW[gi, col]
                     mDWp[bidx, col] = acc
 
-        RW = 8  # warps of the dweight reduction; each lane owns one column
+        # dweight reduction: a CTA of RW warps per 32 columns (a lane owns a column); each warp
+        # walks every RW-th partial row, 8 loads in flight, so the ~1000 rows stream in a few us
+        RW = 32
 
         @cute.kernel
         def reduce_dw(mDWp: cute.Tensor, mDW: cute.Tensor):
@@ -331,10 +333,10 @@ def _build(kind: str, dtype, wdtype, d: int, act: str, threads: int, loads: int)
             col = bidx * 32 + lane
             acc = Float32(0.0)
             if col < D:
-                for p in cutlass.range(wid, P, RW, unroll=4):
+                for p in cutlass.range(wid, P, RW, unroll=8):
                     acc = acc + mDWp[p, col]
             smem = cutlass.utils.SmemAllocator()
-            sAcc = smem.allocate_tensor(Float32, cute.make_layout((RW, 32), stride=(32, 1)), 16)
+            sAcc = smem.allocate_tensor(Float32, cute.make_layout((RW, 32), stride=(33, 1)), 16)
             sAcc[wid, lane] = acc
             cute.arch.sync_threads()
             if wid == 0:

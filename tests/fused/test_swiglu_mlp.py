@@ -259,11 +259,17 @@ def test_gpu_deterministic_mode_is_bitwise_run_to_run(recompute):
 
 @pytest.mark.gpu
 def test_gpu_recompute_on_and_off_agree():
-    inputs = make((300,), 256, 768, dtype=torch.bfloat16, device="cuda")
-    dout = torch.randn(300, 256, dtype=torch.bfloat16, device="cuda")
+    # M = 304 (a multiple of 8): the SM90 GEMMs serve forward and backward both ways, so the
+    # recomputed gate/up/h are those of the forward. (With M = 300 the backward goes to torch,
+    # whose recompute rounds gate/up through cuBLAS and rebuilds h from the rounded values, while
+    # the kernel's h comes from the float32 accumulators: the gradients then differ by bf16
+    # rounding, about 1e-3, which the float32-reference test above bounds instead.)
+    inputs = make((304,), 256, 768, dtype=torch.bfloat16, device="cuda")
+    dout = torch.randn(304, 256, dtype=torch.bfloat16, device="cuda")
     out0, g0 = grads_of(lambda *a: swiglu_mlp(*a, recompute=False), inputs, dout)
     out1, g1 = grads_of(lambda *a: swiglu_mlp(*a, recompute=True), inputs, dout)
-    assert torch.equal(out0, out1)  # the same forward computes the output either way
+    assert cudnn_train.last_path("swiglu_mlp_bwd") == "cutedsl:sm90"
+    assert torch.equal(out0, out1)  # the same tiles and epilogue math compute the output either way
     for a, b in zip(g0, g1):
         assert rel_l2(a, b) <= 1e-3
 
