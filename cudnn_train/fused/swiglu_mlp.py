@@ -151,6 +151,11 @@ def _gemm():
     return gemm_sm90
 
 
+def _check_device_cutedsl(x2) -> None:
+    if not x2.is_cuda:  # said first: on a CPU the dtype is not the reason
+        raise backend.Unsupported("no GPU" if not torch.cuda.is_available() else f"tensors on {x2.device}")
+
+
 def _check_weights_cutedsl(g, x2, wg, wu, wd) -> None:
     m, i = x2.shape[0], wg.shape[0]
     probe_i = x2.new_empty(0, i)  # stands for h / dgate / dup ([M, I], row-major, ours)
@@ -163,6 +168,7 @@ def _check_weights_cutedsl(g, x2, wg, wu, wd) -> None:
 
 @fwd_op.register("cutedsl")
 def _fwd_cutedsl(x2, wg, wu, wd, store_gate_up):
+    _check_device_cutedsl(x2)
     g = _gemm()
     g.can_implement(x2, wg.t(), epilogue="swiglu", b_up=wu.t(), store_preact=store_gate_up)
     _check_weights_cutedsl(g, x2, wg, wu, wd)
@@ -178,6 +184,7 @@ def _fwd_cutedsl(x2, wg, wu, wd, store_gate_up):
 
 @bwd_op.register("cutedsl")
 def _bwd_cutedsl(dout2, x2, wg, wu, wd, gate, up, h):
+    _check_device_cutedsl(x2)
     g = _gemm()
     recompute = gate is None
     g.can_implement(x2, wg.t(), epilogue="swiglu", b_up=wu.t(), store_preact=True)

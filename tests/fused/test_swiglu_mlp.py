@@ -124,10 +124,10 @@ def test_half_inputs_keep_dtype_on_cpu():
     x, wg, wu, wd = make((8,), 16, 32, dtype=torch.bfloat16)
     out = swiglu_mlp(x, wg, wu, wd)
     assert out.dtype == torch.bfloat16
-    assert cudnn_train.last_path("swiglu_mlp") in ("torch", "torch:fallback(no GPU)")
+    assert cudnn_train.last_path("swiglu_mlp") == "torch:fallback(no GPU)"  # the cutedsl backend declined first
     out.float().sum().backward()
     assert all(t.grad.dtype == torch.bfloat16 for t in (x, wg, wu, wd))
-    assert cudnn_train.last_path("swiglu_mlp_bwd") in ("torch", "torch:fallback(no GPU)")
+    assert cudnn_train.last_path("swiglu_mlp_bwd") == "torch:fallback(no GPU)"
     assert rel_l2(out, oracle64(x, wg, wu, wd)) <= 2e-2
 
 
