@@ -1,0 +1,153 @@
+"""Explicit backward of the chunked delta rule with a per-head (scalar) decay, stage by stage.
+
+This is the specification the SM90 backward kernels are to implement, written as readable
+tensor math and checked (``tests/fused/test_delta_rule_bwd.py``) against autograd of
+:func:`gated_delta_rule.chunked_core`: equal to float64 rounding. Each stage below is what one
+kernel computes, so a kernel can be compared stage by stage. The torch backend keeps autograd
+through ``chunked_core``: on the CPU this explicit form, which recomputes the forward in the
+backward, took 41 ms against autograd's 22 ms (B=16, T=128, HV=2, K=V=64, C=64, 2 threads).
+
+Forward, per chunk of C tokens entering with the state S (``[K, V]``), ``gc`` the in-chunk
+cumulative log decay, ``E_ij = exp(gc_i - gc_j)`` for j <= i (0 above)::
+
+    A  = strictly_lower(beta_i (k_i . k_j) E_ij)        T = (I + A)^-1
+    w  = T (beta e^gc k)        u = T (beta v)          vn = u - w S
+    o  = (scale e^gc q) S + P vn                        P  = scale (q k^T) * E
+    S' = e^(gc_C) S + kd^T vn                           kd = k e^(gc_C - gc)
+
+Backward (``dH`` the gradient of the state leaving a chunk; the last one is the gradient of
+the final state):
+
+1. recompute: gc, A, T, w, u, P, kd and the chunk-start states S_c (one forward sweep);
+2. reverse sweep over chunks: ``dvn = P^T do + kd dH``, then the gradient of the state
+   entering the chunk, ``qg^T do + e^(gc_C) dH - w^T dvn`` (qg = scale e^gc q), which is the
+   previous chunk's dH; after the first chunk it is the gradient of the initial state;
+3. per chunk, independently: ``dq``, ``dk`` through P, kd, w and A; ``dw = -dvn S^T``,
+   ``du = dvn``; through the WY solve ``dkb = T^T dw``, ``dvb = T^T du``,
+   ``dA = -strictly_lower(T^T (dw kb^T + du vb^T) T^T)``; ``dbeta``; and ``dgc`` from every
+   place gc enters (e^gc on q and on kb, E in P and in A, kd, e^(gc_C)), turned into ``dg``
+   by a reverse cumulative sum inside the chunk.
+
+Stages 1 and 3 are parallel over chunks; only the two sweeps are sequential, as in the
+forward. The cumulative decay and its differences are float64, as in the forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["chunked_core_bwd"]
+
+
+def _chunks(x: torch.Tensor, nc: int, c: int) -> torch.Tensor:
+    """[B, T, HV, D] -> [B, HV, NC, C, D], zero-padding the tail."""
+    b, t, hv, d = x.shape
+    if nc * c != t:
+        x = F.pad(x, (0, 0, 0, 0, 0, nc * c - t))
+    return x.reshape(b, nc, c, hv, d).permute(0, 3, 1, 2, 4)
+
+
+def _unchunk(x: torch.Tensor, t: int) -> torch.Tensor:
+    """[B, HV, NC, C, D] -> [B, T, HV, D]."""
+    b, hv, nc, c, d = x.shape
+    return x.permute(0, 2, 3, 1, 4).reshape(b, nc * c, hv, d)[:, :t]
+
+
+def _pair_sums(t: torch.Tensor) -> torch.Tensor:
+    """For M_ij = m_ij exp(gc_i - gc_j) and t = dM * M: the gradient sum_j t_ij - sum_i t_ji per row."""
+    return t.sum(-1) - t.sum(-2)
+
+
+def chunked_core_bwd(q, k, v, g, beta, scale, S0, do, dS_last, chunk_size):
+    """Gradients of ``chunked_core(q, k, v, g, beta, scale, S0, chunk_size)`` for a scalar decay.
+
+    q, k ``[B, T, HV, K]``, v and do ``[B, T, HV, V]``, g ``[B, T, HV, 1]`` (log decay), beta
+    ``[B, T, HV]``, S0 and dS_last ``[B, HV, K, V]`` (dS_last: the gradient of the final state,
+    zeros when it is not used). Returns ``(dq, dk, dv, dg, dbeta, dS0)`` in the inputs' shapes.
+    """
+    B, T, HV, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    NC = -(-T // C)
+    if NC == 0:
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
+                torch.zeros_like(beta), dS_last.clone())
+    dt = q.dtype
+    q, k, v, g, do = (_chunks(x, NC, C) for x in (q, k, v, g, do))
+    b = _chunks(beta.unsqueeze(-1), NC, C)  # [B, HV, NC, C, 1]
+
+    # ---- stage 1: recompute the forward's chunk quantities
+    gc = g.to(torch.float64).cumsum(dim=-2)  # [B, HV, NC, C, 1]
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = lower.tril(-1)
+    diff = gc - gc.transpose(-1, -2)
+    E = torch.exp(diff.masked_fill(~lower, -math.inf)).to(dt)  # e^(gc_i - gc_j), j <= i
+    Es = E * strict
+    KK = k @ k.transpose(-1, -2)
+    A = b * KK * Es
+    eg = torch.exp(gc).to(dt)
+    kb, vb = b * eg * k, b * v
+    eye = torch.eye(C, dtype=dt, device=q.device).expand_as(A)
+    Tm = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)  # (I + A)^-1
+    w, u = Tm @ kb, Tm @ vb
+    P = scale * (q @ k.transpose(-1, -2)) * E
+    qg = scale * eg * q
+    glast = gc[..., -1:, :]  # [B, HV, NC, 1, 1]
+    kdec = torch.exp(glast - gc).to(dt)  # [B, HV, NC, C, 1]
+    kd = k * kdec
+    dec = torch.exp(glast).to(dt)  # [B, HV, NC, 1, 1]
+    S, starts, vns = S0, [], []
+    for c in range(NC):
+        starts.append(S)
+        vn = u[:, :, c] - w[:, :, c] @ S
+        vns.append(vn)
+        S = dec[:, :, c] * S + kd[:, :, c].transpose(-1, -2) @ vn
+
+    # ---- stage 2: the reverse sweep (state gradients and dvn)
+    dH = dS_last
+    dHs, dvns = [None] * NC, [None] * NC
+    for c in reversed(range(NC)):
+        dHs[c] = dH
+        dvn = P[:, :, c].transpose(-1, -2) @ do[:, :, c] + kd[:, :, c] @ dH
+        dvns[c] = dvn
+        dH = qg[:, :, c].transpose(-1, -2) @ do[:, :, c] + dec[:, :, c] * dH - w[:, :, c].transpose(-1, -2) @ dvn
+    dS0 = dH
+    Sc, dHc = torch.stack(starts, dim=2), torch.stack(dHs, dim=2)  # [B, HV, NC, K, V]
+    vn, dvn = torch.stack(vns, dim=2), torch.stack(dvns, dim=2)  # [B, HV, NC, C, V]
+
+    # ---- stage 3: per-chunk gradients
+    dqg = do @ Sc.transpose(-1, -2)  # o = qg S
+    dP = do @ vn.transpose(-1, -2)  # o += P vn
+    dQK = dP * E * scale
+    dq = scale * eg * dqg + dQK @ k
+    dk = dQK.transpose(-1, -2) @ q
+    dkd = vn @ dHc.transpose(-1, -2)  # S' += kd^T vn
+    dk = dk + kdec * dkd
+    dw = -(dvn @ Sc.transpose(-1, -2))  # vn = u - w S
+    du = dvn
+    TmT = Tm.transpose(-1, -2)
+    dkb, dvb = TmT @ dw, TmT @ du  # w = T kb, u = T vb
+    dTm = dw @ kb.transpose(-1, -2) + du @ vb.transpose(-1, -2)
+    dA = -(TmT @ dTm @ TmT) * strict  # T = (I + A)^-1
+    dk = dk + b * eg * dkb
+    dv = b * dvb
+    dAE = dA * Es  # A = b * KK * Es
+    dbeta = (eg * k * dkb).sum(-1) + (v * dvb).sum(-1) + (dAE * KK).sum(-1)
+    dKK = b * dAE
+    dk = dk + dKK @ k + dKK.transpose(-1, -2) @ k
+
+    # the gate: every place gc enters, then dg = reverse cumsum of dgc inside the chunk
+    dgc = (dqg * qg).sum(-1) + (dkb * kb).sum(-1)  # e^gc on q and on kb
+    dgc = dgc + _pair_sums(dP * P) + _pair_sums(dA * A)  # E in P and in A
+    kdt = (dkd * kd).sum(-1)  # kd_i = k_i e^(gc_C - gc_i)
+    tail = kdt.sum(-1, keepdim=True) + (Sc * dHc).sum((-1, -2)).unsqueeze(-1) * dec[..., 0, :]  # d gc_C
+    dgc = dgc - kdt
+    dgc = torch.cat([dgc[..., :-1], dgc[..., -1:] + tail], dim=-1)
+    dg = dgc.to(torch.float64).flip(-1).cumsum(-1).flip(-1).to(dt).unsqueeze(-1)  # [B, HV, NC, C, 1]
+
+    out = [_unchunk(x, T) for x in (dq, dk, dv, dg)]
+    dbeta = _unchunk(dbeta.unsqueeze(-1), T).squeeze(-1)
+    return (*out, dbeta, dS0)
