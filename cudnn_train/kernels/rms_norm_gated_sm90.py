@@ -318,8 +318,10 @@ def _build(kind: str, dtype, wdtype, d: int, act: str, threads: int, loads: int)
                     mDWp[bidx, col] = acc
 
         # dweight reduction: a CTA of RW warps per 32 columns (a lane owns a column); each warp
-        # walks every RW-th partial row, 8 loads in flight, so the ~1000 rows stream in a few us
+        # walks every RW-th partial row, UNR predicated loads issued before any of them is added
+        # (a plain unrolled loop puts a loop-exit branch between the loads: one in flight)
         RW = 32
+        UNR = 8
 
         @cute.kernel
         def reduce_dw(mDWp: cute.Tensor, mDW: cute.Tensor):
@@ -331,10 +333,16 @@ def _build(kind: str, dtype, wdtype, d: int, act: str, threads: int, loads: int)
             lane = tidx % 32
             wid = tidx // 32
             col = bidx * 32 + lane
+            colc = col if col < D else D - 1  # lanes past D read a valid column, store nothing
             acc = Float32(0.0)
-            if col < D:
-                for p in cutlass.range(wid, P, RW, unroll=8):
-                    acc = acc + mDWp[p, col]
+            buf = cute.make_rmem_tensor((UNR,), Float32)
+            for p0 in cutlass.range(wid, P, RW * UNR):
+                for j in cutlass.range_constexpr(UNR):
+                    buf[j] = Float32(0.0)
+                    if p0 + j * RW < P:
+                        buf[j] = mDWp[p0 + j * RW, colc]
+                for j in cutlass.range_constexpr(UNR):
+                    acc = acc + buf[j]
             smem = cutlass.utils.SmemAllocator()
             sAcc = smem.allocate_tensor(Float32, cute.make_layout((RW, 32), stride=(33, 1)), 16)
             sAcc[wid, lane] = acc
