@@ -457,7 +457,7 @@ def run(args: argparse.Namespace) -> dict:
 
     evals = eval_batches(heldout, args.eval_windows, args.batch, args.seq_len, device)
     bpb_before = bits_per_byte(model, evals, device)
-    print(f"{PROG}: held-out bits/byte before training: {bpb_before:.3f}", flush=True)
+    print(f"{PROG}: held-out bits/byte before training: {bpb_before:.3f} (at {time.time() - t_start:.1f} s)", flush=True)
 
     opt = _optimizer(model, args.lr)
     gen = torch.Generator().manual_seed(args.seed)
@@ -485,6 +485,8 @@ def run(args: argparse.Namespace) -> dict:
         losses.append(value / math.log(2))
         lrs.append(lr)
         tokens += b.tokens
+        if step == 0:  # the first step compiles the kernels it needs: say how long it took
+            tqdm.write(f"{PROG}: first training step done after {time.time() - t_train:.1f} s", file=sys.stderr)
         if step + 1 == skip:
             t_steady = time.time()
         elif t_steady is not None:
