@@ -39,7 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunked_core_bwd"]
+__all__ = ["chunked_core_bwd", "reverse_sweep_ref"]
 
 
 def _chunks(x: torch.Tensor, nc: int, c: int) -> torch.Tensor:
@@ -61,25 +61,9 @@ def _pair_sums(t: torch.Tensor) -> torch.Tensor:
     return t.sum(-1) - t.sum(-2)
 
 
-def chunked_core_bwd(q, k, v, g, beta, scale, S0, do, dS_last, chunk_size):
-    """Gradients of ``chunked_core(q, k, v, g, beta, scale, S0, chunk_size)`` for a scalar decay.
-
-    q, k ``[B, T, HV, K]``, v and do ``[B, T, HV, V]``, g ``[B, T, HV, 1]`` (log decay), beta
-    ``[B, T, HV]``, S0 and dS_last ``[B, HV, K, V]`` (dS_last: the gradient of the final state,
-    zeros when it is not used). Returns ``(dq, dk, dv, dg, dbeta, dS0)`` in the inputs' shapes.
-    """
-    B, T, HV, K = q.shape
-    V = v.shape[-1]
-    C = chunk_size
-    NC = -(-T // C)
-    if NC == 0:
-        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
-                torch.zeros_like(beta), dS_last.clone())
+def _recompute(q, k, v, g, b, scale, C):
+    """Stage 1 (no state yet): the chunk quantities of the forward, on chunked tensors."""
     dt = q.dtype
-    q, k, v, g, do = (_chunks(x, NC, C) for x in (q, k, v, g, do))
-    b = _chunks(beta.unsqueeze(-1), NC, C)  # [B, HV, NC, C, 1]
-
-    # ---- stage 1: recompute the forward's chunk quantities
     gc = g.to(torch.float64).cumsum(dim=-2)  # [B, HV, NC, C, 1]
     lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     strict = lower.tril(-1)
@@ -89,24 +73,22 @@ def chunked_core_bwd(q, k, v, g, beta, scale, S0, do, dS_last, chunk_size):
     KK = k @ k.transpose(-1, -2)
     A = b * KK * Es
     eg = torch.exp(gc).to(dt)
-    kb, vb = b * eg * k, b * v
+    kb, vb = b * eg * k, (None if v is None else b * v)
     eye = torch.eye(C, dtype=dt, device=q.device).expand_as(A)
     Tm = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)  # (I + A)^-1
-    w, u = Tm @ kb, Tm @ vb
-    P = scale * (q @ k.transpose(-1, -2)) * E
-    qg = scale * eg * q
     glast = gc[..., -1:, :]  # [B, HV, NC, 1, 1]
     kdec = torch.exp(glast - gc).to(dt)  # [B, HV, NC, C, 1]
-    kd = k * kdec
-    dec = torch.exp(glast).to(dt)  # [B, HV, NC, 1, 1]
-    S, starts, vns = S0, [], []
-    for c in range(NC):
-        starts.append(S)
-        vn = u[:, :, c] - w[:, :, c] @ S
-        vns.append(vn)
-        S = dec[:, :, c] * S + kd[:, :, c].transpose(-1, -2) @ vn
+    return dict(
+        E=E, Es=Es, strict=strict, KK=KK, A=A, eg=eg, kb=kb, vb=vb, Tm=Tm, w=Tm @ kb,
+        u=None if v is None else Tm @ vb, P=scale * (q @ k.transpose(-1, -2)) * E, qg=scale * eg * q,
+        kdec=kdec, kd=k * kdec, dec=torch.exp(glast).to(dt),
+    )
 
-    # ---- stage 2: the reverse sweep (state gradients and dvn)
+
+def _reverse_sweep(r, do, dS_last):
+    """Stage 2: dH of every chunk (the gradient of the state leaving it), dvn, and dS0."""
+    P, kd, qg, w, dec = r["P"], r["kd"], r["qg"], r["w"], r["dec"]
+    NC = P.shape[2]
     dH = dS_last
     dHs, dvns = [None] * NC, [None] * NC
     for c in reversed(range(NC)):
@@ -114,9 +96,52 @@ def chunked_core_bwd(q, k, v, g, beta, scale, S0, do, dS_last, chunk_size):
         dvn = P[:, :, c].transpose(-1, -2) @ do[:, :, c] + kd[:, :, c] @ dH
         dvns[c] = dvn
         dH = qg[:, :, c].transpose(-1, -2) @ do[:, :, c] + dec[:, :, c] * dH - w[:, :, c].transpose(-1, -2) @ dvn
-    dS0 = dH
-    Sc, dHc = torch.stack(starts, dim=2), torch.stack(dHs, dim=2)  # [B, HV, NC, K, V]
-    vn, dvn = torch.stack(vns, dim=2), torch.stack(dvns, dim=2)  # [B, HV, NC, C, V]
+    return torch.stack(dHs, dim=2), torch.stack(dvns, dim=2), dH
+
+
+def reverse_sweep_ref(q, k, g, beta, scale, do, dS_last, chunk_size):
+    """Stage 2 alone, for the reverse-sweep kernel's tests: ``(dvn [B, T, HV, V], dH [B, HV, NC, K, V],
+    dS0 [B, HV, K, V])`` from q, k ``[B, T, HV, K]`` (l2-normalized already if the op normalizes),
+    g ``[B, T, HV, 1]``, beta ``[B, T, HV]``, do ``[B, T, HV, V]``, dS_last ``[B, HV, K, V]``."""
+    T, C = q.shape[1], chunk_size
+    NC = -(-T // C)
+    q, k, g, do = (_chunks(x, NC, C) for x in (q, k, g, do))
+    r = _recompute(q, k, None, g, _chunks(beta.unsqueeze(-1), NC, C), scale, C)
+    dHc, dvn, dS0 = _reverse_sweep(r, do, dS_last)
+    return _unchunk(dvn, T), dHc, dS0
+
+
+def chunked_core_bwd(q, k, v, g, beta, scale, S0, do, dS_last, chunk_size):
+    """Gradients of ``chunked_core(q, k, v, g, beta, scale, S0, chunk_size)`` for a scalar decay.
+
+    q, k ``[B, T, HV, K]``, v and do ``[B, T, HV, V]``, g ``[B, T, HV, 1]`` (log decay), beta
+    ``[B, T, HV]``, S0 and dS_last ``[B, HV, K, V]`` (dS_last: the gradient of the final state,
+    zeros when it is not used). Returns ``(dq, dk, dv, dg, dbeta, dS0)`` in the inputs' shapes.
+    """
+    T, dt = q.shape[1], q.dtype
+    C = chunk_size
+    NC = -(-T // C)
+    if NC == 0:
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
+                torch.zeros_like(beta), dS_last.clone())
+    q, k, v, g, do = (_chunks(x, NC, C) for x in (q, k, v, g, do))
+    b = _chunks(beta.unsqueeze(-1), NC, C)  # [B, HV, NC, C, 1]
+
+    # ---- stage 1: recompute the forward's chunk quantities and the chunk-start states
+    r = _recompute(q, k, v, g, b, scale, C)
+    E, Es, strict, KK, A, eg = r["E"], r["Es"], r["strict"], r["KK"], r["A"], r["eg"]
+    kb, vb, Tm, w, u, P, qg = r["kb"], r["vb"], r["Tm"], r["w"], r["u"], r["P"], r["qg"]
+    kdec, kd, dec = r["kdec"], r["kd"], r["dec"]
+    S, starts, vns = S0, [], []
+    for c in range(NC):
+        starts.append(S)
+        vn = u[:, :, c] - w[:, :, c] @ S
+        vns.append(vn)
+        S = dec[:, :, c] * S + kd[:, :, c].transpose(-1, -2) @ vn
+    Sc, vn = torch.stack(starts, dim=2), torch.stack(vns, dim=2)  # [B, HV, NC, K, V], [B, HV, NC, C, V]
+
+    # ---- stage 2: the reverse sweep (state gradients and dvn)
+    dHc, dvn, dS0 = _reverse_sweep(r, do, dS_last)
 
     # ---- stage 3: per-chunk gradients
     dqg = do @ Sc.transpose(-1, -2)  # o = qg S

@@ -1,7 +1,7 @@
 """Shared pieces of the SM90 Gated DeltaNet kernels (CuTeDSL): tiles, copies, WGMMA helpers.
 
 Everything here runs at trace time inside ``@cute.jit`` / ``@cute.kernel`` code
-of ``gated_delta_rule_fwd_sm90.py`` (and the backward, when it comes).
+of ``gated_delta_rule_fwd_sm90.py`` and ``gated_delta_rule_bwd_sm90.py``.
 
 Conventions
 -----------
@@ -166,8 +166,9 @@ def acc_to_frag_map(mma_c, shape_mn, mma_a, shape_mk, threads=SAMPLE_THREADS):
     return tuple(ref)
 
 
-def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool):
-    """WGMMA tiled MMA, M = 64 (one warpgroup), N = ``n``, fp32 accumulators; A K-major."""
+def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool, a_mn_major: bool = False):
+    """WGMMA tiled MMA, M = 64 (one warpgroup), N = ``n``, fp32 accumulators; A K-major (MN-major
+    with ``a_mn_major``, only from shared memory: the transposed view of a row-major tile)."""
     _, cute = kc.import_cute()
     from cutlass import Float32
     from cutlass.cute.nvgpu import warpgroup
@@ -175,13 +176,62 @@ def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool):
 
     K = cute.nvgpu.OperandMajorMode.K
     MN = cute.nvgpu.OperandMajorMode.MN
+    if a_mn_major and a_regs:
+        raise ValueError("an MN-major A operand comes from shared memory")
     return sm90.make_trivial_tiled_mma(
         ab_dtype,
         ab_dtype,
-        K,
+        MN if a_mn_major else K,
         MN if b_mn_major else K,
         Float32,
         (1, 1, 1),
         tiler_mn=(64, n),
         a_source=warpgroup.OperandSource.RMEM if a_regs else warpgroup.OperandSource.SMEM,
     )
+
+
+def make_gemm():
+    """``gemm(tiled_mma, acc, tA, tB, zero_init)``: one warpgroup MMA over every K block of the
+    fragments (accumulating into ``acc`` unless ``zero_init``); the caller commits and waits."""
+    cutlass, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import warpgroup
+
+    @cute.jit
+    def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, zero_init: cutlass.Constexpr):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
+            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+
+    return gemm
+
+
+def make_row_inv_norm(dtype, cols: int, eps: float):
+    """``row_inv_norm(sX, r)``: ``1 / sqrt(sum_c sX[r, c]^2 + eps)`` of one smem row (the l2norm factor)."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+
+    @cute.jit
+    def row_inv_norm(sX: cute.Tensor, r: Int32):
+        ss = Float32(0.0)
+        for vc in cutlass.range_constexpr(cols // 8):
+            frag = cute.make_rmem_tensor((1, 8), dtype)
+            cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, vc)), frag)
+            xv = frag.load().to(Float32)
+            ss = ss + (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        return cute.math.rsqrt(ss + eps)
+
+    return row_inv_norm
+
+
+def check_same_acc_layout(mma_a, mma_b, shape_mn, threads=SAMPLE_THREADS) -> None:
+    """Assert that two tiled MMAs give every thread the same accumulator coordinates (so one
+    accumulator tensor can collect both)."""
+    _, cute = kc.import_cute()
+    for t in threads:
+        ca = mma_a.get_slice(t).partition_C(cute.make_identity_tensor(shape_mn))
+        cb = mma_b.get_slice(t).partition_C(cute.make_identity_tensor(shape_mn))
+        if cute.size(ca) != cute.size(cb) or any(tuple(ca[e]) != tuple(cb[e]) for e in range(cute.size(ca))):
+            raise AssertionError(f"thread {t}: the two MMAs' accumulator layouts differ")

@@ -130,14 +130,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     load_tiles = _make_load_tiles(C)
 
 
-    @cute.jit
-    def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, zero_init: cutlass.Constexpr):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
-            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
+    gemm = cm.make_gemm()
 
     @cute.jit
     def store_rows(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
@@ -424,24 +417,9 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     load_tiles = _make_load_tiles(C)
 
 
-    @cute.jit
-    def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, zero_init: cutlass.Constexpr):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
-            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
+    gemm = cm.make_gemm()
 
-    @cute.jit
-    def row_inv_norm(sX: cute.Tensor, r: Int32):
-        ss = Float32(0.0)
-        for vc in cutlass.range_constexpr(K // 8):
-            frag = cute.make_rmem_tensor((1, 8), dtype)
-            cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, vc)), frag)
-            xv = frag.load().to(Float32)
-            ss = ss + (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        return cute.math.rsqrt(ss + L2NORM_EPS)
+    row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
 
     @cute.kernel
     def kernel(

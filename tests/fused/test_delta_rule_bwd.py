@@ -62,3 +62,17 @@ def test_empty_sequence_passes_the_state_gradient_through():
     dS = torch.randn(2, 3, 16, 8)
     got = chunked_core_bwd(*inputs[:5], 0.25, inputs[5], torch.zeros(2, 0, 3, 8), dS, 64)
     assert all(t.numel() == 0 for t in got[:5]) and torch.equal(got[5], dS)
+
+
+def test_reverse_sweep_stage_alone_gives_the_initial_state_gradient():
+    from cudnn_train.fused.delta_rule_bwd import reverse_sweep_ref
+
+    inputs = _inputs(2, 150, 3, 16, 8, torch.float64)
+    do = torch.randn(2, 150, 3, 8, dtype=torch.float64)
+    dS = torch.randn(2, 3, 16, 8, dtype=torch.float64)
+    want = _autograd(chunked_core, inputs, do, dS, 0.25, 64)
+    q, k, _, g, beta, _ = inputs
+    dvn, dH, dS0 = reverse_sweep_ref(q, k, g, beta, 0.25, do, dS, 64)
+    assert dvn.shape == do.shape and dH.shape == (2, 3, 3, 16, 8)
+    assert torch.equal(dH[:, :, -1], dS)  # the last chunk's leaving-state gradient is the final state's
+    assert rel_l2(dS0, want[5]) <= 1e-12
