@@ -28,7 +28,7 @@ fla)
     tests/test_demo.py > $OUT/fla.log 2>&1
   echo "pytest rc=$?"; grep -cE " PASSED " $OUT/fla.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/fla.log | tail -20 ;;
 gdn)
-  timeout 300 $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py > $OUT/gdn.log 2>&1
+  timeout 300 $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py > $OUT/gdn.log 2>&1
   echo "pytest rc=$?"; grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn.log | tail -12
   timeout 240 python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 50 --json $OUT/bench_gdn.json > $OUT/bench_gdn.log 2>&1
   echo "bench_gdn rc=$?"; tail -n 20 $OUT/bench_gdn.log ;;

@@ -1,0 +1,297 @@
+"""Chunked Gated DeltaNet backward for SM90 (CuTeDSL, WGMMA): the reverse state sweep.
+
+Stage 2 of ``fused/delta_rule_bwd.py`` (its ``reverse_sweep_ref`` is this kernel's oracle).
+Kernel ``dstate`` (grid: N x HV x V/64, one warpgroup) walks the chunks of one sequence
+from the last to the first with ``dH^T`` [64 (V block), K] in float32 WGMMA accumulators,
+dH being the gradient of the state leaving the chunk (at the start: the final state's
+gradient, or zero). Per chunk, with q, k the (row-factor normalized) inputs, w and gc the
+forward's WY output and cumulative gate, ``rq``/``rk`` the l2norm row factors::
+
+    dvn^T = (dH^T k^T) diag(e^(gc_C - gc) rk)  +  do^T P            [v, i]   P as in the forward
+    dH^T <- e^(gc_C) dH^T  +  (do diag(scale e^gc rq))^T q  -  dvn^T w          [v, d]
+
+``dH^T k^T`` takes dH^T in the input dtype as a register A operand (like S^T in the forward);
+``do^T P`` and ``do_s^T q`` read do (and its row-scaled copy) as MN-major A operands from
+shared memory; ``-dvn^T`` goes back into registers as the A operand of the last product.
+
+Writes dvn (float32 ``[B, T, HV, V]``), the dH of every chunk before its update (float32
+``[chunks, HV, K, V]``; chunk index ``b * NT + c``, or ``cu_chunks[n] + c`` with varlen) for
+the per-chunk gradient stage, and the initial state's gradient (float32, either layout).
+
+Status: compiled for sm_90a by the compile tier; **not yet run on a GPU** (its GPU test,
+``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, compares it with ``reverse_sweep_ref``).
+Not registered as a backend: the per-chunk gradient stage (stage 3) is not written yet.
+"""
+
+
+import torch
+
+from ..backend import Unsupported
+from . import compile as kc
+from . import gated_delta_rule_common_sm90 as cm
+from . import gated_delta_rule_fwd_sm90 as fwd
+
+CHUNK = cm.CHUNK
+THREADS = cm.THREADS
+VBLOCK = fwd.VBLOCK
+_SOURCES = (__file__, cm.__file__, fwd.__file__)
+
+
+def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool):
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import warpgroup
+
+    C = CHUNK
+    VB = VBLOCK
+    LOG2E = cm.LOG2E
+    load_tiles = fwd._make_load_tiles(C)
+    gemm = cm.make_gemm()
+    row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
+
+    @cute.kernel
+    def kernel(
+        mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor, mDHT: cute.Tensor,
+        mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
+        scale: Float32, T: Int32, NT: Int32, group: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, hv, vb = cute.arch.block_idx()
+        h = hv // group
+        v0 = vb * VB
+
+        mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)  # q k^T        [i, j]
+        mma_x = cm.make_mma(dtype, C, a_regs=True, b_mn_major=False)  # dH^T k^T     [v, i]
+        mma_t = cm.make_mma(dtype, C, a_regs=False, b_mn_major=True, a_mn_major=True)  # do^T P  [v, j]
+        mma_q = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True, a_mn_major=True)  # do_s^T q  [v, d]
+        mma_s = cm.make_mma(dtype, K, a_regs=True, b_mn_major=True)  # dvn^T w      [v, d]
+        map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
+        map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
+
+        smem = cutlass.utils.SmemAllocator()
+        lqk = cm.smem_tile_layout(dtype, C, K)
+        lp = cm.smem_tile_layout(dtype, C, C)
+        ldo = cm.smem_tile_layout(dtype, C, VB)
+        sQ = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
+        sK = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
+        sW = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
+        sP = smem.allocate_tensor(dtype, lp.outer, 1024, lp.inner)
+        sDo = smem.allocate_tensor(dtype, ldo.outer, 1024, ldo.inner)
+        sDoS = smem.allocate_tensor(dtype, ldo.outer, 1024, ldo.inner)
+        sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+
+        thr_p = mma_p.get_slice(tidx)
+        thr_x = mma_x.get_slice(tidx)
+        thr_t = mma_t.get_slice(tidx)
+        thr_q = mma_q.get_slice(tidx)
+        thr_s = mma_s.get_slice(tidx)
+        tAq = mma_p.make_fragment_A(thr_p.partition_A(sQ))
+        tBk = mma_p.make_fragment_B(thr_p.partition_B(sK))
+        tBkx = mma_x.make_fragment_B(thr_x.partition_B(sK))  # [N = i, K = d]
+        tAdo = mma_t.make_fragment_A(thr_t.partition_A(cm.transpose_view(sDo)))  # [M = v, K = i]
+        tBpt = mma_t.make_fragment_B(thr_t.partition_B(cm.transpose_view(sP)))  # [N = j, K = i]
+        tAdos = mma_q.make_fragment_A(thr_q.partition_A(cm.transpose_view(sDoS)))  # [M = v, K = i]
+        tBqt = mma_q.make_fragment_B(thr_q.partition_B(cm.transpose_view(sQ)))  # [N = d, K = i]
+        tBwt = mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(sW)))  # [N = d, K = i]
+        rD = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
+        rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
+        cS = thr_s.partition_C(cute.make_identity_tensor((VB, K)))  # (v, d)
+        cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
+        cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
+
+        b = n
+        ts = Int32(0)
+        te = T
+        cbase = n * NT
+        if cutlass.const_expr(varlen):
+            b = Int32(0)
+            ts = mCu[n]
+            te = mCu[n + 1]
+            cbase = mCuC[n]
+        nchunks = (te - ts + C - 1) // C
+
+        accD = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
+        if cutlass.const_expr(has_dht):
+            for e in cutlass.range_constexpr(cute.size(accD)):
+                iv, idd = cS[e]
+                if cutlass.const_expr(state_vk):
+                    accD[e] = mDHT[n, hv, v0 + iv, idd]
+                else:
+                    accD[e] = mDHT[n, hv, idd, v0 + iv]
+        else:
+            accD.fill(0.0)
+
+        for cr in cutlass.range(nchunks, unroll=1):
+            ci = nchunks - 1 - cr
+            t0 = ts + ci * C
+            length = cutlass.min(te - t0, C)
+            cute.arch.sync_threads()  # the previous chunk is done with every smem tile
+            load_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K),
+                        (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K)), length, tidx)
+            load_tiles(((cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K),
+                        (cute.domain_offset((t0, v0), mDO[b, None, hv, None]), sDo, VB)), length, tidx)
+            if tidx < C:
+                sGc[tidx] = mGc[b, t0 + cutlass.min(tidx, length - 1), hv]
+            cute.arch.sync_threads()
+            if cutlass.const_expr(l2norm):
+                if tidx < C:
+                    sRq[tidx] = row_inv_norm(sQ, tidx)
+                else:
+                    sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+                cute.arch.sync_threads()
+            # do_s = do diag(scale e^gc rq): the A operand of the q term of the state update
+            for e in cutlass.range_constexpr(C * VB // THREADS):
+                idx = e * THREADS + tidx
+                si = idx // VB
+                sv = idx % VB
+                coef = scale * cute.math.exp2(sGc[si] * LOG2E, fastmath=True)
+                if cutlass.const_expr(l2norm):
+                    coef = coef * sRq[si]
+                sDoS[si, sv] = (sDo[si, sv].to(Float32) * coef).to(dtype)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+            # ---- dH^T k^T and q k^T
+            for f in cutlass.range_constexpr(cute.size(rD)):
+                rD[f] = accD[map_s[f]].to(dtype)
+            accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
+            accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
+            gemm(mma_x, accX, rD, tBkx, True)  # dH^T k^T  [v, i]
+            gemm(mma_p, accP, tAq, tBk, True)  # q k^T     [i, j]
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # this chunk's dH (before the update), for the per-chunk gradient stage
+            for e in cutlass.range_constexpr(cute.size(accD)):
+                hv_, hd_ = cS[e]
+                mDH[cbase + ci, hv, hd_, v0 + hv_] = accD[e]
+            glast = sGc[C - 1]
+            for e in cutlass.range_constexpr(cute.size(accX)):
+                _, xi = cX[e]
+                dcoef = cute.math.exp2((glast - sGc[xi]) * LOG2E, fastmath=True)
+                if cutlass.const_expr(l2norm):
+                    dcoef = dcoef * sRk[xi]
+                accX[e] = accX[e] * dcoef
+            # P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j -> smem, as in the forward
+            for e in cutlass.range_constexpr(cute.size(accP)):
+                pi, pj = cP[e]
+                pval = Float32(0.0)
+                if pj <= pi:
+                    pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
+                    if cutlass.const_expr(l2norm):
+                        pcoef = pcoef * sRq[pi] * sRk[pj]
+                    pval = accP[e] * pcoef
+                sP[pi, pj] = pval.to(dtype)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()  # P visible to the async proxy
+
+            gemm(mma_t, accX, tAdo, tBpt, False)  # dvn^T += do^T P
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            for e in cutlass.range_constexpr(cute.size(accX)):
+                xv, xi = cX[e]
+                if xi < length:
+                    mDVN[b, t0 + xi, hv, v0 + xv] = accX[e]
+            for f in cutlass.range_constexpr(cute.size(rVd)):
+                rVd[f] = (-accX[map_vd[f]]).to(dtype)
+            decay = cute.math.exp2(glast * LOG2E, fastmath=True)
+            for e in cutlass.range_constexpr(cute.size(accD)):
+                accD[e] = accD[e] * decay
+            gemm(mma_q, accD, tAdos, tBqt, False)  # dH^T += do_s^T q
+            gemm(mma_s, accD, rVd, tBwt, False)  # dH^T -= dvn^T w
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+        for e in cutlass.range_constexpr(cute.size(accD)):
+            ov, od = cS[e]
+            if cutlass.const_expr(state_vk):
+                mDH0[n, hv, v0 + ov, od] = accD[e]
+            else:
+                mDH0[n, hv, od, v0 + ov] = accD[e]
+
+    @cute.jit
+    def host(
+        mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor, mDHT: cute.Tensor,
+        mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
+        scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, stream,
+    ):
+        _static_checks(dtype, K)
+        HV = mW.shape[2]
+        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group).launch(
+            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
+        )
+
+    f = fwd._fakes()
+    args = (
+        f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.any3(Float32), f.rows4(dtype, V), f.state(),
+        f.rows4(Float32, V), f.state(), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+    )
+    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
+
+
+def _static_checks(dtype, K: int) -> None:
+    """Layout facts the kernel relies on, asserted while tracing (no GPU needed)."""
+    cm.check_mn_major_view(dtype, CHUNK, K)
+    cm.check_mn_major_view(dtype, CHUNK, CHUNK)
+    cm.check_mn_major_view(dtype, CHUNK, VBLOCK)
+    cm.check_same_acc_layout(cm.make_mma(dtype, CHUNK, True, False), cm.make_mma(dtype, CHUNK, False, True, True),
+                             (64, CHUNK))
+    cm.check_same_acc_layout(cm.make_mma(dtype, K, True, True), cm.make_mma(dtype, K, False, True, True), (64, K))
+
+
+def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk):
+    key = ("dstate", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk))
+
+    def build():
+        return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk)
+
+    return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
+
+
+def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
+                  cu_seqlens=None, state_v_first: bool = False):
+    """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
+    (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
+    (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: float32
+    ``[B, T, HV, V]``, ``[chunks, HV, K, V]`` and ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+    ``state_v_first``)."""
+    cm.check_device(q)
+    if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
+        raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
+    B, T, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    if K not in fwd.HEAD_DIMS or V not in fwd.HEAD_DIMS:
+        raise Unsupported(f"head dims K={K}, V={V}")
+    for name, t in (("q", q), ("k", k), ("w", w), ("do", do)):
+        cm.check_rows_aligned(name, t)
+    varlen = cu_seqlens is not None
+    nseq = cu_seqlens.numel() - 1 if varlen else B
+    dev = q.device
+    f32_dummy, i32_dummy = fwd._dummies(dev)
+    if varlen:
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+        nch = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
+        cu_chunks = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0, dtype=torch.int32)])
+        total_chunks = T // CHUNK + nseq  # an upper bound: no host read
+        NT = 0
+    else:
+        cu = cu_chunks = i32_dummy
+        NT = -(-T // CHUNK)
+        total_chunks = B * NT
+    dvn = torch.zeros(B, T, HV, V, dtype=torch.float32, device=dev)
+    dH = torch.empty(total_chunks, HV, K, V, dtype=torch.float32, device=dev)
+    dh0 = torch.empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
+    fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first)
+    if T == 0 or nseq == 0:
+        if dht is None:
+            dh0.zero_()
+        else:
+            dh0.copy_(dht)
+        return dvn, dH, dh0
+    fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1) if dht is None else dht, dvn, dH, dh0, cu, cu_chunks,
+       float(scale), T, NT, HV // H, nseq)
+    return dvn, dH, dh0

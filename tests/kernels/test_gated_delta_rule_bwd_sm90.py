@@ -1,0 +1,117 @@
+"""SM90 Gated DeltaNet backward, the reverse state sweep: compiled for sm_90a on any machine; on a
+GPU, checked against the float32 stage-2 reference ``fused.delta_rule_bwd.reverse_sweep_ref``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.utils import rel_l2
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+# (dtype, K, V, l2norm, varlen, has dht, state [V, K])
+VARIANTS = [
+    (torch.bfloat16, 128, 128, True, False, True, False),
+    (torch.float16, 64, 64, False, True, False, True),
+]
+
+
+@pytest.mark.compile
+def test_reverse_sweep_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    kc.clear_memory_cache()
+    for v in VARIANTS:
+        assert callable(B90.get_dstate_kernel(*v))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS)
+
+
+def test_reverse_sweep_declines_without_gpu_before_touching_memory():
+    from cudnn_train.backend import Unsupported
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU decline")
+    q = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(Unsupported):
+        B90.reverse_sweep(q, q, q, torch.zeros(1, 8, 1), q, scale=0.125)
+
+
+# ------------------------------------------------------------------ GPU tier
+
+
+def _l2n(x):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _case(B, T, H, HV, K, V, dtype, l2norm, lens=None):
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    dev = "cuda"
+    q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    if not l2norm:
+        q, k = _l2n(q.float()).to(dtype), _l2n(k.float()).to(dtype)
+    v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
+    beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
+    cu = None if lens is None else torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
+    scale = K**-0.5
+    o, _, (w, u, gc) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu,
+                                   return_intermediates=True).value
+    return q, k, g, beta, w, gc, cu, scale
+
+
+def _reference(q, k, g, beta, do, dht, scale, HV, l2norm):
+    from cudnn_train.fused.delta_rule_bwd import reverse_sweep_ref
+
+    rep = HV // q.shape[2]
+    qf, kf = (_l2n(x.float()) if l2norm else x.float() for x in (q, k))
+    qf, kf = qf.repeat_interleave(rep, dim=2), kf.repeat_interleave(rep, dim=2)
+    return reverse_sweep_ref(qf, kf, g.float().unsqueeze(-1), beta.float(), scale, do.float(), dht, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reverse_sweep_matches_reference(T, dtype):
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    Bn, H, HV, K, V = 2, 2, 4, 128, 128
+    q, k, g, beta, w, gc, _, scale = _case(Bn, T, H, HV, K, V, dtype, l2norm=True)
+    do = torch.randn(Bn, T, HV, V, device="cuda", dtype=dtype)
+    dht = torch.randn(Bn, HV, K, V, device="cuda")
+    dvn, dH, dh0 = B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True)
+    ref_dvn, ref_dH, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
+    NC = ref_dH.shape[2]
+    ref_dH = ref_dH.permute(0, 2, 1, 3, 4).reshape(Bn * NC, HV, K, V)  # chunk index b * NT + c
+    for name, a, b in (("dvn", dvn, ref_dvn), ("dH", dH, ref_dH), ("dh0", dh0, ref_dh0)):
+        assert torch.isfinite(a).all(), name
+        assert rel_l2(a, b) <= 2e-2, (name, rel_l2(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_reverse_sweep_varlen_gva_and_state_layouts(state_v_first):
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    lens = [1, 63, 130, 64, 0, 7]
+    T, H, HV, K, V = sum(lens), 1, 4, 64, 128
+    q, k, g, beta, w, gc, cu, scale = _case(1, T, H, HV, K, V, torch.bfloat16, l2norm=False, lens=lens)
+    do = torch.randn(1, T, HV, V, device="cuda", dtype=torch.bfloat16)
+    dht = torch.randn(len(lens), HV, K, V, device="cuda")
+    dvn, _, dh0 = B90.reverse_sweep(q, k, w, gc, do, dht.transpose(-1, -2).contiguous() if state_v_first else dht,
+                                    scale=scale, cu_seqlens=cu, state_v_first=state_v_first)
+    if state_v_first:
+        dh0 = dh0.transpose(-1, -2)
+    for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if e == s:
+            assert torch.equal(dh0[n], dht[n])
+            continue
+        sl = slice(s, e)
+        ref_dvn, _, ref_dh0 = _reference(q[:, sl], k[:, sl], g[:, sl], beta[:, sl], do[:, sl], dht[n : n + 1],
+                                         scale, HV, False)
+        assert rel_l2(dvn[:, sl], ref_dvn) <= 2e-2, (n, rel_l2(dvn[:, sl], ref_dvn))
+        assert rel_l2(dh0[n : n + 1], ref_dh0) <= 2e-2, (n, rel_l2(dh0[n : n + 1], ref_dh0))
