@@ -48,6 +48,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     load_tiles = fwd._make_load_tiles(C)
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
+    load_state, store_state = cm.make_state_io()
+    store_p = cm.make_store_p(dtype, l2norm)
 
     @cute.kernel
     def kernel(
@@ -114,12 +116,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
 
         accD = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
         if cutlass.const_expr(has_dht):
-            for e in cutlass.range_constexpr(cute.size(accD)):
-                iv, idd = cS[e]
-                if cutlass.const_expr(state_vk):
-                    accD[e] = mDHT[n, hv, v0 + iv, idd]
-                else:
-                    accD[e] = mDHT[n, hv, idd, v0 + iv]
+            load_state(accD, cS, mDHT, n, hv, v0, state_vk)
         else:
             accD.fill(0.0)
 
@@ -175,15 +172,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     dcoef = dcoef * sRk[xi]
                 accX[e] = accX[e] * dcoef
             # P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j -> smem, as in the forward
-            for e in cutlass.range_constexpr(cute.size(accP)):
-                pi, pj = cP[e]
-                pval = Float32(0.0)
-                if pj <= pi:
-                    pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
-                    if cutlass.const_expr(l2norm):
-                        pcoef = pcoef * sRq[pi] * sRk[pj]
-                    pval = accP[e] * pcoef
-                sP[pi, pj] = pval.to(dtype)
+            store_p(accP, cP, sP, sGc, sRq, sRk, scale)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()  # P visible to the async proxy
 
@@ -205,12 +194,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-        for e in cutlass.range_constexpr(cute.size(accD)):
-            ov, od = cS[e]
-            if cutlass.const_expr(state_vk):
-                mDH0[n, hv, v0 + ov, od] = accD[e]
-            else:
-                mDH0[n, hv, od, v0 + ov] = accD[e]
+        store_state(accD, cS, mDH0, n, hv, v0, state_vk)
 
     @cute.jit
     def host(

@@ -235,3 +235,55 @@ def check_same_acc_layout(mma_a, mma_b, shape_mn, threads=SAMPLE_THREADS) -> Non
         cb = mma_b.get_slice(t).partition_C(cute.make_identity_tensor(shape_mn))
         if cute.size(ca) != cute.size(cb) or any(tuple(ca[e]) != tuple(cb[e]) for e in range(cute.size(ca))):
             raise AssertionError(f"thread {t}: the two MMAs' accumulator layouts differ")
+
+
+def make_state_io():
+    """``load_state(acc, cS, mH, n, hv, v0, state_vk)`` / ``store_state(...)``: a float32 state
+    block ``[v0 : v0 + 64, :]`` of ``mH[n, hv]`` (``[K, V]``, or ``[V, K]`` with ``state_vk``)
+    to and from the accumulator ``acc`` whose coordinates ``cS`` are ``(v, d)``."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    @cute.jit
+    def load_state(acc: cute.Tensor, cS: cute.Tensor, mH: cute.Tensor, n: Int32, hv: Int32, v0: Int32,
+                   state_vk: cutlass.Constexpr):
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            sv, sd = cS[e]
+            if cutlass.const_expr(state_vk):
+                acc[e] = mH[n, hv, v0 + sv, sd]
+            else:
+                acc[e] = mH[n, hv, sd, v0 + sv]
+
+    @cute.jit
+    def store_state(acc: cute.Tensor, cS: cute.Tensor, mH: cute.Tensor, n: Int32, hv: Int32, v0: Int32,
+                    state_vk: cutlass.Constexpr):
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            sv, sd = cS[e]
+            if cutlass.const_expr(state_vk):
+                mH[n, hv, v0 + sv, sd] = acc[e]
+            else:
+                mH[n, hv, sd, v0 + sv] = acc[e]
+
+    return load_state, store_state
+
+
+def make_store_p(dtype, l2norm: bool):
+    """``store_p(accP, cP, sP, sGc, sRq, sRk, scale)``: ``P = scale tril(q k^T exp(gc_i - gc_j))
+    rq_i rk_j`` (diagonal kept) from the ``q k^T`` accumulator into the smem tile ``sP [i, j]``."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32
+
+    @cute.jit
+    def store_p(accP: cute.Tensor, cP: cute.Tensor, sP: cute.Tensor, sGc: cute.Tensor, sRq: cute.Tensor,
+                sRk: cute.Tensor, scale: Float32):
+        for e in cutlass.range_constexpr(cute.size(accP)):
+            pi, pj = cP[e]
+            pval = Float32(0.0)
+            if pj <= pi:
+                pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
+                if cutlass.const_expr(l2norm):
+                    pcoef = pcoef * sRq[pi] * sRk[pj]
+                pval = accP[e] * pcoef
+            sP[pi, pj] = pval.to(dtype)
+
+    return store_p

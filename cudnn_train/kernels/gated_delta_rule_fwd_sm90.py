@@ -128,9 +128,8 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     A_STRIDE = C + 4  # float32 row stride of the A tile: 16-byte rows, broadcast reads
 
     load_tiles = _make_load_tiles(C)
-
-
     gemm = cm.make_gemm()
+    wy_row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
 
     @cute.jit
     def store_rows(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
@@ -318,13 +317,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                 r = tidx - C
                 rk = Float32(1.0)
                 if cutlass.const_expr(l2norm):
-                    ss = Float32(0.0)
-                    for vc in cutlass.range_constexpr(K // 8):
-                        frag = cute.make_rmem_tensor((1, 8), dtype)
-                        cute.autovec_copy(cute.local_tile(sK, (1, 8), (r, vc)), frag)
-                        xv = frag.load().to(Float32)
-                        ss = ss + (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    rk = cute.math.rsqrt(ss + L2NORM_EPS)
+                    rk = wy_row_inv_norm(sK, r)
                 sRk[r] = rk
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
@@ -415,11 +408,10 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     U_STRIDE = VB + 8  # padded row-major u tile: conflict-free transposed reads
 
     load_tiles = _make_load_tiles(C)
-
-
     gemm = cm.make_gemm()
-
     row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
+    load_state, store_state = cm.make_state_io()
+    store_p = cm.make_store_p(dtype, l2norm)
 
     @cute.kernel
     def kernel(
@@ -481,12 +473,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         # ---- state S^T [v, d] (float32 accumulators)
         accS = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
         if cutlass.const_expr(has_h0):
-            for e in cutlass.range_constexpr(cute.size(accS)):
-                hv_, hd_ = cS[e]
-                if cutlass.const_expr(state_vk):
-                    accS[e] = mH0[n, hv, v0 + hv_, hd_]
-                else:
-                    accS[e] = mH0[n, hv, hd_, v0 + hv_]
+            load_state(accS, cS, mH0, n, hv, v0, state_vk)
         else:
             accS.fill(0.0)
 
@@ -527,15 +514,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                 xv, xi = cX[e]
                 accX[e] = sU[xi, xv].to(Float32) - accX[e]
             # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j -> smem (B operand of the o update)
-            for e in cutlass.range_constexpr(cute.size(accP)):
-                pi, pj = cP[e]
-                pval = Float32(0.0)
-                if pj <= pi:
-                    pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
-                    if cutlass.const_expr(l2norm):
-                        pcoef = pcoef * sRq[pi] * sRk[pj]
-                    pval = accP[e] * pcoef
-                sP[pi, pj] = pval.to(dtype)
+            store_p(accP, cP, sP, sGc, sRq, sRk, scale)
             # ---- o^T = scale exp(gc_i) rq_i S^T q^T + ...
             for e in cutlass.range_constexpr(cute.size(accO)):
                 _, oi = cX[e]
@@ -569,12 +548,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                     mO[b, t0 + oi, hv, v0 + ov] = accO[e].to(dtype)
 
         if cutlass.const_expr(out_final):
-            for e in cutlass.range_constexpr(cute.size(accS)):
-                fv, fd = cS[e]
-                if cutlass.const_expr(state_vk):
-                    mHT[n, hv, v0 + fv, fd] = accS[e]
-                else:
-                    mHT[n, hv, fd, v0 + fv] = accS[e]
+            store_state(accS, cS, mHT, n, hv, v0, state_vk)
 
     @cute.jit
     def host(
