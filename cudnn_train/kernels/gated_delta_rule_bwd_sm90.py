@@ -45,7 +45,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     C = CHUNK
     VB = VBLOCK
     LOG2E = cm.LOG2E
-    load_tiles = fwd._make_load_tiles(C)
+    load_chunk = fwd._make_load_chunk(K, VB)
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
@@ -125,12 +125,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             t0 = ts + ci * C
             length = cutlass.min(te - t0, C)
             cute.arch.sync_threads()  # the previous chunk is done with every smem tile
-            load_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K),
-                        (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K)), length, tidx)
-            load_tiles(((cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K),
-                        (cute.domain_offset((t0, v0), mDO[b, None, hv, None]), sDo, VB)), length, tidx)
-            if tidx < C:
-                sGc[tidx] = mGc[b, t0 + cutlass.min(tidx, length - 1), hv]
+            load_chunk(mQ, mK, mW, mDO, mGc, sQ, sK, sW, sDo, sGc, b, h, hv, t0, v0, length, tidx)
             cute.arch.sync_threads()
             if cutlass.const_expr(l2norm):
                 if tidx < C:

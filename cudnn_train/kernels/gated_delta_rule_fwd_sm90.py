@@ -114,6 +114,30 @@ def _make_load_tiles(rows: int):
     return load_tiles
 
 
+def _make_load_chunk(K: int, VB: int):
+    """``load_chunk(mQ, mK, mW, mX, mGc, sQ, sK, sW, sX, sGc, b, h, hv, t0, v0, length, tidx)``:
+    one chunk's q, k (head h), w (value head hv), the ``[t0:, v0 : v0 + VB]`` tile of mX (u in the
+    forward, do in the backward) and gc (last valid row repeated past the end) into smem."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    C = CHUNK
+    load_tiles = _make_load_tiles(C)
+
+    @cute.jit
+    def load_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mX: cute.Tensor, mGc: cute.Tensor,
+                   sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, sGc: cute.Tensor,
+                   b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32, tidx: Int32):
+        load_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K),
+                    (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K)), length, tidx)
+        load_tiles(((cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K),
+                    (cute.domain_offset((t0, v0), mX[b, None, hv, None]), sX, VB)), length, tidx)
+        if tidx < C:
+            sGc[tidx] = mGc[b, t0 + cutlass.min(tidx, length - 1), hv]
+
+    return load_chunk
+
+
 # ------------------------------------------------------------------ kernel 1: w, u, gc
 
 
@@ -407,7 +431,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     LOG2E = cm.LOG2E
     U_STRIDE = VB + 8  # padded row-major u tile: conflict-free transposed reads
 
-    load_tiles = _make_load_tiles(C)
+    load_chunk = _make_load_chunk(K, VB)
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
@@ -481,12 +505,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
             t0 = ts + ci * C
             length = cutlass.min(te - t0, C)
             cute.arch.sync_threads()  # the previous chunk is done with every smem tile
-            load_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K),
-                        (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K)), length, tidx)
-            load_tiles(((cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K),
-                        (cute.domain_offset((t0, v0), mU[b, None, hv, None]), sU, VB)), length, tidx)
-            if tidx < C:
-                sGc[tidx] = mGc[b, t0 + cutlass.min(tidx, length - 1), hv]
+            load_chunk(mQ, mK, mW, mU, mGc, sQ, sK, sW, sU, sGc, b, h, hv, t0, v0, length, tidx)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
 
