@@ -55,8 +55,8 @@ HELD_OUT_ONE_IN = 20
 EVAL_SEED = 1234  # held-out windows are the same whatever --seed is
 
 PRESETS: dict[str, dict] = {
-    # about 1.1M parameters, 2048 bytes a step: 2.7 min in all on 2 idle CPU cores (4.2 min with
-    # another job on them); held-out bits/byte 7.48 -> 2.46
+    # about 1.1M parameters, 2048 bytes a step: 1.8-2.7 min in all on 2 idle CPU cores (4.2 min with
+    # another job on them); held-out bits/byte 7.48 -> 2.44
     "cpu": dict(steps=200, layers=4, hidden=128, heads=2, seq_len=128, batch=16, lr=3e-3,
                 eval_windows=64, sample_bytes=120),
     # about 108M parameters, 16384 bytes a step: 2.2 steps/s (29k bytes/s) on an H200 with
