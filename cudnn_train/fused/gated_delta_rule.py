@@ -524,9 +524,12 @@ def _check_gdn(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log
     return info
 
 
-def _gdn_torch_math(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                    use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                    state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_size):
+def delta_torch_math(q, k, v, beta, initial_state, log_decay, *, scale, output_final_state,
+                     use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+                     cu_seqlens, cu_seqlens_cpu, chunk_size):
+    """The torch math shared by GDN and KDA: prepare q/k/v/beta/state, then run a core
+    (``chunk_size`` None = the recurrent oracle). ``log_decay(ct)`` gives the float log decay
+    ``[B, T, HV, 1 or K]`` (or None) in the compute dtype ``ct``: the one place the ops differ."""
     T, N = q.shape[1], (q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1)
     cu_vals = None if cu_seqlens is None else host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
     qf, kf, vf, bf, h0 = prepare_qkv(
@@ -534,10 +537,20 @@ def _gdn_torch_math(q, k, v, g, beta, scale, initial_state, output_final_state, 
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first,
     )
-    gf = _gdn_log_decay(g, A_log, dt_bias, use_gate_in_kernel, qf.dtype)
-    return run_delta_rule(qf, kf, vf, gf, bf, h0, scale=scale, N=N, cu_vals=cu_vals,
+    return run_delta_rule(qf, kf, vf, log_decay(qf.dtype), bf, h0, scale=scale, N=N, cu_vals=cu_vals,
                           output_final_state=output_final_state, state_v_first=state_v_first,
                           out_dtype=q.dtype, chunk_size=chunk_size)
+
+
+def _gdn_torch_math(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                    use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                    state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_size):
+    return delta_torch_math(
+        q, k, v, beta, initial_state, lambda ct: _gdn_log_decay(g, A_log, dt_bias, use_gate_in_kernel, ct),
+        scale=scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
+    )
 
 
 def naive_gated_delta_rule_ref(

@@ -48,12 +48,11 @@ from .gated_delta_rule import (
     check_delta_inputs,
     check_param,
     check_scale,
+    delta_torch_math,
     fla_common_declines,
     fla_original,
     host_cu_seqlens,
     needs_grad,
-    prepare_qkv,
-    run_delta_rule,
 )
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "naive_kda_ref", "kda_gate"]
@@ -112,17 +111,15 @@ def _check_kda(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log
 def _kda_torch_math(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                     state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_size):
-    T, N = q.shape[1], (q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1)
-    cu_vals = None if cu_seqlens is None else host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, T)
-    qf, kf, vf, bf, h0 = prepare_qkv(
-        q, k, v, beta, initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        state_v_first=state_v_first,
+    def log_decay(ct):
+        return kda_gate(g.to(ct), A_log, dt_bias, lower_bound) if use_gate_in_kernel else g.to(ct)
+
+    return delta_torch_math(
+        q, k, v, beta, initial_state, log_decay, scale=scale, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
     )
-    gf = kda_gate(g.to(qf.dtype), A_log, dt_bias, lower_bound) if use_gate_in_kernel else g.to(qf.dtype)
-    return run_delta_rule(qf, kf, vf, gf, bf, h0, scale=scale, N=N, cu_vals=cu_vals,
-                          output_final_state=output_final_state, state_v_first=state_v_first,
-                          out_dtype=q.dtype, chunk_size=chunk_size)
 
 
 def naive_kda_ref(
