@@ -285,6 +285,29 @@ def _build(spec: KernelSpec):
         return g, tb, s, e, gt
 
     @cute.jit
+    def first_tile(t, mOffs, G, n_tiles, dense_tiles, M):
+        """The tile cursor (group g, its first tile tb, its rows [s, e), its tile count gt) at tile t."""
+        g = Int32(0)
+        tb = Int32(0)
+        s = Int32(0)
+        e = M
+        gt = dense_tiles
+        if const_expr(GROUPED):
+            s = mOffs[0]
+            e = mOffs[1]
+            gt = group_tiles(s, e, n_tiles)
+            g, tb, s, e, gt = seek_group(t, g, tb, s, e, gt, mOffs, G, n_tiles)
+        return g, tb, s, e, gt
+
+    @cute.jit
+    def next_tile(t, g, tb, s, e, gt, n_clusters, mOffs, G, n_tiles):
+        """Advance the cursor by one persistent step (n_clusters tiles)."""
+        t = t + n_clusters
+        if const_expr(GROUPED):
+            g, tb, s, e, gt = seek_group(t, g, tb, s, e, gt, mOffs, G, n_tiles)
+        return t, g, tb, s, e, gt
+
+    @cute.jit
     def swizzle(r, m_rows, n_tiles):
         """Tile r of an (m_rows x n_tiles) grid in the grouped order: bands of GM rows, column by column."""
         band_tiles = GM * n_tiles
@@ -440,16 +463,7 @@ def _build(spec: KernelSpec):
                 b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
                 prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
                 t = cluster_id
-                g = Int32(0)
-                tb = Int32(0)
-                s = Int32(0)
-                e = M
-                gt = dense_tiles
-                if const_expr(GROUPED):
-                    s = mOffs[0]
-                    e = mOffs[1]
-                    gt = group_tiles(s, e, n_tiles)
-                    g, tb, s, e, gt = seek_group(t, g, tb, s, e, gt, mOffs, G, n_tiles)
+                g, tb, s, e, gt = first_tile(t, mOffs, G, n_tiles, dense_tiles, M)
                 valid = cutlass.and_(g < G, t < tb + gt)
                 while valid:
                     mt = Int32(0)
@@ -504,9 +518,7 @@ def _build(spec: KernelSpec):
                                 cute.copy(tma_atom_b2, tB2gB2[(None, kt)], tB2sB2[(None, prod_state.index)], tma_bar_ptr=bar)
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
-                    t = t + n_clusters
-                    if const_expr(GROUPED):
-                        g, tb, s, e, gt = seek_group(t, g, tb, s, e, gt, mOffs, G, n_tiles)
+                    t, g, tb, s, e, gt = next_tile(t, g, tb, s, e, gt, n_clusters, mOffs, G, n_tiles)
                     valid = cutlass.and_(g < G, t < tb + gt)
                 ab_pipe.producer_tail(prod_state)
 
@@ -533,16 +545,7 @@ def _build(spec: KernelSpec):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
             t = cluster_id
-            g = Int32(0)
-            tb = Int32(0)
-            s = Int32(0)
-            e = M
-            gt = dense_tiles
-            if const_expr(GROUPED):
-                s = mOffs[0]
-                e = mOffs[1]
-                gt = group_tiles(s, e, n_tiles)
-                g, tb, s, e, gt = seek_group(t, g, tb, s, e, gt, mOffs, G, n_tiles)
+            g, tb, s, e, gt = first_tile(t, mOffs, G, n_tiles, dense_tiles, M)
             valid = cutlass.and_(g < G, t < tb + gt)
             while valid:
                 mt = Int32(0)
@@ -623,9 +626,7 @@ def _build(spec: KernelSpec):
                     store_result(dh * (gv * sg), mE1, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
                     store_result(dh * uv * (sg * (1.0 + gv * (1.0 - sg))), mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
 
-                t = t + n_clusters
-                if const_expr(GROUPED):
-                    g, tb, s, e, gt = seek_group(t, g, tb, s, e, gt, mOffs, G, n_tiles)
+                t, g, tb, s, e, gt = next_tile(t, g, tb, s, e, gt, n_clusters, mOffs, G, n_tiles)
                 valid = cutlass.and_(g < G, t < tb + gt)
 
     # ---------------------------------------------------------- host side
