@@ -3,17 +3,19 @@
 #   bash tools/gpu_next.sh verify   # RMSNorm tier + benchmark on the 32-warp dweight reduction, the tests not
 #                                   # reached last time that need no FLA kernel (DSA case0, CSA, GNN, swiglu, fla gated_mlp)
 #   bash tools/gpu_next.sh demo     # ./run demo --preset gpu on the default backends, alone, with minutes to compile
-#   bash tools/gpu_next.sh fla      # the FLA-comparison tiers (GDN, KDA, conv, layers), few workers: TileLang compiles
-#   bash tools/gpu_next.sh gdn      # GDN forward kernel tier and benchmark
+#   bash tools/gpu_next.sh fla1|fla2|fla3  # the FLA-comparison tiers (GDN / KDA / conv, patches, demo, mlp layer),
+#                                   # one call each, few workers: FLA's autotuner and TileLang compile per shape
+#   bash tools/gpu_next.sh gdn      # GDN kernel tiers (forward, reverse sweep, training path)
+#   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call
 source /tmp/gpu-bundle/device.sh || exit 3
 export PYTHONPATH=$(pwd):$PYTHONPATH CUDNN_TRAIN_CACHE_DIR=/tmp/ctc
 P="python3 -m pytest -p no:cacheprovider -p no:benchmark -m gpu -v -rfE --durations=15"
 case "$1" in
 verify)
-  timeout 150 $P -n 12 tests/fused/test_rms_norm_gated.py tests/fused/test_swiglu_mlp.py tests/fused/test_dsa.py \
+  timeout -k 10 150 $P -n 12 tests/fused/test_rms_norm_gated.py tests/fused/test_swiglu_mlp.py tests/fused/test_dsa.py \
     tests/fused/test_csa.py tests/fused/test_gnn.py tests/layers/test_gnn.py tests/layers/test_mlp.py \
     "tests/test_fla.py::test_gpu_patched_gated_mlp_agrees_with_fla_and_uses_the_sm90_gemms" > $OUT/verify.log 2>&1
-  echo "pytest rc=$?"; grep -E " (FAILED|ERROR) |passed|failed" $OUT/verify.log | tail -12
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null; sleep 1  # no worker left running into the benchmark grep -E " (FAILED|ERROR) |passed|failed" $OUT/verify.log | tail -12
   timeout 90 python3 -m benchmarks.bench_rms_norm_gated --warmup 10 --rep 40 --json $OUT/bench_rms.json > $OUT/bench_rms.log 2>&1
   echo "bench_rms rc=$?"; tail -n 25 $OUT/bench_rms.log | cut -c1-300 ;;
 demo)
@@ -22,15 +24,29 @@ demo)
     timeout $lim python3 -m cudnn_train.demo --preset gpu --steps $steps --out /tmp/demo_$b > $OUT/demo_$b.log 2>&1
     echo "demo $b rc=$?"; cp /tmp/demo_$b/log.json $OUT/demo_$b.json 2>/dev/null; grep -v "train:" $OUT/demo_$b.log | tail -n 20
   done ;;
-fla)
-  timeout 560 $P -n 4 --dist loadfile tests/fused/test_gated_delta_rule.py tests/fused/test_kda.py \
-    tests/fused/test_causal_conv1d.py tests/layers/test_gated_deltanet.py tests/layers/test_kda.py tests/test_fla.py \
-    tests/test_demo.py > $OUT/fla.log 2>&1
-  echo "pytest rc=$?"; grep -cE " PASSED " $OUT/fla.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/fla.log | tail -20 ;;
+fla|fla1|fla2|fla3)
+  # one call each: FLA's autotuner and TileLang JIT-compile per shape and dtype (~80 s a test on one worker)
+  case "$1" in
+  fla1) files="tests/fused/test_gated_delta_rule.py tests/layers/test_gated_deltanet.py" ;;
+  fla2) files="tests/fused/test_kda.py tests/layers/test_kda.py" ;;
+  fla3) files="tests/fused/test_causal_conv1d.py tests/test_fla.py tests/test_demo.py tests/layers/test_mlp.py" ;;
+  *) files="tests/fused/test_gated_delta_rule.py tests/fused/test_kda.py tests/fused/test_causal_conv1d.py
+           tests/layers/test_gated_deltanet.py tests/layers/test_kda.py tests/test_fla.py tests/test_demo.py" ;;
+  esac
+  timeout -k 10 560 $P -n 4 --dist loadfile $files > $OUT/$1.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -cE " PASSED " $OUT/$1.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/$1.log | tail -20 ;;
+bench_rms)
+  timeout 120 python3 -m benchmarks.bench_rms_norm_gated --warmup 10 --rep 40 --json $OUT/bench_rms.json > $OUT/bench_rms.log 2>&1
+  echo "bench_rms rc=$?"; tail -n 25 $OUT/bench_rms.log | cut -c1-300 ;;
+bench_gdn)
+  timeout -k 10 400 $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    > $OUT/gdn.log 2>&1
+  echo "pytest rc=$?"; grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn.log | tail -12 ;;
 gdn)
   timeout 300 $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py > $OUT/gdn.log 2>&1
   echo "pytest rc=$?"; grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn.log | tail -12
   timeout 240 python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 50 --json $OUT/bench_gdn.json > $OUT/bench_gdn.log 2>&1
   echo "bench_gdn rc=$?"; tail -n 20 $OUT/bench_gdn.log ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|gdn"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|bench_rms|bench_gdn"; exit 2 ;;
 esac
