@@ -13,7 +13,8 @@ B * T tokens.
 Rows: ``cutedsl`` is the SM90 kernel forward called directly (no dispatch);
 ``op`` is ``cudnn_train.fused.chunk_gated_delta_rule`` with its own backend choice,
 reported with ``last_path``; forward+backward of the op (gradients to q, k, v, g, beta)
-runs whatever backend serves a differentiable call. ``fla`` is FLA's
+runs whatever backend serves a differentiable call. ``sm90-train`` is the op with the
+opt-in SM90 training path switched on (``CUDNN_TRAIN_GDN_SM90_TRAIN=1`` around each call). ``fla`` is FLA's
 ``chunk_gated_delta_rule`` and ``flashqla`` FlashQLA's (``flash-qla``), when they import.
 A peer that fails to run is reported once with its error and left out.
 """
@@ -21,6 +22,7 @@ A peer that fails to run is reported once with its error and left out.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,24 @@ import torch.nn.functional as F
 from benchmarks.common import bench, ceilings, parser, report
 
 C = 64
+TRAIN_ENV = "CUDNN_TRAIN_GDN_SM90_TRAIN"
+
+
+def with_train_path(f):
+    """``f`` with the opt-in SM90 training path on during the call."""
+
+    def g():
+        old = os.environ.get(TRAIN_ENV)
+        os.environ[TRAIN_ENV] = "1"
+        try:
+            return f()
+        finally:
+            if old is None:
+                os.environ.pop(TRAIN_ENV, None)
+            else:
+                os.environ[TRAIN_ENV] = old
+
+    return g
 
 
 def flops_forward(lengths: list[int], HV: int, K: int, V: int) -> float:
@@ -107,7 +127,7 @@ def main() -> None:
         def fwd_fn(name):
             if name == "cutedsl":
                 return lambda: F90.forward(q, k, v, g, beta, cu_seqlens=cu, **kw)
-            if name == "op":
+            if name in ("op", "sm90-train"):
                 return lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw)
             fn = peers[name]
             cul = None if cu is None else cu.long()
@@ -115,8 +135,10 @@ def main() -> None:
 
         def fb_fn(name):
             leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v, g, beta))
-            if name == "op":
+            if name in ("op", "sm90-train"):
                 f = lambda: chunk_gated_delta_rule(*leaves, cu_seqlens=cu, **kw)[0]  # noqa: E731
+                if name == "sm90-train":
+                    return with_train_path(lambda: torch.autograd.grad(f(), leaves, do))
             else:
                 fn = peers[name]
                 cul = None if cu is None else cu.long()
@@ -125,7 +147,7 @@ def main() -> None:
 
         times = {}
         paths = {}
-        for name in ["cutedsl", "op"] + [p for p in peers if p not in broken]:
+        for name in ["cutedsl", "op", "sm90-train"] + [p for p in peers if p not in broken]:
             try:
                 t_f = bench(fwd_fn(name), args.warmup, args.rep)
                 if name == "op":
@@ -135,8 +157,10 @@ def main() -> None:
                     t_fb = bench(fb_fn(name), args.warmup, args.rep)
                     if name == "op":
                         paths["fwd+bwd"] = last_path("chunk_gated_delta_rule")
+                    if name == "sm90-train":
+                        assert last_path("chunk_gated_delta_rule") == "cutedsl:sm90-train"
             except Exception as e:  # noqa: BLE001 - report the peer's failure once, time the others
-                if name in peers:
+                if name in peers or name == "sm90-train":
                     print(f"{name} failed at {label}: {type(e).__name__}: {e}")
                     broken.add(name)
                     continue

@@ -39,7 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunked_core_bwd", "reverse_sweep_ref"]
+__all__ = ["chunk_grads", "chunked_core_bwd", "reverse_sweep_ref"]
 
 
 def _chunks(x: torch.Tensor, nc: int, c: int) -> torch.Tensor:
@@ -81,7 +81,7 @@ def _recompute(q, k, v, g, b, scale, C):
     return dict(
         E=E, Es=Es, strict=strict, KK=KK, A=A, eg=eg, kb=kb, vb=vb, Tm=Tm, w=Tm @ kb,
         u=None if v is None else Tm @ vb, P=scale * (q @ k.transpose(-1, -2)) * E, qg=scale * eg * q,
-        kdec=kdec, kd=k * kdec, dec=torch.exp(glast).to(dt),
+        kdec=kdec, kd=k * kdec, dec=torch.exp(glast).to(dt), scale=scale,
     )
 
 
@@ -111,39 +111,19 @@ def reverse_sweep_ref(q, k, g, beta, scale, do, dS_last, chunk_size):
     return _unchunk(dvn, T), dHc, dS0
 
 
-def chunked_core_bwd(q, k, v, g, beta, scale, S0, do, dS_last, chunk_size):
-    """Gradients of ``chunked_core(q, k, v, g, beta, scale, S0, chunk_size)`` for a scalar decay.
-
-    q, k ``[B, T, HV, K]``, v and do ``[B, T, HV, V]``, g ``[B, T, HV, 1]`` (log decay), beta
-    ``[B, T, HV]``, S0 and dS_last ``[B, HV, K, V]`` (dS_last: the gradient of the final state,
-    zeros when it is not used). Returns ``(dq, dk, dv, dg, dbeta, dS0)`` in the inputs' shapes.
-    """
-    T, dt = q.shape[1], q.dtype
-    C = chunk_size
-    NC = -(-T // C)
-    if NC == 0:
-        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
-                torch.zeros_like(beta), dS_last.clone())
-    q, k, v, g, do = (_chunks(x, NC, C) for x in (q, k, v, g, do))
-    b = _chunks(beta.unsqueeze(-1), NC, C)  # [B, HV, NC, C, 1]
-
-    # ---- stage 1: recompute the forward's chunk quantities and the chunk-start states
-    r = _recompute(q, k, v, g, b, scale, C)
+def chunk_grads(q, k, v, b, Sc, dHc, dvn, do, r, vn=None):
+    """Stage 3 on chunked tensors (``[B, HV, NC, C, D]``; b ``[..., C, 1]``; Sc and dHc
+    ``[B, HV, NC, K, V]``, the state entering and the gradient of the state leaving each chunk;
+    dvn from stage 2; r from :func:`_recompute`). Every chunk is independent of the others.
+    Returns ``(dq, dk, dv, dg, dbeta)`` chunked (dg ``[..., C, 1]`` after the in-chunk reverse
+    cumulative sum, dbeta ``[..., C]``)."""
     E, Es, strict, KK, A, eg = r["E"], r["Es"], r["strict"], r["KK"], r["A"], r["eg"]
     kb, vb, Tm, w, u, P, qg = r["kb"], r["vb"], r["Tm"], r["w"], r["u"], r["P"], r["qg"]
     kdec, kd, dec = r["kdec"], r["kd"], r["dec"]
-    S, starts, vns = S0, [], []
-    for c in range(NC):
-        starts.append(S)
-        vn = u[:, :, c] - w[:, :, c] @ S
-        vns.append(vn)
-        S = dec[:, :, c] * S + kd[:, :, c].transpose(-1, -2) @ vn
-    Sc, vn = torch.stack(starts, dim=2), torch.stack(vns, dim=2)  # [B, HV, NC, K, V], [B, HV, NC, C, V]
-
-    # ---- stage 2: the reverse sweep (state gradients and dvn)
-    dHc, dvn, dS0 = _reverse_sweep(r, do, dS_last)
-
-    # ---- stage 3: per-chunk gradients
+    scale = r["scale"]
+    dt = q.dtype
+    if vn is None:
+        vn = u - w @ Sc
     dqg = do @ Sc.transpose(-1, -2)  # o = qg S
     dP = do @ vn.transpose(-1, -2)  # o += P vn
     dQK = dP * E * scale
@@ -172,7 +152,159 @@ def chunked_core_bwd(q, k, v, g, beta, scale, S0, do, dS_last, chunk_size):
     dgc = dgc - kdt
     dgc = torch.cat([dgc[..., :-1], dgc[..., -1:] + tail], dim=-1)
     dg = dgc.to(torch.float64).flip(-1).cumsum(-1).flip(-1).to(dt).unsqueeze(-1)  # [B, HV, NC, C, 1]
+    return dq, dk, dv, dg, dbeta
 
+
+def chunked_core_bwd(q, k, v, g, beta, scale, S0, do, dS_last, chunk_size):
+    """Gradients of ``chunked_core(q, k, v, g, beta, scale, S0, chunk_size)`` for a scalar decay.
+
+    q, k ``[B, T, HV, K]``, v and do ``[B, T, HV, V]``, g ``[B, T, HV, 1]`` (log decay), beta
+    ``[B, T, HV]``, S0 and dS_last ``[B, HV, K, V]`` (dS_last: the gradient of the final state,
+    zeros when it is not used). Returns ``(dq, dk, dv, dg, dbeta, dS0)`` in the inputs' shapes.
+    """
+    T, dt = q.shape[1], q.dtype
+    C = chunk_size
+    NC = -(-T // C)
+    if NC == 0:
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
+                torch.zeros_like(beta), dS_last.clone())
+    q, k, v, g, do = (_chunks(x, NC, C) for x in (q, k, v, g, do))
+    b = _chunks(beta.unsqueeze(-1), NC, C)  # [B, HV, NC, C, 1]
+
+    # ---- stage 1: recompute the forward's chunk quantities and the chunk-start states
+    r = _recompute(q, k, v, g, b, scale, C)
+    u, w, kd, dec = r["u"], r["w"], r["kd"], r["dec"]
+    S, starts, vns = S0, [], []
+    for c in range(NC):
+        starts.append(S)
+        vn = u[:, :, c] - w[:, :, c] @ S
+        vns.append(vn)
+        S = dec[:, :, c] * S + kd[:, :, c].transpose(-1, -2) @ vn
+    Sc, vn = torch.stack(starts, dim=2), torch.stack(vns, dim=2)  # [B, HV, NC, K, V], [B, HV, NC, C, V]
+
+    # ---- stage 2: the reverse sweep (state gradients and dvn)
+    dHc, dvn, dS0 = _reverse_sweep(r, do, dS_last)
+
+    # ---- stage 3: per-chunk gradients
+    dq, dk, dv, dg, dbeta = chunk_grads(q, k, v, b, Sc, dHc, dvn, do, r, vn=vn)
     out = [_unchunk(x, T) for x in (dq, dk, dv, dg)]
     dbeta = _unchunk(dbeta.unsqueeze(-1), T).squeeze(-1)
     return (*out, dbeta, dS0)
+
+
+# ---------------------------------------------------------------- the kernels' chunk rows
+# The SM90 kernels keep one row per chunk for chunk-start states and state gradients
+# (``[rows, HV, K, V]``): chunk ``b * NT + c`` of sequence b, or with varlen (B = 1)
+# ``cu_chunks[n] + c`` on the upper bound ``T // C + N`` of the chunk count (no host read).
+# ChunkLayout maps token-major tensors and those rows to the chunked ``[Bc, HV, NC, C, D]``
+# form of the stages above, on the device, without reading cu_seqlens on the host.
+
+
+class ChunkLayout:
+    """Token <-> chunk maps for a dense batch ``[B, T]`` or packed sequences (``cu_seqlens``, B = 1)."""
+
+    def __init__(self, B: int, T: int, C: int, cu_seqlens: torch.Tensor | None = None):
+        self.B, self.T, self.C = B, T, C
+        self.varlen = cu_seqlens is not None
+        if not self.varlen:
+            self.NC = -(-T // C)
+            return
+        dev = cu_seqlens.device
+        cu = cu_seqlens.to(torch.long)
+        N = cu.numel() - 1
+        nch = (cu[1:] - cu[:-1] + C - 1) // C
+        cuc = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0)])
+        U = T // C + N
+        c = torch.arange(U, device=dev)
+        n = torch.searchsorted(cuc[1:], c, right=True).clamp(max=max(N - 1, 0))  # the sequence of chunk c
+        self.valid_chunk = c < cuc[-1]
+        start = cu[n] + (c - cuc[n]) * C
+        tok = start[:, None] + torch.arange(C, device=dev)
+        valid = self.valid_chunk[:, None] & (tok < cu[n + 1][:, None])
+        self.gidx = torch.where(valid, tok, torch.full_like(tok, T))  # [U, C]; T = a zero row
+        t = torch.arange(T, device=dev)
+        nt = torch.searchsorted(cu[1:], t, right=True).clamp(max=max(N - 1, 0))
+        pos = t - cu[nt]
+        self.sidx = (cuc[nt] + pos // C) * C + pos % C  # token -> flat (chunk, slot)
+        self.seq = n
+        self.first = self.valid_chunk & (c == cuc[n])
+        self.last = self.valid_chunk & (c == cuc[n + 1] - 1)
+        self.N, self.NC = N, U
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, HV, D]`` -> ``[Bc, HV, NC, C, D]`` (zeros past every sequence's end)."""
+        if not self.varlen:
+            return _chunks(x, self.NC, self.C)
+        xp = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
+        return xp[self.gidx].permute(2, 0, 1, 3).unsqueeze(0)
+
+    def from_chunks(self, y: torch.Tensor) -> torch.Tensor:
+        """``[Bc, HV, NC, C, D]`` -> ``[B, T, HV, D]``."""
+        if not self.varlen:
+            return _unchunk(y, self.T)
+        hv, d = y.shape[1], y.shape[-1]
+        flat = y[0].permute(1, 2, 0, 3).reshape(self.NC * self.C, hv, d)
+        return flat[self.sidx].unsqueeze(0)
+
+    def rows_to_chunks(self, s: torch.Tensor) -> torch.Tensor:
+        """Kernel rows ``[rows, HV, K, V]`` -> ``[Bc, HV, NC, K, V]`` (rows past the last chunk: zeros)."""
+        if not self.varlen:
+            return s[: self.B * self.NC].view(self.B, self.NC, *s.shape[1:]).permute(0, 2, 1, 3, 4)
+        s = torch.where(self.valid_chunk[:, None, None, None], s[: self.NC], s.new_zeros(()))
+        return s.permute(1, 0, 2, 3).unsqueeze(0)
+
+    def chunks_to_rows(self, s: torch.Tensor) -> torch.Tensor:
+        """``[Bc, HV, NC, K, V]`` -> kernel rows ``[rows, HV, K, V]``."""
+        return s.permute(0, 2, 1, 3, 4).reshape(-1, *s.shape[1:2], *s.shape[3:])
+
+    def sweep_marks(self):
+        """Per ``[Bc, NC]`` chunk: the sequence it belongs to, and whether it is that sequence's
+        first and last chunk (dense: every chunk of row b belongs to sequence b)."""
+        if not self.varlen:
+            c = torch.arange(self.NC)
+            seq = torch.arange(self.B)[:, None].expand(self.B, self.NC)
+            return seq, (c == 0).expand(self.B, self.NC), (c == self.NC - 1).expand(self.B, self.NC)
+        return self.seq[None], self.first[None], self.last[None]
+
+
+def sweeps_ref(r, layout: ChunkLayout, h0, dht, do):
+    """Stages 1 and 2 over the chunked form, restarting at every sequence: the state entering
+    every chunk ``Sc``, the final states, and (with ``do``) ``dHc``, ``dvn`` and ``dh0``.
+    h0 and dht ``[N, HV, K, V]`` or None. The oracle of the kernels' two sweeps."""
+    u, w, kd, dec, P, qg = r["u"], r["w"], r["kd"], r["dec"], r["P"], r["qg"]
+    Bc, HV, NC = w.shape[:3]
+    K, V = w.shape[-1], u.shape[-1]
+    N = layout.N if layout.varlen else layout.B
+    seq, first, last = (m.tolist() for m in layout.sweep_marks())
+    zero = w.new_zeros(HV, K, V)
+    Sc = w.new_zeros(Bc, HV, NC, K, V)
+    ht = zero.expand(N, HV, K, V).clone() if h0 is None else h0.clone()
+    for bc in range(Bc):
+        S = zero
+        for c in range(NC):
+            if first[bc][c]:
+                S = zero if h0 is None else h0[seq[bc][c]]
+            if not (layout.varlen and not layout.valid_chunk[c]):
+                Sc[bc, :, c] = S
+                S = dec[bc, :, c] * S + kd[bc, :, c].transpose(-1, -2) @ (u[bc, :, c] - w[bc, :, c] @ S)
+            if last[bc][c]:
+                ht[seq[bc][c]] = S
+    if do is None:
+        return Sc, ht
+    dHc = torch.zeros_like(Sc)
+    dvn = torch.zeros_like(u)
+    dh0 = zero.expand(N, HV, K, V).clone() if dht is None else dht.clone()
+    for bc in range(Bc):
+        dH = zero
+        for c in reversed(range(NC)):
+            if layout.varlen and not layout.valid_chunk[c]:
+                continue
+            if last[bc][c]:
+                dH = zero if dht is None else dht[seq[bc][c]]
+            dHc[bc, :, c] = dH
+            dv = P[bc, :, c].transpose(-1, -2) @ do[bc, :, c] + kd[bc, :, c] @ dH
+            dvn[bc, :, c] = dv
+            dH = qg[bc, :, c].transpose(-1, -2) @ do[bc, :, c] + dec[bc, :, c] * dH - w[bc, :, c].transpose(-1, -2) @ dv
+            if first[bc][c]:
+                dh0[seq[bc][c]] = dH
+    return Sc, ht, dHc, dvn, dh0

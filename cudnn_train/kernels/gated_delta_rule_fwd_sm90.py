@@ -421,7 +421,8 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
 # ------------------------------------------------------------------ kernel 2: state recurrence + output
 
 
-def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool):
+def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
+                 store_states: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -440,7 +441,8 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     @cute.kernel
     def kernel(
         mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
-        mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, scale: Float32, T: Int32, group: Int32,
+        mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, mHs: cute.Tensor, scale: Float32,
+        T: Int32, NT: Int32, group: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
@@ -488,10 +490,12 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         b = n
         ts = Int32(0)
         te = T
+        cbase = n * NT
         if cutlass.const_expr(varlen):
             b = Int32(0)
             ts = mCu[n]
             te = mCu[n + 1]
+            cbase = mCuC[n]
         nchunks = (te - ts + C - 1) // C
 
         # ---- state S^T [v, d] (float32 accumulators)
@@ -509,6 +513,10 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
 
+            if cutlass.const_expr(store_states):  # the chunk-start state, for the backward
+                for e in cutlass.range_constexpr(cute.size(accS)):
+                    sv_, sd_ = cS[e]
+                    mHs[cbase + ci, hv, sd_, v0 + sv_] = accS[e]
             # ---- S^T in the input dtype as a register A operand
             for f in cutlass.range_constexpr(cute.size(rS)):
                 rS[f] = accS[map_s[f]].to(dtype)
@@ -572,19 +580,20 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     @cute.jit
     def host(
         mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
-        mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, scale: Float32, T: Int32, group: Int32, nseq: Int32, stream,
+        mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, mHs: cute.Tensor, scale: Float32,
+        T: Int32, NT: Int32, group: Int32, nseq: Int32, stream,
     ):
         _static_checks(dtype, K, V)
         HV = mU.shape[2]
-        kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, scale, T, group).launch(
+        kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, scale, T, NT, group).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
         )
 
     f = _fakes()
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
-        f.state(), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32),
-        Float32(1.0), Int32(1), Int32(1), Int32(1), f.stream(),
+        f.state(), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32), f.state(),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
@@ -653,11 +662,12 @@ def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2nor
     return kc.get_kernel("gdn_fwd_wy", key, build, _SOURCES)
 
 
-def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk):
-    key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk))
+def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False):
+    key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
+           bool(store_states))
 
     def build():
-        return _build_state(_dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk)
+        return _build_state(_dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states)
 
     return kc.get_kernel("gdn_fwd_state", key, build, _SOURCES)
 
@@ -737,6 +747,7 @@ def forward(
     state_v_first: bool = False,
     chunk_size: int = 64,
     return_intermediates: bool = False,
+    store_states: bool = False,
 ):
     """The chunked GDN forward on SM90. Returns ``Served((o, final_state), "sm90")``.
 
@@ -744,7 +755,10 @@ def forward(
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None. With
     ``return_intermediates`` the value is ``(o, final_state, (w, u, gc))``: the
     WY factors and the in-chunk cumulative gate (natural log, float32,
-    ``[B, T, HV]``). Arguments follow ``fused.chunk_gated_delta_rule``; they
+    ``[B, T, HV]``); ``store_states`` adds the state entering every chunk (float32
+    ``[chunks, HV, K, V]``, chunk ``b * NT + c``, with varlen ``cu_chunks[n] + c`` on the upper
+    bound ``T // 64 + N`` of the chunk count; surplus rows are not written) as a fourth
+    intermediate, for the backward. Arguments follow ``fused.chunk_gated_delta_rule``; they
     are assumed validated there. Declines with ``Unsupported`` before any
     device work for what it does not serve (see ``check_serve``).
     """
@@ -769,7 +783,7 @@ def forward(
         use_beta_sigmoid_in_kernel, beta_scale, varlen,
     )
     st = get_state_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, initial_state is not None,
-                          output_final_state, state_v_first)
+                          output_final_state, state_v_first, store_states)
 
     o = _empty(B, T, HV, V, dtype=q.dtype, device=dev)
     w = _empty(B, T, HV, K, dtype=q.dtype, device=dev)
@@ -792,6 +806,8 @@ def forward(
         cu = cu_chunks = i32_dummy  # not read without varlen
         NT = -(-T // CHUNK)
         grid_chunks = B * NT
+    # chunk-start states [chunks, HV, K, V] (chunk b * NT + c, or cu_chunks[n] + c with varlen)
+    hs = _empty(grid_chunks, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
     alog = A_log.reshape(HV) if use_gate_in_kernel else f32_dummy
     dtb = dt_bias.reshape(HV) if (use_gate_in_kernel and dt_bias is not None) else f32_dummy
     group = HV // H
@@ -805,10 +821,17 @@ def forward(
     else:
         wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, T, NT, nseq, group, grid_chunks)
         st(q, k, w, u, gc, state_dummy if initial_state is None else initial_state, o,
-           state_dummy if ht is None else ht, cu, float(scale), T, group, nseq)
+           state_dummy if ht is None else ht, cu, cu_chunks, state_dummy if hs is None else hs, float(scale), T, NT,
+           group, nseq)
+    if store_states:
+        return Served((o, ht, (w, u, gc, hs)), "sm90")
     if return_intermediates:
         return Served((o, ht, (w, u, gc)), "sm90")
     return Served((o, ht), "sm90")
+
+
+def _scale_or_default(scale, q) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
 def _needs_grad(*tensors) -> bool:
@@ -820,15 +843,18 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
                     cu_seqlens, chunk_size, cu_seqlens_cpu=None):
     """The ``cutedsl`` backend of op ``chunk_gated_delta_rule`` (keyword arguments of its torch backend).
 
-    Forward only for now: a call that needs gradients declines (there is no backward kernel
-    yet), so training falls through to the next backend. ``cu_seqlens`` values are trusted
-    as FLA does (never read on the host; ``cu_seqlens_cpu`` is not needed). A half-precision
-    initial state is read as float32.
+    A call that needs gradients goes to the training path (``gated_delta_rule_train_sm90``)
+    when it is opted in, and declines otherwise, so training falls through to the next
+    backend. ``cu_seqlens`` values are trusted as FLA does (never read on the host;
+    ``cu_seqlens_cpu`` is not needed). A half-precision initial state is read as float32.
     """
+    from . import gated_delta_rule_train_sm90 as tr
+
     if not q.is_cuda:
         raise Unsupported("no GPU" if not torch.cuda.is_available() else f"tensor on {q.device}")
-    if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        raise Unsupported("no SM90 backward kernel yet")
+    training = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
+    if training:
+        tr.check_train_serve()
     if torch.compiler.is_compiling():
         raise Unsupported("traced by torch.compile (kernels launch on real tensors only)")
     if initial_state is not None and initial_state.dtype in (torch.float16, torch.bfloat16):
@@ -838,6 +864,20 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
         if initial_state.device != q.device:
             raise Unsupported(f"initial_state on {initial_state.device}")
         initial_state = initial_state.float()
+    if training:
+        check_serve(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, cu_seqlens, chunk_size)
+        if initial_state is not None:
+            want = (q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1, v.shape[2])
+            want = (*want, *((v.shape[3], q.shape[3]) if state_v_first else (q.shape[3], v.shape[3])))
+            if tuple(initial_state.shape) != want:
+                raise Unsupported(f"initial_state shape {tuple(initial_state.shape)} (expected {want})")
+        return Served(tr.train(
+            q, k, v, g, beta, scale=_scale_or_default(scale, q), initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        ), "sm90-train")
     return forward(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,

@@ -20,10 +20,11 @@ WY_VARIANTS = [
     (torch.bfloat16, torch.float32, torch.bfloat16, 128, 128, True, True, True, True, 2.0, True),
     (torch.float16, torch.float16, torch.float32, 64, 64, False, False, False, False, 1.0, False),
 ]
-# (q dtype, K, V, l2norm, varlen, has h0, final state, state [V, K])
+# (q dtype, K, V, l2norm, varlen, has h0, final state, state [V, K], store chunk states)
 STATE_VARIANTS = [
-    (torch.bfloat16, 128, 128, True, False, True, True, False),
-    (torch.float16, 64, 128, False, True, False, True, True),
+    (torch.bfloat16, 128, 128, True, False, True, True, False, False),
+    (torch.float16, 64, 128, False, True, False, True, True, False),
+    (torch.bfloat16, 128, 128, True, True, True, False, False, True),  # the training forward
 ]
 
 
@@ -353,7 +354,8 @@ def test_forward_is_bitwise_reproducible():
 
 
 @pytest.mark.gpu
-def test_backend_function_serves_inference_and_declines_training(poisoned):
+def test_backend_function_serves_inference_and_declines_training(poisoned, monkeypatch):
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_SM90_TRAIN", raising=False)
     from cudnn_train.backend import Unsupported
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
@@ -369,7 +371,7 @@ def test_backend_function_serves_inference_and_declines_training(poisoned):
     fla = peer(q, k, v, g, beta, 128**-0.5, h0.to(torch.bfloat16).float(), None, use_qk_l2norm_in_kernel=True)
     _check("o", o.float(), ref_o, None if fla is None else fla[0].float())
     _check("final_state", ht, ref_h, None if fla is None else fla[1].float())
-    with pytest.raises(Unsupported, match="backward"):
+    with pytest.raises(Unsupported, match="opt-in"):  # the training path is opt-in (CUDNN_TRAIN_GDN_SM90_TRAIN)
         F90.cutedsl_backend(q.requires_grad_(), k, v, g, beta, **kw)
     with torch.no_grad():
         assert F90.cutedsl_backend(q, k, v, g, beta, **kw).tag == "sm90"
