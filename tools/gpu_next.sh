@@ -7,8 +7,16 @@
 #                                   # one call each, few workers: FLA's autotuner and TileLang compile per shape
 #   bash tools/gpu_next.sh gdn      # GDN kernel tiers (forward, reverse sweep, training path)
 #   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call
+#   bash tools/gpu_next.sh save_caches  # the peers' JIT results (Triton autotune choices, TileLang kernels) -> $OUT
+# The FLA-comparison tiers spend most of their time in FLA's Triton autotuner and TileLang's JIT. The
+# caches stay on the machine while it is warm; to start a later session with them, copy the
+# jit_caches.tgz that save_caches returned to .gpu/jit_caches.tgz and carry it in one call: every
+# stage unpacks it into $HOME first (Triton then compiles only each kernel's chosen config).
 source /tmp/gpu-bundle/device.sh || exit 3
 export PYTHONPATH=$(pwd):$PYTHONPATH CUDNN_TRAIN_CACHE_DIR=/tmp/ctc
+if [ -f .gpu/jit_caches.tgz ] && [ ! -f /tmp/jit_caches.restored ]; then
+  tar xzf .gpu/jit_caches.tgz -C "$HOME" && touch /tmp/jit_caches.restored && echo "jit caches restored"
+fi
 P="python3 -m pytest -p no:cacheprovider -p no:benchmark -m gpu -v -rfE --durations=15"
 case "$1" in
 verify)
@@ -49,5 +57,14 @@ gdn)
     tests/kernels/test_gated_delta_rule_train_sm90.py > $OUT/gdn.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn.log | tail -12 ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|bench_rms|bench_gdn"; exit 2 ;;
+save_caches)
+  cd "$HOME" || exit 1
+  list=$(find .triton/cache -name "*.autotune.json" 2>/dev/null; [ -d .tilelang ] && echo .tilelang)
+  tar czf $OUT/jit_caches.tgz $list 2>/dev/null
+  mb=$(( $(stat -c %s $OUT/jit_caches.tgz) / 1048576 ))
+  if [ $mb -gt 60 ]; then  # too big to come back: the autotune choices alone
+    tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
+  fi
+  ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|bench_rms|bench_gdn|save_caches"; exit 2 ;;
 esac
