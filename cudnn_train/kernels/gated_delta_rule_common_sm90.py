@@ -287,3 +287,167 @@ def make_store_p(dtype, l2norm: bool):
             sP[pi, pj] = pval.to(dtype)
 
     return store_p
+
+
+A_STRIDE = CHUNK + 4  # float32 row stride of C x C tiles: 16-byte rows, broadcast reads
+
+
+def make_solve():
+    """``solve(sA, sT, sM, tidx)``: ``T = (I + A)^-1`` of a strictly lower 64 x 64 float32 smem
+    tile (row stride ``A_STRIDE``) into the lower blocks of ``sT`` (``sM``: scratch), on CUDA cores."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+
+    C = CHUNK
+
+    @cute.jit
+    def diag_inverse(sA: cute.Tensor, sT: cute.Tensor, tidx: Int32):
+        # the four 16x16 diagonal blocks of T: thread (blk, c) solves column c of block blk
+        # by forward substitution, x_i = [i == c] - sum_{m < i} A_im x_m (all in registers)
+        if tidx < C:
+            blk = tidx // 16
+            c = tidx % 16
+            o = blk * 16
+            x = []
+            for i in cutlass.range_constexpr(16):
+                s = Float32(0.0)
+                if c == i:
+                    s = Float32(1.0)
+                for m4 in cutlass.range_constexpr((i + 3) // 4):
+                    arow = cute.make_rmem_tensor((1, 4), Float32)
+                    cute.autovec_copy(cute.local_tile(cute.domain_offset((o, o), sA), (1, 4), (i, m4)), arow)
+                    for q in cutlass.range_constexpr(4):
+                        if cutlass.const_expr(4 * m4 + q < i):
+                            s = s - arow[0, q] * x[4 * m4 + q]
+                x.append(s)
+            for i in cutlass.range_constexpr(16):
+                sT[o + i, o + c] = x[i]
+        else:
+            # the zero blocks above the diagonal inside each 32-block, read by the 32 -> 64 merge
+            t = tidx - C
+            c = t % 16
+            for q in cutlass.range_constexpr(8):
+                r = t // 16 + 4 * q  # 0..31: rows 0..15 of block (0, 1), then of block (2, 3)
+                o = (r // 16) * 32
+                sT[o + r % 16, o + 16 + c] = Float32(0.0)
+
+    @cute.jit
+    def block_mm(sD: cute.Tensor, sL: cute.Tensor, sR: cute.Tensor, tidx: Int32, S: cutlass.Constexpr,
+                 blocks: cutlass.Constexpr, negate: cutlass.Constexpr):
+        # for each (dr, dc, lr, lc, rr, rc) in blocks: D[dr:+S, dc:+S] = (-1 if negate) L[lr:+S, lc:+S] @ R[rr:+S, rc:+S]
+        # threads split evenly over the blocks; a thread owns one column and S / row_groups rows
+        NB = len(blocks)
+        TPB = THREADS // NB
+        RG = TPB // S
+        RPT = S // RG
+        for bi in cutlass.range_constexpr(NB):
+            dr, dc, lr, lc, rr, rc = blocks[bi]
+            if tidx // TPB == bi:
+                t = tidx % TPB
+                c = t % S
+                rg = t // S
+                acc = cute.make_rmem_tensor((RPT,), Float32)
+                acc.fill(0.0)
+                for m in cutlass.range(S, unroll=4):
+                    rv = sR[rr + m, rc + c]
+                    for k in cutlass.range_constexpr(RPT):
+                        acc[k] = acc[k] + sL[lr + rg + RG * k, lc + m] * rv
+                for k in cutlass.range_constexpr(RPT):
+                    val = acc[k]
+                    if cutlass.const_expr(negate):
+                        val = -val
+                    sD[dr + rg + RG * k, dc + c] = val
+
+    @cute.jit
+    def solve(sA: cute.Tensor, sT: cute.Tensor, sM: cute.Tensor, tidx: Int32):
+        """T = (I + A)^-1 for strictly lower A (64 x 64, float32, smem), lower blocks of sT.
+
+        [[T1, 0], [X, T2]] with X = -T2 A21 T1 inverts [[I + A11, 0], [A21, I + A22]]:
+        16x16 diagonal blocks by substitution, then merged to 32x32, then to 64x64."""
+        diag_inverse(sA, sT, tidx)
+        cute.arch.sync_threads()
+        # 16 -> 32, both 32-blocks at once: M = A21 T1, then X = -T2 M
+        block_mm(sM, sA, sT, tidx, 16, ((16, 0, 16, 0, 0, 0), (48, 32, 48, 32, 32, 32)), False)
+        cute.arch.sync_threads()
+        block_mm(sT, sT, sM, tidx, 16, ((16, 0, 16, 16, 16, 0), (48, 32, 48, 48, 48, 32)), True)
+        cute.arch.sync_threads()
+        # 32 -> 64
+        block_mm(sM, sA, sT, tidx, 32, ((32, 0, 32, 0, 0, 0),), False)
+        cute.arch.sync_threads()
+        block_mm(sT, sT, sM, tidx, 32, ((32, 0, 32, 32, 32, 0),), True)
+        cute.arch.sync_threads()
+
+    return solve
+
+
+def make_chunk_locator(varlen: bool):
+    """``locate(cid, mCu, mCuC, T, NT, nseq) -> (b, t0, tend, valid)``: the batch row, first token
+    and sequence end of chunk ``cid`` (dense: ``b * NT + c``; varlen: ``cu_chunks[n] + c``, found by
+    bisection in the device-side cumulative chunk count; ``valid`` is False past the last chunk)."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    C = CHUNK
+
+    @cute.jit
+    def locate(cid: Int32, mCu: cute.Tensor, mCuC: cute.Tensor, T: Int32, NT: Int32, nseq: Int32):
+        b = Int32(0)
+        t0 = Int32(0)
+        tend = Int32(0)
+        valid = False
+        if cutlass.const_expr(varlen):
+            total = mCuC[nseq]
+            lo = Int32(0)
+            hi = nseq
+            for _ in cutlass.range_constexpr(32):
+                if lo < hi:
+                    mid = (lo + hi) // 2
+                    if mCuC[mid + 1] <= cid:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+            valid = cid < total
+            if valid:
+                t0 = mCu[lo] + (cid - mCuC[lo]) * C
+                tend = mCu[lo + 1]
+        else:
+            b = cid // NT
+            t0 = (cid % NT) * C
+            tend = T
+            valid = b < nseq
+        return b, t0, tend, valid
+
+    return locate
+
+
+def quad_row_groups(mma, shape_mn, threads=SAMPLE_THREADS):
+    """The accumulator elements of one thread grouped by row: ``((e, ...), ...)``, the same for
+    every thread. Asserts that the four lanes ``t ^ 0..3`` of a quad hold the same rows with
+    disjoint columns covering the row, so a row sum is the group's sum plus two butterfly
+    shuffles (offsets 1 and 2), after which every lane of the quad holds it."""
+    _, cute = kc.import_cute()
+    ref = None
+    for t in threads:
+        rows_of = {}
+        c = mma.get_slice(t).partition_C(cute.make_identity_tensor(shape_mn))
+        for e in range(cute.size(c)):
+            rows_of.setdefault(tuple(c[e])[0], []).append(e)
+        groups = tuple(tuple(v) for _, v in sorted(rows_of.items()))
+        if ref is None:
+            ref = groups
+        elif groups != ref:
+            raise AssertionError(f"thread {t}: row grouping differs")
+        cols = {r: set() for r in rows_of}
+        for lane in range(4):
+            cl = mma.get_slice((t & ~3) | lane).partition_C(cute.make_identity_tensor(shape_mn))
+            for e in range(cute.size(cl)):
+                r, n = tuple(cl[e])
+                if r not in cols:
+                    raise AssertionError(f"thread {(t & ~3) | lane} holds row {r}, not held by thread {t}")
+                if n in cols[r]:
+                    raise AssertionError(f"row {r} column {n} held twice in the quad of thread {t}")
+                cols[r].add(n)
+        for r, cs in cols.items():
+            if len(cs) != shape_mn[1]:
+                raise AssertionError(f"the quad of thread {t} holds {len(cs)} of {shape_mn[1]} columns of row {r}")
+    return ref

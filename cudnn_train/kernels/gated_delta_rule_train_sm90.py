@@ -34,6 +34,7 @@ from ..fused import delta_rule_bwd as db
 from ..fused.gated_delta_rule import _gdn_log_decay, prepare_qkv
 
 OPT_IN = "CUDNN_TRAIN_GDN_SM90_TRAIN"
+STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"  # "torch" (default) or "kernel"
 CHUNK = 64
 
 
@@ -76,8 +77,8 @@ def kernel_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg: Conf
                              state_v_first=cfg.state_v_first)
 
 
-# the two kernel steps; the CPU tests put reference implementations of the same contracts here
-IMPL = {"forward": kernel_forward, "sweep": kernel_sweep}
+# the kernel steps; the CPU tests put reference implementations of the same contracts here
+IMPL = {"forward": kernel_forward, "sweep": kernel_sweep, "stage3": None}  # stage3 None: chosen by STAGE3_ENV
 
 
 def prepared(q, k, v, g, beta, A_log, dt_bias, cfg: Config):
@@ -89,21 +90,44 @@ def prepared(q, k, v, g, beta, A_log, dt_bias, cfg: Config):
     return qf, kf, vf, gf, bf
 
 
-def input_grads(inputs, hs, dH, dvn, do, cu, cfg: Config):
+def stage3_torch(outs, inputs, saved, dH, dvn, do, cu, cfg: Config):
+    """Stage 3 in torch over every chunk at once: gradients of the prepared ``outs``."""
+    B, T = outs[0].shape[:2]
+    lay = db.ChunkLayout(B, T, CHUNK, cu)
+    qc, kc, vc, gc, doc = (lay.to_chunks(x) for x in (*outs[:4], do.to(outs[0].dtype)))
+    bc = lay.to_chunks(outs[4].unsqueeze(-1))
+    r = db._recompute(qc, kc, vc, gc, bc, cfg.scale, CHUNK)
+    Sc, dHc = lay.rows_to_chunks(saved[-1]), lay.rows_to_chunks(dH)
+    dq, dk, dv, dg, dbeta = db.chunk_grads(qc, kc, vc, bc, Sc, dHc, lay.to_chunks(dvn.to(qc.dtype)), doc, r)
+    return [lay.from_chunks(x) for x in (dq, dk, dv, dg)] + [lay.from_chunks(dbeta.unsqueeze(-1)).squeeze(-1)]
+
+
+def stage3_kernel(outs, inputs, saved, dH, dvn, do, cu, cfg: Config):
+    """Stage 3 on the SM90 kernel (``gated_delta_rule_bwd_chunk_sm90``): the prepared q, k in the
+    input dtype, the forward's in-chunk cumulative gate."""
+    from . import gated_delta_rule_bwd_chunk_sm90 as b3
+
+    dt = inputs[0].dtype
+    qn, kn = (x.to(dt).contiguous() for x in outs[:2])
+    _w, gc, hs = saved
+    dq, dk, dv, dg, dbeta = b3.chunk_grads(qn, kn, inputs[2], gc, outs[4].float().contiguous(), do.contiguous(), dvn,
+                                           hs, dH, scale=cfg.scale, cu_seqlens=cu)
+    return [dq, dk, dv, dg.unsqueeze(-1), dbeta]
+
+
+def _stage3():
+    return stage3_kernel if os.environ.get(STAGE3_ENV, "torch").strip() == "kernel" else stage3_torch
+
+
+def input_grads(inputs, saved, dH, dvn, do, cu, cfg: Config):
     """Stage 3 and the preprocessing's backward: gradients of ``inputs = (q, k, v, g, beta,
     A_log, dt_bias)`` (None where an input is absent or needs none)."""
-    B, T = inputs[0].shape[:2]
     leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs]
     with torch.enable_grad():
         outs = prepared(*leaves, cfg)
-    lay = db.ChunkLayout(B, T, CHUNK, cu)
     with torch.no_grad():
-        qc, kc, vc, gc, doc = (lay.to_chunks(x.detach()) for x in (*outs[:4], do.to(outs[0].dtype)))
-        bc = lay.to_chunks(outs[4].detach().unsqueeze(-1))
-        r = db._recompute(qc, kc, vc, gc, bc, cfg.scale, CHUNK)
-        Sc, dHc = lay.rows_to_chunks(hs), lay.rows_to_chunks(dH)
-        dq, dk, dv, dg, dbeta = db.chunk_grads(qc, kc, vc, bc, Sc, dHc, lay.to_chunks(dvn.to(qc.dtype)), doc, r)
-        grads = [lay.from_chunks(x) for x in (dq, dk, dv, dg)] + [lay.from_chunks(dbeta.unsqueeze(-1)).squeeze(-1)]
+        stage3 = IMPL.get("stage3") or _stage3()
+        grads = stage3([o.detach() for o in outs], inputs, saved, dH, dvn, do, cu, cfg)
     pairs = [(o, d) for o, d in zip(outs, grads) if o.requires_grad]
     need = [i for i, t in enumerate(leaves) if t is not None and t.requires_grad]
     res = [None] * len(inputs)
@@ -131,7 +155,7 @@ class _Train(torch.autograd.Function):
         if do is None:
             do = torch.zeros(*v.shape[:3], v.shape[3], dtype=v.dtype, device=v.device)
         dvn, dH, dh0 = IMPL["sweep"](q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg)
-        grads = input_grads((q, k, v, g, beta, A_log, dt_bias), saved[-1], dH, dvn, do, cu, cfg)
+        grads = input_grads((q, k, v, g, beta, A_log, dt_bias), saved, dH, dvn, do, cu, cfg)
         dh0 = dh0 if (h0 is not None and ctx.needs_input_grad[7]) else None
         return (*grads, dh0, None, None)
 

@@ -76,3 +76,75 @@ def test_reverse_sweep_stage_alone_gives_the_initial_state_gradient():
     assert dvn.shape == do.shape and dH.shape == (2, 3, 3, 16, 8)
     assert torch.equal(dH[:, :, -1], dS)  # the last chunk's leaving-state gradient is the final state's
     assert rel_l2(dS0, want[5]) <= 1e-12
+
+
+def _kernel_algebra(q, k, v, gc, b, scale, Sc, dH, dvn, do):
+    """Stage 3 in the order and form the SM90 chunk-gradient kernel computes it
+    (``kernels/gated_delta_rule_bwd_chunk_sm90.py``), one chunk of [C, *] tensors."""
+    C = q.shape[0]
+    lower = torch.ones(C, C, dtype=torch.bool).tril()
+    strict = lower.tril(-1)
+    Ediff = gc[:, None] - gc[None, :]
+    E = torch.where(lower, Ediff.exp(), torch.zeros(()).to(q))
+    Es = E * strict
+    eg, glast = gc.exp(), gc[-1]
+    Ae = (k @ k.T) * Es
+    A = b[:, None] * Ae
+    Tm = torch.linalg.inv(torch.eye(C, dtype=q.dtype) + A)
+    Z = b[:, None] * v - (b * eg)[:, None] * (k @ Sc)
+    vn = Tm @ Z
+    QK = q @ k.T
+    dP = do @ vn.T
+    dQK = scale * dP * E
+    pair = dQK * QK  # dP * P
+    dqg = (do @ Sc.T) * (scale * eg)[:, None]
+    dgc = (dqg * q).sum(-1)
+    dq = dqg + dQK @ k
+    dw = -(dvn @ Sc.T)
+    tail_s = (Sc * dH).sum()
+    dk = (vn @ dH.T) * (glast - gc).exp()[:, None]
+    kdt = (dk * k).sum(-1)
+    dk = dk + dQK.T @ q
+    dkb = Tm.T @ dw
+    dk = dk + (b * eg)[:, None] * dkb
+    dbeta = (dkb * k * eg[:, None]).sum(-1)
+    dgc = dgc + b * (dkb * k * eg[:, None]).sum(-1)
+    dvb = Tm.T @ dvn
+    dbeta = dbeta + (dvb * v).sum(-1)
+    dv = b[:, None] * dvb
+    dTm = (dw @ k.T) * (b * eg)[None, :] + (dvn @ v.T) * b[None, :]
+    dA = -(Tm.T @ dTm @ Tm.T) * strict
+    dbeta = dbeta + (dA * Ae).sum(-1)
+    pair = pair + b[:, None] * dA * Ae
+    dKK = b[:, None] * dA * Es
+    dk = dk + (dKK + dKK.T) @ k
+    dgc = dgc + pair.sum(-1) - pair.sum(-2) - kdt
+    dgc[-1] = dgc[-1] + kdt.sum() + tail_s * glast.exp()
+    dg = dgc.flip(0).cumsum(0).flip(0)
+    return dq, dk, dv, dg, dbeta
+
+
+@pytest.mark.parametrize("length", [64, 37, 1])
+def test_the_chunk_gradient_kernels_algebra_matches_chunk_grads(length):
+    """The SM90 stage-3 kernel regroups stage 3 (vn from Z, dTm from two products, dKK + dKK^T,
+    dgc from row and pair sums): the same numbers as ``chunk_grads``, padded rows included."""
+    from cudnn_train.fused.delta_rule_bwd import _recompute, chunk_grads
+
+    torch.manual_seed(3)
+    C, K, V, dt = 64, 16, 8, torch.float64
+    pad = torch.arange(C) < length
+    q = torch.randn(C, K, dtype=dt) * pad[:, None]
+    k = F.normalize(torch.randn(C, K, dtype=dt), dim=-1) * pad[:, None]
+    v = torch.randn(C, V, dtype=dt) * pad[:, None]
+    g = F.logsigmoid(torch.randn(C, dtype=dt)) * pad
+    b = torch.rand(C, dtype=dt) * pad
+    do = torch.randn(C, V, dtype=dt) * pad[:, None]
+    dvn = torch.randn(C, V, dtype=dt) * pad[:, None]
+    Sc, dH = torch.randn(K, V, dtype=dt), torch.randn(K, V, dtype=dt)
+    one = lambda x: x.reshape(1, 1, 1, *x.shape)  # noqa: E731
+    r = _recompute(one(q), one(k), one(v), one(g[:, None]), one(b[:, None]), 0.3, C)
+    want = chunk_grads(one(q), one(k), one(v), one(b[:, None]), one(Sc), one(dH), one(dvn), one(do), r)
+    got = _kernel_algebra(q, k, v, g.cumsum(0), b, 0.3, Sc, dH, dvn, do)
+    for name, a, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        w = w.reshape(a.shape)
+        assert rel_l2(a, w) <= 1e-12, (name, rel_l2(a, w))

@@ -93,7 +93,7 @@ FLAGS = {
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("h0, final", [(True, True), (False, False)])
 def test_training_path_matches_autograd_of_the_torch_op(monkeypatch, name, varlen, h0, final):
-    monkeypatch.setattr(tr, "IMPL", {"forward": ref_forward, "sweep": ref_sweep})
+    monkeypatch.setattr(tr, "IMPL", {"forward": ref_forward, "sweep": ref_sweep, "stage3": tr.stage3_torch})
     torch.manual_seed(1)
     flags = {**dict(use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                     allow_neg_eigval=False, state_v_first=False), **FLAGS[name]}

@@ -13,9 +13,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWa
 NAMES = ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")
 
 
-@pytest.fixture(autouse=True)
-def opted_in(monkeypatch):
+@pytest.fixture(autouse=True, params=["torch", "kernel"])
+def opted_in(monkeypatch, request):
+    """The training path on, its stage 3 in torch and on the SM90 kernel."""
     monkeypatch.setenv("CUDNN_TRAIN_GDN_SM90_TRAIN", "1")
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SM90_STAGE3", request.param)
 
 
 def _grads(fn, tensors, do, dht):

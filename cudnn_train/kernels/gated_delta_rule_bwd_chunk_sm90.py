@@ -1,0 +1,524 @@
+"""Chunked Gated DeltaNet backward for SM90 (CuTeDSL, WGMMA): the per-chunk gradients (stage 3).
+
+``fused/delta_rule_bwd.py:chunk_grads`` is this kernel's oracle. Grid: chunk x HV, one
+warpgroup per CTA, every chunk independent. Inputs are the op's *prepared* tensors (q, k
+l2-normalized and expanded to the value heads, the effective log decay's in-chunk cumulative
+sum gc, the effective beta), the state entering the chunk (``Sc``, from the forward) and the
+reverse sweep's ``dH`` (gradient of the state leaving the chunk) and ``dvn``. With
+``E_ij = exp(gc_i - gc_j)`` (j <= i), ``Es`` its strictly lower part, ``eg = exp(gc)``,
+``kd = k exp(gc_C - gc)``, per chunk::
+
+    Ae = (k k^T) * Es               A = diag(beta) Ae            Tm = (I + A)^-1
+    vn = Tm (diag(beta) v - diag(beta eg) k Sc)                  P  = scale (q k^T) * E
+    dP = do vn^T        dQK = scale dP * E
+    dq = scale diag(eg) do Sc^T + dQK k
+    dw = -dvn Sc^T      dkb = Tm^T dw      dvb = Tm^T dvn
+    dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta)
+    dA = -strictly_lower(Tm^T dTm Tm^T)         dKK = diag(beta) dA * Es
+    dk = diag(kdec) vn dH^T + dQK^T q + diag(beta eg) dkb + (dKK + dKK^T) k
+    dv = diag(beta) dvb
+    dbeta = rowsum(eg k * dkb) + rowsum(v * dvb) + rowsum(dA * Ae)
+    dgc = rowsum(scale eg q * dqg) + beta eg rowsum(k * dkb) + pairs(dP * P + dA * A) - kdt
+          (+ sum(kdt) + exp(gc_C) sum(Sc * dH) on the last row),  dg = reverse cumsum of dgc
+
+(``dqg = do Sc^T``, ``kdt = rowsum(kd * (vn dH^T))``, ``pairs(t)_i = sum_j t_ij - sum_j t_ji``).
+Seventeen 64-row WGMMAs; operands in shared memory in the input dtype (the float32 inputs
+Sc, dH, dvn are rounded to it on load, as FLA's backward holds them); the triangular inverse
+in float32 on CUDA cores (the forward's ``solve``); row sums by quad shuffles
+(:func:`common.quad_row_groups`); no atomics (deterministic). Writes float32 dq, dk
+``[B, T, HV, K]``, dv ``[B, T, HV, V]``, dg, dbeta ``[B, T, HV]``; the caller reduces dq/dk
+over a GVA group and runs the preprocessing's backward.
+
+Status: compiles for sm_90a (compile tier); **not yet run on a GPU**; not used by the
+training path yet (which runs ``chunk_grads`` in torch) until its GPU test passes.
+"""
+
+
+import torch
+
+from ..backend import Unsupported
+from . import compile as kc
+from . import gated_delta_rule_common_sm90 as cm
+from . import gated_delta_rule_fwd_sm90 as fwd
+
+CHUNK = cm.CHUNK
+THREADS = cm.THREADS
+_SOURCES = (__file__, cm.__file__, fwd.__file__)
+
+
+def _build_dchunk(dtype, K: int, V: int, varlen: bool):
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import warpgroup
+
+    C = CHUNK
+    LOG2E = cm.LOG2E
+    load_tiles = fwd._make_load_tiles(C)
+    gemm = cm.make_gemm()
+    solve = cm.make_solve()
+    locate = cm.make_chunk_locator(varlen)
+
+    @cute.jit
+    def load_cvt(gX: cute.Tensor, sX: cute.Tensor, rows: cutlass.Constexpr, cols: cutlass.Constexpr, nvalid: Int32,
+                 tidx: Int32):
+        # float32 global [rows, cols] -> input-dtype smem tile, rows >= nvalid as zeros; 4 floats a load
+        VPR = cols // 4
+        RPP = THREADS // VPR
+        frags = []
+        for p in cutlass.range_constexpr(rows // RPP):
+            r = p * RPP + tidx // VPR
+            frag = cute.make_rmem_tensor((1, 4), Float32)
+            frag.fill(0.0)
+            if r < nvalid:
+                cute.autovec_copy(cute.local_tile(gX, (1, 4), (r, tidx % VPR)), frag)
+            frags.append(frag)
+        for p in cutlass.range_constexpr(rows // RPP):
+            r = p * RPP + tidx // VPR
+            half = cute.make_rmem_tensor((1, 4), dtype)
+            half.store(frags[p].load().to(dtype))
+            cute.autovec_copy(half, cute.local_tile(sX, (1, 4), (r, tidx % VPR)))
+
+    @cute.jit
+    def row_sums(vals: cute.Tensor, cAcc: cute.Tensor, sOut: cute.Tensor, groups: cutlass.Constexpr, tidx: Int32,
+                 accumulate: cutlass.Constexpr):
+        # sOut[row] (+)= sum over the row of vals (a float32 tensor in an accumulator layout)
+        for gi in cutlass.range_constexpr(len(groups)):
+            s = Float32(0.0)
+            for e in cutlass.range_constexpr(len(groups[gi])):
+                s = s + vals[groups[gi][e]]
+            s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+            s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
+            if tidx % 4 == 0:
+                r, _ = cAcc[groups[gi][0]]
+                if cutlass.const_expr(accumulate):
+                    sOut[r] = sOut[r] + s
+                else:
+                    sOut[r] = s
+
+    @cute.jit
+    def store_rows_f32(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
+        # accumulator element pairs (e, e+1) are columns (n, n+1) of one row (checked at trace time)
+        for e in cutlass.range_constexpr(cute.size(acc) // 2):
+            i, d = cAcc[2 * e]
+            if i < nvalid:
+                frag = cute.make_rmem_tensor((1, 2), Float32)
+                frag[0] = acc[2 * e]
+                frag[1] = acc[2 * e + 1]
+                cute.autovec_copy(frag, cute.local_tile(gX, (1, 2), (i, d // 2)))
+
+    @cute.kernel
+    def kernel(
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
+        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
+        mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
+        scale: Float32, T: Int32, NT: Int32, nseq: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cid, hv, _ = cute.arch.block_idx()
+
+        # ---- the MMAs: name = (N, A MN-major, B MN-major); accumulators of one N share a layout
+        def mma(n, a_mn, b_mn):
+            return cm.make_mma(dtype, n, a_regs=False, b_mn_major=b_mn, a_mn_major=a_mn)
+
+        mma_cc = mma(C, False, False)  # canonical [C, C] accumulator
+        mma_ck = mma(K, False, False)  # canonical [C, K]
+        mma_cv = mma(V, False, False)  # canonical [C, V]
+        grp_cc = cm.quad_row_groups(mma_cc, (C, C))
+        grp_ck = cm.quad_row_groups(mma_ck, (C, K))
+        grp_cv = cm.quad_row_groups(mma_cv, (C, V))
+        cm.check_acc_pairs(mma_ck, (C, K))
+        cm.check_acc_pairs(mma_cv, (C, V))
+
+        smem = cutlass.utils.SmemAllocator()
+        lck = cm.smem_tile_layout(dtype, C, K)
+        lcv = cm.smem_tile_layout(dtype, C, V)
+        lcc = cm.smem_tile_layout(dtype, C, C)
+        lkv = cm.smem_tile_layout(dtype, K, V)
+        sQ = smem.allocate_tensor(dtype, lck.outer, 1024, lck.inner)
+        sK = smem.allocate_tensor(dtype, lck.outer, 1024, lck.inner)
+        sV = smem.allocate_tensor(dtype, lcv.outer, 1024, lcv.inner)
+        sDo = smem.allocate_tensor(dtype, lcv.outer, 1024, lcv.inner)  # do, later dw ([C, K]: K == V)
+        sDvn = smem.allocate_tensor(dtype, lcv.outer, 1024, lcv.inner)
+        sVn = smem.allocate_tensor(dtype, lcv.outer, 1024, lcv.inner)  # Z, then vn
+        sS = smem.allocate_tensor(dtype, lkv.outer, 1024, lkv.inner)  # Sc, then dH
+        sTm = smem.allocate_tensor(dtype, lcc.outer, 1024, lcc.inner)
+        sX1 = smem.allocate_tensor(dtype, lcc.outer, 1024, lcc.inner)  # dQK, then dKK + dKK^T
+        sX2 = smem.allocate_tensor(dtype, lcc.outer, 1024, lcc.inner)  # dTm, then Tm^T dTm
+        lf = cute.make_layout((C, C), stride=(cm.A_STRIDE, 1))
+        sA = smem.allocate_tensor(Float32, lf, 16)  # A, then the pair-sum terms
+        sT = smem.allocate_tensor(Float32, lf, 16)  # T, then dKK
+        sM = smem.allocate_tensor(Float32, lf, 16)  # solve scratch, then Ae
+        sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sB = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sDgc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # row terms of dgc
+        sDb = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # row terms of dbeta
+        sKdt = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), 16)
+        sDw = sDo
+
+        thr_cc = mma_cc.get_slice(tidx)
+        thr_ck = mma_ck.get_slice(tidx)
+        thr_cv = mma_cv.get_slice(tidx)
+        cCC = thr_cc.partition_C(cute.make_identity_tensor((C, C)))
+        cCK = thr_ck.partition_C(cute.make_identity_tensor((C, K)))
+        cCV = thr_cv.partition_C(cute.make_identity_tensor((C, V)))
+
+        def acc_cc():
+            return cute.make_rmem_tensor(thr_cc.partition_shape_C((C, C)), Float32)
+
+        def acc_ck():
+            return cute.make_rmem_tensor(thr_ck.partition_shape_C((C, K)), Float32)
+
+        def acc_cv():
+            return cute.make_rmem_tensor(thr_cv.partition_shape_C((C, V)), Float32)
+
+        def mm(acc, n, a_tile, a_mn, b_tile, b_mn, zero):
+            # acc (+)= A B on one warpgroup; A [64, k] / B [n, k] as views of smem tiles
+            m = mma(n, a_mn, b_mn)
+            thr = m.get_slice(tidx)
+            gemm(m, acc, m.make_fragment_A(thr.partition_A(a_tile)), m.make_fragment_B(thr.partition_B(b_tile)), zero)
+
+        def done():
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+        tv = cm.transpose_view
+        b, t0, tend, _ = locate(cid, mCu, mCuC, T, NT, nseq)
+        length = cutlass.max(cutlass.min(tend - t0, C), 0)
+        # surplus CTAs of a varlen grid (past the last chunk) have length 0: they load zeros and write nothing
+        gQ = cute.domain_offset((t0, 0), mQ[b, None, hv, None])
+        gK = cute.domain_offset((t0, 0), mK[b, None, hv, None])
+        gV = cute.domain_offset((t0, 0), mV[b, None, hv, None])
+        gDo = cute.domain_offset((t0, 0), mDo[b, None, hv, None])
+        gDvn = cute.domain_offset((t0, 0), mDvn[b, None, hv, None])
+        load_tiles(((gQ, sQ, K), (gK, sK, K)), length, tidx)
+        load_tiles(((gV, sV, V), (gDo, sDo, V)), length, tidx)
+        load_cvt(gDvn, sDvn, C, V, length, tidx)
+        load_cvt(mHs[cid, hv, None, None], sS, K, V, K, tidx)
+        if tidx < C:
+            sGc[tidx] = mGc[b, t0 + cutlass.max(cutlass.min(tidx, length - 1), 0), hv]
+            bval = Float32(0.0)
+            if tidx < length:
+                bval = mB[b, t0 + tidx, hv]
+            sB[tidx] = bval
+            sDgc[tidx] = Float32(0.0)
+            sDb[tidx] = Float32(0.0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        glast = sGc[C - 1]
+
+        # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc
+        accKK = acc_cc()
+        accY = acc_cv()
+        mm(accKK, C, sK, False, sK, False, True)
+        mm(accY, V, sK, False, tv(sS), True, True)  # B [N = v, K = d]: Sc [d, v] MN-major
+        done()
+        for e in cutlass.range_constexpr(cute.size(accKK)):
+            i, j = cCC[e]
+            a = Float32(0.0)
+            if i > j:
+                a = accKK[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+            sA[i, j] = sB[i] * a
+        # Z = diag(beta) v - diag(beta eg) k Sc  -> sVn
+        for e in cutlass.range_constexpr(cute.size(accY)):
+            i, n = cCV[e]
+            eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+            sVn[i, n] = (sB[i] * (sV[i, n].to(Float32) - eg * accY[e])).to(dtype)
+        cute.arch.sync_threads()
+
+        # ---- Tm = (I + A)^-1 ; Ae -> sM (after the solve is done with its scratch)
+        solve(sA, sT, sM, tidx)
+        for e in cutlass.range_constexpr(cute.size(accKK)):
+            i, j = cCC[e]
+            a = Float32(0.0)
+            if i > j:
+                a = accKK[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+            sM[i, j] = a
+        for q in cutlass.range_constexpr(C * C // THREADS):
+            idx = q * THREADS + tidx
+            i = idx // C
+            j = idx % C
+            t = Float32(0.0)
+            if i >= j:
+                t = sT[i, j]
+            sTm[i, j] = t.to(dtype)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+        # ---- vn = Tm Z ; q k^T
+        accVn = acc_cv()
+        accQK = acc_cc()
+        mm(accVn, V, sTm, False, tv(sVn), True, True)  # B [N = v, K = j]: Z [j, v] MN-major
+        mm(accQK, C, sQ, False, sK, False, True)
+        done()
+        cute.arch.sync_threads()  # every warp is done reading Z
+        for e in cutlass.range_constexpr(cute.size(accVn)):
+            i, n = cCV[e]
+            sVn[i, n] = accVn[e].to(dtype)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+        # ---- dP = do vn^T -> dQK = scale dP E (-> sX1), pair terms dP * P (-> sA) ; dqg = do Sc^T
+        accDP = acc_cc()
+        accDq = acc_ck()
+        mm(accDP, C, sDo, False, sVn, False, True)
+        mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
+        done()
+        for e in cutlass.range_constexpr(cute.size(accDP)):
+            i, j = cCC[e]
+            dqk = Float32(0.0)
+            if j <= i:
+                dqk = scale * accDP[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+            sX1[i, j] = dqk.to(dtype)
+            sA[i, j] = dqk * accQK[e]  # dP * P
+        # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
+        for e in cutlass.range_constexpr(cute.size(accDq)):
+            i, d = cCK[e]
+            accDq[e] = accDq[e] * (scale * cute.math.exp2(sGc[i] * LOG2E, fastmath=True))
+        tmp = acc_ck()  # one scratch array for every row-sum operand below
+        for e in cutlass.range_constexpr(cute.size(accDq)):
+            i, d = cCK[e]
+            tmp[e] = accDq[e] * sQ[i, d].to(Float32)
+        row_sums(tmp, cCK, sDgc, grp_ck, tidx, True)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        mm(accDq, K, sX1, False, tv(sK), True, False)  # B [N = d, K = j]: k [j, d] MN-major
+        done()
+        store_rows_f32(accDq, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
+
+        # ---- dw = -dvn Sc^T -> sDw (over do, which is no longer read)
+        accDw = acc_ck()
+        mm(accDw, K, sDvn, False, sS, False, True)
+        done()
+        cute.arch.sync_threads()  # every warp is done with do and Sc
+        for e in cutlass.range_constexpr(cute.size(accDw)):
+            i, d = cCK[e]
+            sDw[i, d] = (-accDw[e]).to(dtype)
+        # the tail's exp(gc_C) sum(Sc * dH) from the float32 rows; dH -> sS
+        part = Float32(0.0)
+        for p in cutlass.range_constexpr(K * V // THREADS):
+            idx = p * THREADS + tidx
+            part = part + mHs[cid, hv, idx // V, idx % V] * mDH[cid, hv, idx // V, idx % V]
+        for off in cutlass.range_constexpr(5):
+            part = part + cute.arch.shuffle_sync_bfly(part, offset=1 << off)
+        if tidx % 32 == 0:
+            sRed[tidx // 32] = part
+        load_cvt(mDH[cid, hv, None, None], sS, K, V, K, tidx)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+        # ---- dk = diag(kdec) vn dH^T + dQK^T q ; kdt = rowsum(kd * vn dH^T)
+        accDk = acc_ck()
+        mm(accDk, K, sVn, False, sS, False, True)  # B [N = d, K = v]: dH [d, v] K-major
+        done()
+        for e in cutlass.range_constexpr(cute.size(accDk)):
+            i, d = cCK[e]
+            accDk[e] = accDk[e] * cute.math.exp2((glast - sGc[i]) * LOG2E, fastmath=True)
+        for e in cutlass.range_constexpr(cute.size(accDk)):
+            i, d = cCK[e]
+            tmp[e] = accDk[e] * sK[i, d].to(Float32)
+        row_sums(tmp, cCK, sKdt, grp_ck, tidx, False)
+        mm(accDk, K, tv(sX1), True, tv(sQ), True, False)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
+        # ---- dkb = Tm^T dw: dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
+        accDkb = acc_ck()
+        mm(accDkb, K, tv(sTm), True, tv(sDw), True, True)
+        done()
+        for e in cutlass.range_constexpr(cute.size(accDkb)):
+            i, d = cCK[e]
+            eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+            accDk[e] = accDk[e] + sB[i] * eg * accDkb[e]
+            accDkb[e] = accDkb[e] * sK[i, d].to(Float32) * eg
+        row_sums(accDkb, cCK, sDb, grp_ck, tidx, True)
+        for e in cutlass.range_constexpr(cute.size(accDkb)):
+            i, d = cCK[e]
+            accDkb[e] = accDkb[e] * sB[i]
+        row_sums(accDkb, cCK, sDgc, grp_ck, tidx, True)
+        # ---- dvb = Tm^T dvn: dv = beta dvb ; dbeta += rowsum(v dvb)
+        accDvb = acc_cv()
+        mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
+        done()
+        for e in cutlass.range_constexpr(cute.size(accDvb)):
+            i, n = cCV[e]
+            tmp[e] = accDvb[e] * sV[i, n].to(Float32)
+            accDvb[e] = accDvb[e] * sB[i]
+        row_sums(tmp, cCV, sDb, grp_cv, tidx, True)
+        store_rows_f32(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
+
+        # ---- dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2
+        accX1 = acc_cc()
+        accX2 = acc_cc()
+        mm(accX1, C, sDw, False, sK, False, True)
+        mm(accX2, C, sDvn, False, sV, False, True)
+        done()
+        for e in cutlass.range_constexpr(cute.size(accX1)):
+            i, j = cCC[e]
+            bj = sB[j]
+            sX2[i, j] = (accX1[e] * bj * cute.math.exp2(sGc[j] * LOG2E, fastmath=True) + accX2[e] * bj).to(dtype)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        # ---- M1 = Tm^T dTm -> sX2 ; dA = -strictly_lower(M1 Tm^T)
+        accM1 = acc_cc()
+        mm(accM1, C, tv(sTm), True, tv(sX2), True, True)  # B [N = c, K = j]: dTm [j, c] MN-major
+        done()
+        cute.arch.sync_threads()
+        for e in cutlass.range_constexpr(cute.size(accM1)):
+            i, j = cCC[e]
+            sX2[i, j] = accM1[e].to(dtype)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        accDA = acc_cc()
+        mm(accDA, C, sX2, False, sTm, False, True)  # B [N = n, K = c]: Tm [n, c] K-major
+        done()
+        tdb = acc_cc()
+        for e in cutlass.range_constexpr(cute.size(accDA)):
+            i, j = cCC[e]
+            da = Float32(0.0)
+            ae = Float32(0.0)
+            es = Float32(0.0)
+            if i > j:
+                da = -accDA[e]
+                ae = sM[i, j]
+                es = cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+            tdb[e] = da * ae
+            sA[i, j] = sA[i, j] + sB[i] * da * ae  # + dA * A
+            sT[i, j] = sB[i] * da * es  # dKK
+        row_sums(tdb, cCC, sDb, grp_cc, tidx, True)  # dbeta += rowsum(dA * Ae)
+        cute.arch.sync_threads()
+        # dKK + dKK^T -> sX1 (dQK is no longer read)
+        for q in cutlass.range_constexpr(C * C // THREADS):
+            idx = q * THREADS + tidx
+            i = idx // C
+            j = idx % C
+            sX1[i, j] = (sT[i, j] + sT[j, i]).to(dtype)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        mm(accDk, K, sX1, False, tv(sK), True, False)  # dk += (dKK + dKK^T) k
+        done()
+        store_rows_f32(accDk, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
+
+        # ---- dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
+        if tidx < C:
+            i = tidx
+            ps = Float32(0.0)
+            for j in cutlass.range_constexpr(C):
+                ps = ps + sA[i, j] - sA[j, i]
+            sDgc[i] = sDgc[i] + ps - sKdt[i]
+        cute.arch.sync_threads()
+        if tidx == 0:
+            tail = Float32(0.0)
+            for i in cutlass.range_constexpr(C):
+                tail = tail + sKdt[i]
+            sc_dh = Float32(0.0)
+            for w_ in cutlass.range_constexpr(THREADS // 32):
+                sc_dh = sc_dh + sRed[w_]
+            run = Float32(0.0)
+            for r in cutlass.range_constexpr(C):
+                i = C - 1 - r
+                x = sDgc[i]
+                if cutlass.const_expr(r == 0):
+                    x = x + tail + sc_dh * cute.math.exp2(glast * LOG2E, fastmath=True)
+                run = run + x
+                sDgc[i] = run
+        cute.arch.sync_threads()
+        if tidx < length:
+            mDg[b, t0 + tidx, hv] = sDgc[tidx]
+            mDb[b, t0 + tidx, hv] = sDb[tidx]
+
+    @cute.jit
+    def host(
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
+        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
+        mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
+        scale: Float32, T: Int32, NT: Int32, nseq: Int32, nchunks_grid: Int32, stream,
+    ):
+        _static_checks(dtype, K, V)
+        HV = mV.shape[2]
+        kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T, NT, nseq).launch(
+            grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    f = fwd._fakes()
+    args = (
+        f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.rows4(dtype, V),
+        f.rows4(Float32, V), f.rows4(Float32, V), f.rows4(Float32, V), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
+        f.rows4(Float32, K), f.rows4(Float32, K), f.rows4(Float32, V), f.any3(Float32), f.any3(Float32),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+    )
+    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
+
+
+def _static_checks(dtype, K: int, V: int) -> None:
+    """Layout facts the kernel relies on, asserted while tracing (no GPU needed)."""
+    if K != V:
+        raise AssertionError("the dw tile reuses the do tile: K == V")
+    for rows, cols in ((CHUNK, K), (CHUNK, V), (CHUNK, CHUNK), (K, V)):
+        cm.check_mn_major_view(dtype, rows, cols)
+    for n in (CHUNK, K, V):
+        base = cm.make_mma(dtype, n, False, False)
+        for a_mn in (False, True):
+            for b_mn in (False, True):
+                cm.check_same_acc_layout(base, cm.make_mma(dtype, n, False, b_mn, a_mn), (64, n))
+    # the row sums of every layout update a row from one and the same thread (lane 0 of its quad)
+    _, cute = kc.import_cute()
+    for t in cm.SAMPLE_THREADS:
+        rows = set()
+        for n in (CHUNK, K, V):
+            c = cm.make_mma(dtype, n, False, False).get_slice(t).partition_C(cute.make_identity_tensor((64, n)))
+            rows.add(frozenset(tuple(c[e])[0] for e in range(cute.size(c))))
+        if len(rows) != 1:
+            raise AssertionError(f"thread {t} holds different rows in the [64, N] accumulators")
+
+
+def get_dchunk_kernel(dtype, K, V, varlen):
+    key = ("dchunk", str(dtype), K, V, bool(varlen))
+
+    def build():
+        return _build_dchunk(fwd._dt(dtype), K, V, varlen)
+
+    return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
+
+
+def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None):
+    """Launch stage 3. q, k ``[B, T, HV, K]`` (prepared: normalized, expanded to the value
+    heads), v and do ``[B, T, HV, V]`` (input dtype), gc and beta ``[B, T, HV]`` float32 (the
+    in-chunk cumulative log decay and the effective beta), dvn float32 ``[B, T, HV, V]``, hs and
+    dH float32 chunk rows ``[rows, HV, K, V]`` (as the forward and the reverse sweep write them).
+    Returns float32 ``(dq, dk, dv, dg, dbeta)``."""
+    cm.check_device(q)
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype or do.dtype != q.dtype:
+        raise Unsupported(f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}, do {do.dtype}")
+    B, T, HV, K = q.shape
+    V = v.shape[-1]
+    if K not in fwd.HEAD_DIMS or V != K:
+        raise Unsupported(f"head dims K={K}, V={V} (K == V in {fwd.HEAD_DIMS})")
+    if gc.dtype != torch.float32 or beta.dtype != torch.float32 or dvn.dtype != torch.float32:
+        raise Unsupported("gc, beta and dvn must be float32")
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dvn", dvn)):
+        cm.check_rows_aligned(name, t)
+    for name, t in (("hs", hs), ("dH", dH)):
+        if not t.is_contiguous() or t.dtype != torch.float32:
+            raise Unsupported(f"{name}: contiguous float32 rows")
+    varlen = cu_seqlens is not None
+    nseq = cu_seqlens.numel() - 1 if varlen else B
+    dev = q.device
+    _, i32_dummy = fwd._dummies(dev)
+    if varlen:
+        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+        nch = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
+        cu_chunks = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0, dtype=torch.int32)])
+        grid = T // CHUNK + nseq
+        NT = 0
+    else:
+        cu = cu_chunks = i32_dummy
+        NT = -(-T // CHUNK)
+        grid = B * NT
+    dq = torch.zeros(B, T, HV, K, dtype=torch.float32, device=dev)
+    dk = torch.zeros_like(dq)
+    dv = torch.zeros(B, T, HV, V, dtype=torch.float32, device=dev)
+    dg = torch.zeros(B, T, HV, dtype=torch.float32, device=dev)
+    db = torch.zeros_like(dg)
+    if T == 0 or nseq == 0:
+        return dq, dk, dv, dg, db
+    fn = get_dchunk_kernel(q.dtype, K, V, varlen)
+    fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, grid)
+    return dq, dk, dv, dg, db

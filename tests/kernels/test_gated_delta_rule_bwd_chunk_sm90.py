@@ -1,0 +1,107 @@
+"""SM90 Gated DeltaNet backward, the per-chunk gradients (stage 3): compiled for sm_90a on any
+machine; on a GPU, checked against the float32 torch stage 3 (``delta_rule_bwd.chunk_grads``
+through ``gated_delta_rule_train_sm90.stage3_torch``) on the same inputs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.utils import rel_l2
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+# (dtype, K, V, varlen)
+VARIANTS = [(torch.bfloat16, 128, 128, False), (torch.float16, 64, 64, True)]
+
+
+@pytest.mark.compile
+def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    kc.clear_memory_cache()
+    for v in VARIANTS:
+        assert callable(B3.get_dchunk_kernel(*v))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS)
+
+
+def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
+    from cudnn_train.backend import Unsupported
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU decline")
+    x = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16)
+    s = torch.zeros(1, 8, 1)
+    rows = torch.zeros(1, 1, 64, 64)
+    with pytest.raises(Unsupported):
+        B3.chunk_grads(x, x, x, s, s, x, x.float(), rows, rows, scale=0.125)
+
+
+# ------------------------------------------------------------------ GPU tier
+
+
+def _case(B, T, HV, K, V, dtype, lens=None):
+    from cudnn_train.fused import delta_rule_bwd as db
+    from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
+
+    dev = "cuda"
+    qn = F.normalize(torch.randn(B, T, HV, K, device=dev), dim=-1).to(dtype)
+    kn = F.normalize(torch.randn(B, T, HV, K, device=dev), dim=-1).to(dtype)
+    v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    do = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
+    beta = torch.rand(B, T, HV, device=dev)
+    cu = None if lens is None else torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
+    N = B if cu is None else len(lens)
+    h0 = torch.randn(N, HV, K, V, device=dev) * 0.5
+    dht = torch.randn(N, HV, K, V, device=dev)
+    scale = K**-0.5
+    outs = (qn.float(), kn.float(), v.float(), g.unsqueeze(-1), beta)
+    lay = db.ChunkLayout(B, T, 64, cu)
+    r = db._recompute(*(lay.to_chunks(x) for x in outs[:4]), lay.to_chunks(beta.unsqueeze(-1)), scale, 64)
+    Sc, _, dHc, dvn, _ = db.sweeps_ref(r, lay, h0, dht, lay.to_chunks(do.float()))
+    hs, dH, dvn = lay.chunks_to_rows(Sc).contiguous(), lay.chunks_to_rows(dHc).contiguous(), lay.from_chunks(dvn)
+    gc = lay.from_chunks(lay.to_chunks(g.unsqueeze(-1)).cumsum(-2)).squeeze(-1).contiguous()  # in-chunk cumsum
+    cfg = tr.Config(scale, True, False, False, False, False, False)
+    want = tr.stage3_torch(outs, None, (hs,), dH, dvn, do, cu, cfg)
+    return (qn, kn, v, gc, beta, do, dvn.contiguous(), hs, dH, scale, cu), want
+
+
+def _run(args, want):
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu = args
+    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, cu_seqlens=cu)
+    got = list(got)
+    got[3] = got[3].unsqueeze(-1)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert torch.isfinite(a).all(), name
+        assert rel_l2(a, b) <= 2e-2, (name, rel_l2(a, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunk_gradients_match_the_torch_stage(T, dtype):
+    _run(*_case(2, T, 4, 128, 128, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [64, 128])
+def test_chunk_gradients_varlen(K):
+    _run(*_case(1, 1 + 63 + 130 + 64 + 0 + 7, 2, K, K, torch.bfloat16, lens=[1, 63, 130, 64, 0, 7]))
+
+
+@pytest.mark.gpu
+def test_chunk_gradients_are_bitwise_reproducible():
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    args, _ = _case(2, 300, 4, 128, 128, torch.bfloat16)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu = args
+    first = [t.clone() for t in B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale)]
+    second = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
