@@ -14,7 +14,8 @@ Rows: ``cutedsl`` is the SM90 kernel forward called directly (no dispatch);
 ``op`` is ``cudnn_train.fused.chunk_gated_delta_rule`` with its own backend choice,
 reported with ``last_path``; forward+backward of the op (gradients to q, k, v, g, beta)
 runs whatever backend serves a differentiable call. ``sm90-train`` is the op with the
-opt-in SM90 training path switched on (``CUDNN_TRAIN_GDN_SM90_TRAIN=1`` around each call). ``fla`` is FLA's
+opt-in SM90 training path switched on (``CUDNN_TRAIN_GDN_SM90_TRAIN=1`` around each call),
+its stage 3 in torch; ``sm90-train-k3`` the same with the stage-3 kernel. ``fla`` is FLA's
 ``chunk_gated_delta_rule`` and ``flashqla`` FlashQLA's (``flash-qla``), when they import.
 A peer that fails to run is reported once with its error and left out.
 """
@@ -31,21 +32,25 @@ from benchmarks.common import bench, ceilings, parser, report
 
 C = 64
 TRAIN_ENV = "CUDNN_TRAIN_GDN_SM90_TRAIN"
+STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"
+TRAIN_ROWS = {"sm90-train": "torch", "sm90-train-k3": "kernel"}  # row -> its stage 3
 
 
-def with_train_path(f):
-    """``f`` with the opt-in SM90 training path on during the call."""
+def with_train_path(f, stage3):
+    """``f`` with the opt-in SM90 training path on during the call, stage 3 as given."""
 
     def g():
-        old = os.environ.get(TRAIN_ENV)
+        old = {k: os.environ.get(k) for k in (TRAIN_ENV, STAGE3_ENV)}
         os.environ[TRAIN_ENV] = "1"
+        os.environ[STAGE3_ENV] = stage3
         try:
             return f()
         finally:
-            if old is None:
-                os.environ.pop(TRAIN_ENV, None)
-            else:
-                os.environ[TRAIN_ENV] = old
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     return g
 
@@ -127,7 +132,7 @@ def main() -> None:
         def fwd_fn(name):
             if name == "cutedsl":
                 return lambda: F90.forward(q, k, v, g, beta, cu_seqlens=cu, **kw)
-            if name in ("op", "sm90-train"):
+            if name == "op" or name in TRAIN_ROWS:
                 return lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw)
             fn = peers[name]
             cul = None if cu is None else cu.long()
@@ -135,10 +140,10 @@ def main() -> None:
 
         def fb_fn(name):
             leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v, g, beta))
-            if name in ("op", "sm90-train"):
+            if name == "op" or name in TRAIN_ROWS:
                 f = lambda: chunk_gated_delta_rule(*leaves, cu_seqlens=cu, **kw)[0]  # noqa: E731
-                if name == "sm90-train":
-                    return with_train_path(lambda: torch.autograd.grad(f(), leaves, do))
+                if name in TRAIN_ROWS:
+                    return with_train_path(lambda: torch.autograd.grad(f(), leaves, do), TRAIN_ROWS[name])
             else:
                 fn = peers[name]
                 cul = None if cu is None else cu.long()
@@ -147,7 +152,7 @@ def main() -> None:
 
         times = {}
         paths = {}
-        for name in ["cutedsl", "op", "sm90-train"] + [p for p in peers if p not in broken]:
+        for name in [n for n in ["cutedsl", "op", *TRAIN_ROWS, *peers] if n not in broken]:
             try:
                 t_f = bench(fwd_fn(name), args.warmup, args.rep)
                 if name == "op":
@@ -157,10 +162,10 @@ def main() -> None:
                     t_fb = bench(fb_fn(name), args.warmup, args.rep)
                     if name == "op":
                         paths["fwd+bwd"] = last_path("chunk_gated_delta_rule")
-                    if name == "sm90-train":
+                    if name in TRAIN_ROWS:
                         assert last_path("chunk_gated_delta_rule") == "cutedsl:sm90-train"
             except Exception as e:  # noqa: BLE001 - report the peer's failure once, time the others
-                if name in peers or name == "sm90-train":
+                if name in peers or name in TRAIN_ROWS:
                     print(f"{name} failed at {label}: {type(e).__name__}: {e}")
                     broken.add(name)
                     continue

@@ -54,7 +54,7 @@ bench_gdn)
 gdn)
   # the GDN kernel tiers: forward, reverse sweep, the opt-in training path (FLA's backward compiles for the last)
   timeout -k 10 560 $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    tests/kernels/test_gated_delta_rule_train_sm90.py > $OUT/gdn.log 2>&1
+    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_train_sm90.py > $OUT/gdn.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn.log | tail -12 ;;
 save_caches)
