@@ -96,6 +96,16 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
                     sOut[r] = s
 
     @cute.jit
+    def acc_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor, negate: cutlass.Constexpr):
+        # an accumulator into an input-dtype smem tile at its coordinates
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, j = cAcc[e]
+            val = acc[e]
+            if cutlass.const_expr(negate):
+                val = -val
+            sX[i, j] = val.to(dtype)
+
+    @cute.jit
     def store_rows_f32(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
         # accumulator element pairs (e, e+1) are columns (n, n+1) of one row (checked at trace time)
         for e in cutlass.range_constexpr(cute.size(acc) // 2):
@@ -130,20 +140,16 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         cm.check_acc_pairs(mma_cv, (C, V))
 
         smem = cutlass.utils.SmemAllocator()
-        lck = cm.smem_tile_layout(dtype, C, K)
-        lcv = cm.smem_tile_layout(dtype, C, V)
-        lcc = cm.smem_tile_layout(dtype, C, C)
-        lkv = cm.smem_tile_layout(dtype, K, V)
-        sQ = smem.allocate_tensor(dtype, lck.outer, 1024, lck.inner)
-        sK = smem.allocate_tensor(dtype, lck.outer, 1024, lck.inner)
-        sV = smem.allocate_tensor(dtype, lcv.outer, 1024, lcv.inner)
-        sDo = smem.allocate_tensor(dtype, lcv.outer, 1024, lcv.inner)  # do, later dw ([C, K]: K == V)
-        sDvn = smem.allocate_tensor(dtype, lcv.outer, 1024, lcv.inner)
-        sVn = smem.allocate_tensor(dtype, lcv.outer, 1024, lcv.inner)  # Z, then vn
-        sS = smem.allocate_tensor(dtype, lkv.outer, 1024, lkv.inner)  # Sc, then dH
-        sTm = smem.allocate_tensor(dtype, lcc.outer, 1024, lcc.inner)
-        sX1 = smem.allocate_tensor(dtype, lcc.outer, 1024, lcc.inner)  # dQK, then dKK + dKK^T
-        sX2 = smem.allocate_tensor(dtype, lcc.outer, 1024, lcc.inner)  # dTm, then Tm^T dTm
+        sQ = cm.alloc_tile(smem, dtype, C, K)
+        sK = cm.alloc_tile(smem, dtype, C, K)
+        sV = cm.alloc_tile(smem, dtype, C, V)
+        sDo = cm.alloc_tile(smem, dtype, C, V)  # do, later dw ([C, K]: K == V)
+        sDvn = cm.alloc_tile(smem, dtype, C, V)
+        sVn = cm.alloc_tile(smem, dtype, C, V)  # Z, then vn
+        sS = cm.alloc_tile(smem, dtype, K, V)  # Sc, then dH
+        sTm = cm.alloc_tile(smem, dtype, C, C)
+        sX1 = cm.alloc_tile(smem, dtype, C, C)  # dQK, then dKK + dKK^T
+        sX2 = cm.alloc_tile(smem, dtype, C, C)  # dTm, then Tm^T dTm
         lf = cute.make_layout((C, C), stride=(cm.A_STRIDE, 1))
         sA = smem.allocate_tensor(Float32, lf, 16)  # A, then the pair-sum terms
         sT = smem.allocate_tensor(Float32, lf, 16)  # T, then dKK
@@ -252,9 +258,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         mm(accQK, C, sQ, False, sK, False, True)
         done()
         cute.arch.sync_threads()  # every warp is done reading Z
-        for e in cutlass.range_constexpr(cute.size(accVn)):
-            i, n = cCV[e]
-            sVn[i, n] = accVn[e].to(dtype)
+        acc_to_tile(accVn, cCV, sVn, False)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
@@ -291,9 +295,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         mm(accDw, K, sDvn, False, sS, False, True)
         done()
         cute.arch.sync_threads()  # every warp is done with do and Sc
-        for e in cutlass.range_constexpr(cute.size(accDw)):
-            i, d = cCK[e]
-            sDw[i, d] = (-accDw[e]).to(dtype)
+        acc_to_tile(accDw, cCK, sDw, True)
         # the tail's exp(gc_C) sum(Sc * dH) from the float32 rows; dH -> sS
         part = Float32(0.0)
         for p in cutlass.range_constexpr(K * V // THREADS):
@@ -361,9 +363,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         mm(accM1, C, tv(sTm), True, tv(sX2), True, True)  # B [N = c, K = j]: dTm [j, c] MN-major
         done()
         cute.arch.sync_threads()
-        for e in cutlass.range_constexpr(cute.size(accM1)):
-            i, j = cCC[e]
-            sX2[i, j] = accM1[e].to(dtype)
+        acc_to_tile(accM1, cCC, sX2, False)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         accDA = acc_cc()
@@ -501,17 +501,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
     dev = q.device
-    _, i32_dummy = fwd._dummies(dev)
-    if varlen:
-        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
-        nch = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
-        cu_chunks = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0, dtype=torch.int32)])
-        grid = T // CHUNK + nseq
-        NT = 0
-    else:
-        cu = cu_chunks = i32_dummy
-        NT = -(-T // CHUNK)
-        grid = B * NT
+    cu, cu_chunks, grid, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     dq = torch.zeros(B, T, HV, K, dtype=torch.float32, device=dev)
     dk = torch.zeros_like(dq)
     dv = torch.zeros(B, T, HV, V, dtype=torch.float32, device=dev)

@@ -251,17 +251,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
     dev = q.device
-    f32_dummy, i32_dummy = fwd._dummies(dev)
-    if varlen:
-        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
-        nch = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
-        cu_chunks = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0, dtype=torch.int32)])
-        total_chunks = T // CHUNK + nseq  # an upper bound: no host read
-        NT = 0
-    else:
-        cu = cu_chunks = i32_dummy
-        NT = -(-T // CHUNK)
-        total_chunks = B * NT
+    f32_dummy, _ = fwd._dummies(dev)
+    cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     dvn = torch.zeros(B, T, HV, V, dtype=torch.float32, device=dev)
     dH = torch.empty(total_chunks, HV, K, V, dtype=torch.float32, device=dev)
     dh0 = torch.empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)

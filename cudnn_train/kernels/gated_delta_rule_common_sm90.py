@@ -96,6 +96,12 @@ def smem_tile_layout(dtype, rows: int, cols: int):
     return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
 
 
+def alloc_tile(smem, dtype, rows: int, cols: int):
+    """A swizzled ``[rows, cols]`` operand tile (:func:`smem_tile_layout`) from an ``SmemAllocator``."""
+    lay = smem_tile_layout(dtype, rows, cols)
+    return smem.allocate_tensor(dtype, lay.outer, 1024, lay.inner)
+
+
 def transpose_view(t):
     """The ``[cols, rows]`` view of a 2-D smem tensor (same bytes)."""
     _, cute = kc.import_cute()

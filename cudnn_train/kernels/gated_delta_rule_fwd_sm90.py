@@ -590,6 +590,21 @@ def _dummies(dev: torch.device):
     return d
 
 
+def chunk_map(cu_seqlens, B: int, T: int, dev: torch.device):
+    """``(cu, cu_chunks, rows, NT)`` for the kernels' chunk rows: int32 ``cu_seqlens`` and the
+    cumulative chunk count on the device, the row count (``B * NT``, or with varlen the upper bound
+    ``T // 64 + N``, so that nothing is read on the host) and ``NT`` (0 with varlen). Without
+    varlen ``cu`` and ``cu_chunks`` are placeholders the kernels do not read."""
+    if cu_seqlens is None:
+        _, i32_dummy = _dummies(dev)
+        NT = -(-T // CHUNK)
+        return i32_dummy, i32_dummy, B * NT, NT
+    cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+    nch = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
+    cu_chunks = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0, dtype=torch.int32)])
+    return cu, cu_chunks, T // CHUNK + cu.numel() - 1, 0
+
+
 def check_serve(q, k, v, g, beta, initial_state=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                 cu_seqlens=None, chunk_size=64) -> None:
     """Raise Unsupported (touching no memory) for what these kernels do not serve."""
@@ -697,18 +712,9 @@ def forward(
     else:
         ht = None
 
-    f32_dummy, i32_dummy = _dummies(dev)
+    f32_dummy, _ = _dummies(dev)
     state_dummy = f32_dummy.view(1, 1, 1, 1)
-    if varlen:
-        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
-        nch = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
-        cu_chunks = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0, dtype=torch.int32)])
-        grid_chunks = T // CHUNK + nseq
-        NT = 0
-    else:
-        cu = cu_chunks = i32_dummy  # not read without varlen
-        NT = -(-T // CHUNK)
-        grid_chunks = B * NT
+    cu, cu_chunks, grid_chunks, NT = chunk_map(cu_seqlens, B, T, dev)
     # chunk-start states [chunks, HV, K, V] (chunk b * NT + c, or cu_chunks[n] + c with varlen)
     hs = _empty(grid_chunks, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
     alog = A_log.reshape(HV) if use_gate_in_kernel else f32_dummy

@@ -159,3 +159,23 @@ def test_training_path_is_opt_in(monkeypatch):
         tr.check_train_serve()
     monkeypatch.setenv(tr.OPT_IN, "1")
     tr.check_train_serve()
+
+
+@pytest.mark.parametrize("lens", [None, LENS])
+def test_the_kernels_chunk_rows_agree_with_chunk_layout(lens):
+    """The launchers' chunk map (``fwd.chunk_map``) and the torch side's ``ChunkLayout`` number
+    the chunk rows the same way."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    B, T, cu = (3, 130, None) if lens is None else (1, sum(LENS), _cu(LENS))
+    _, cu_chunks, rows, NT = F90.chunk_map(cu, B, T, torch.device("cpu"))
+    lay = db.ChunkLayout(B, T, C, cu)
+    assert rows == B * lay.NC if lens is None else rows == lay.NC
+    if lens is not None:
+        assert NT == 0
+        first = torch.nonzero(lay.first).flatten()
+        nonempty = [n for n, ln in enumerate(LENS) if ln > 0]
+        assert first.tolist() == cu_chunks[nonempty].tolist()
+        assert int(lay.valid_chunk.sum()) == int(cu_chunks[-1])
+    else:
+        assert NT == lay.NC
