@@ -191,7 +191,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         tv = cm.transpose_view
         b, t0, tend, _ = locate(cid, mCu, mCuC, T, NT, nseq)
         length = cutlass.max(cutlass.min(tend - t0, C), 0)
-        # surplus CTAs of a varlen grid (past the last chunk) have length 0: they load zeros and write nothing
+        # surplus CTAs of a varlen grid (past the last chunk) have length 0: their token loads are zeros,
+        # their chunk rows (never written by the forward or the sweep) are read but only into
+        # values that are never stored, since every store is predicated on length
         gQ = cute.domain_offset((t0, 0), mQ[b, None, hv, None])
         gK = cute.domain_offset((t0, 0), mK[b, None, hv, None])
         gV = cute.domain_offset((t0, 0), mV[b, None, hv, None])
@@ -493,15 +495,30 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         raise Unsupported(f"head dims K={K}, V={V} (K == V in {fwd.HEAD_DIMS})")
     if gc.dtype != torch.float32 or beta.dtype != torch.float32 or dvn.dtype != torch.float32:
         raise Unsupported("gc, beta and dvn must be float32")
-    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dvn", dvn)):
+    if q.dim() != 4 or tuple(k.shape) != tuple(q.shape) or tuple(v.shape[:3]) != (B, T, HV):
+        raise Unsupported(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (q, k expanded to HV)")
+    if tuple(do.shape) != tuple(v.shape) or tuple(dvn.shape) != tuple(v.shape):
+        raise Unsupported("do and dvn must have v's shape")
+    if tuple(gc.shape) != (B, T, HV) or tuple(beta.shape) != (B, T, HV):
+        raise Unsupported("gc and beta must be [B, T, HV]")
+    if cu_seqlens is not None and B != 1:
+        raise Unsupported("cu_seqlens with B != 1")
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dvn", dvn), ("hs", hs), ("dH", dH)):
         cm.check_rows_aligned(name, t)
-    for name, t in (("hs", hs), ("dH", dH)):
-        if not t.is_contiguous() or t.dtype != torch.float32:
-            raise Unsupported(f"{name}: contiguous float32 rows")
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
     dev = q.device
     cu, cu_chunks, grid, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
+    for name, t in (("hs", hs), ("dH", dH)):
+        if not t.is_contiguous() or t.dtype != torch.float32 or t.dim() != 4 or tuple(t.shape[1:]) != (HV, K, V):
+            raise Unsupported(f"{name}: contiguous float32 rows [rows, HV, K, V]")
+        if t.shape[0] < grid:
+            raise Unsupported(f"{name}: {t.shape[0]} chunk rows, {grid} needed")
+    for name, t in (("q", q), ("k", k), ("v", v), ("gc", gc), ("beta", beta), ("do", do), ("dvn", dvn), ("hs", hs),
+                    ("dH", dH)):
+        if t.device != q.device:
+            raise Unsupported(f"{name} on {t.device}")
+        cm.check_index_range(name, t)  # every offset in int32 (the outputs have the inputs' shapes)
     dq = torch.zeros(B, T, HV, K, dtype=torch.float32, device=dev)
     dk = torch.zeros_like(dq)
     dv = torch.zeros(B, T, HV, V, dtype=torch.float32, device=dev)

@@ -689,6 +689,10 @@ def forward(
         want = (nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)
         if tuple(initial_state.shape) != want:
             raise Unsupported(f"initial_state shape {tuple(initial_state.shape)} (expected {want})")
+    if store_states:  # the chunk rows (and the backward's dH rows) must be int32-addressable too
+        rows = (T // CHUNK + nseq) if varlen else B * -(-T // CHUNK)
+        if rows * HV * K * V >= 2**31:
+            raise Unsupported(f"{rows} chunk rows of {HV} x {K} x {V} states: more than 2**31 elements")
     if scale is None:
         scale = K**-0.5
     beta_scale = 2.0 if (use_beta_sigmoid_in_kernel and allow_neg_eigval) else 1.0
