@@ -5,7 +5,8 @@
 #   bash tools/gpu_next.sh demo     # ./run demo --preset gpu on the default backends, alone, with minutes to compile
 #   bash tools/gpu_next.sh fla1|fla2|fla3  # the FLA-comparison tiers (GDN / KDA / conv, patches, demo, mlp layer),
 #                                   # one call each, few workers: FLA's autotuner and TileLang compile per shape
-#   bash tools/gpu_next.sh gdn      # GDN kernel tiers (forward, reverse sweep, training path)
+#   bash tools/gpu_next.sh gdn      # GDN kernel tiers (forward, reverse sweep, stage-3 kernel)
+#   bash tools/gpu_next.sh gdn_train  # the opt-in GDN training path through the op, vs oracle and FLA
 #   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call
 #   bash tools/gpu_next.sh save_caches  # the peers' JIT results (Triton autotune choices, TileLang kernels) -> $OUT
 # The FLA-comparison tiers spend most of their time in FLA's Triton autotuner and TileLang's JIT. The
@@ -48,9 +49,16 @@ bench_rms)
   timeout 120 python3 -m benchmarks.bench_rms_norm_gated --warmup 10 --rep 40 --json $OUT/bench_rms.json > $OUT/bench_rms.log 2>&1
   echo "bench_rms rc=$?"; tail -n 25 $OUT/bench_rms.log | cut -c1-300 ;;
 bench_gdn)
-  # alone: the peers' TileLang kernels compile on first use (more than 200 s); rows include the opt-in training path
-  timeout 560 python3 -m benchmarks.bench_gated_delta_rule --warmup 5 --rep 20 --json $OUT/bench_gdn.json > $OUT/bench_gdn.log 2>&1
-  echo "bench_gdn rc=$?"; grep -vE "TileLang|^\s|Warning|^\[" $OUT/bench_gdn.log | tail -n 30 | cut -c1-300 ;;
+  # the GDN kernel tiers that need no FLA backward: forward, reverse sweep, stage-3 kernel vs the torch stage
+  timeout -k 10 400 $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py > $OUT/gdn.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn.log | tail -12 ;;
+gdn_train)
+  # the opt-in training path through the op vs the oracle and FLA (FLA's backward JIT-compiles per shape)
+  timeout -k 10 560 $P -n 6 tests/kernels/test_gated_delta_rule_train_sm90.py > $OUT/gdn_train.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -cE " PASSED " $OUT/gdn_train.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn_train.log | tail -16 ;;
 gdn)
   # the GDN kernel tiers: forward, reverse sweep, the opt-in training path (FLA's backward compiles for the last)
   timeout -k 10 560 $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
@@ -66,5 +74,5 @@ save_caches)
     tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
   fi
   ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|bench_rms|bench_gdn|save_caches"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|bench_rms|bench_gdn|save_caches"; exit 2 ;;
 esac
