@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs still owed (see docs/PERFORMANCE.md), one stage per call, after the bundle is in:
-#   bash tools/gpu_next.sh verify   # RMSNorm tier + benchmark on the 32-warp dweight reduction, the tests not
-#                                   # reached last time that need no FLA kernel (DSA case0, CSA, GNN, swiglu, fla gated_mlp)
+#   bash tools/gpu_next.sh verify   # the GPU tiers that need no FLA chunk kernel (RMSNorm, DSA, CSA, GNN, swiglu,
+#                                   # fla gated_mlp), then the RMSNorm benchmark (prefer bench_rms alone for figures)
 #   bash tools/gpu_next.sh demo     # ./run demo --preset gpu on the default backends, alone, with minutes to compile
 #   bash tools/gpu_next.sh fla1|fla2|fla3  # the FLA-comparison tiers (GDN / KDA / conv, patches, demo, mlp layer),
 #                                   # one call each, few workers: FLA's autotuner and TileLang compile per shape
