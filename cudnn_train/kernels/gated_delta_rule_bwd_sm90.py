@@ -51,6 +51,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
     store_p = cm.make_store_p(dtype, l2norm)
+    locate_seq = cm.make_seq_locator(varlen)
 
     @cute.kernel
     def kernel(
@@ -104,16 +105,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
         cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
 
-        b = n
-        ts = Int32(0)
-        te = T
-        cbase = n * NT
-        if cutlass.const_expr(varlen):
-            b = Int32(0)
-            ts = mCu[n]
-            te = mCu[n + 1]
-            cbase = mCuC[n]
-        nchunks = (te - ts + C - 1) // C
+        b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
 
         accD = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
         if cutlass.const_expr(has_dht):
@@ -157,9 +149,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             warpgroup.wait_group(0)
 
             # this chunk's dH (before the update), for the per-chunk gradient stage
-            for e in cutlass.range_constexpr(cute.size(accD)):
-                hv_, hd_ = cS[e]
-                mDH[cbase + ci, hv, hd_, v0 + hv_] = accD[e]
+            store_state(accD, cS, mDH, cbase + ci, hv, v0, False)
             glast = sGc[C - 1]
             for e in cutlass.range_constexpr(cute.size(accX)):
                 _, xi = cX[e]

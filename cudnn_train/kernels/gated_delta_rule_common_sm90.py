@@ -426,6 +426,31 @@ def make_chunk_locator(varlen: bool):
     return locate
 
 
+def make_seq_locator(varlen: bool):
+    """``locate_seq(n, mCu, mCuC, T, NT) -> (b, ts, te, cbase, nchunks)``: for sequence ``n`` of a
+    sweep kernel, its batch row, first and end token, the chunk row of its first chunk
+    (``n * NT``, or ``cu_chunks[n]`` with varlen) and its chunk count."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    C = CHUNK
+
+    @cute.jit
+    def locate_seq(n: Int32, mCu: cute.Tensor, mCuC: cute.Tensor, T: Int32, NT: Int32):
+        b = n
+        ts = Int32(0)
+        te = T
+        cbase = n * NT
+        if cutlass.const_expr(varlen):
+            b = Int32(0)
+            ts = mCu[n]
+            te = mCu[n + 1]
+            cbase = mCuC[n]
+        return b, ts, te, cbase, (te - ts + C - 1) // C
+
+    return locate_seq
+
+
 def quad_row_groups(mma, shape_mn, threads=SAMPLE_THREADS):
     """The accumulator elements of one thread grouped by row: ``((e, ...), ...)``, the same for
     every thread. Asserts that the four lanes ``t ^ 0..3`` of a quad hold the same rows with

@@ -340,6 +340,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
     store_p = cm.make_store_p(dtype, l2norm)
+    locate_seq = cm.make_seq_locator(varlen)
 
     @cute.kernel
     def kernel(
@@ -390,16 +391,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
         cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
 
-        b = n
-        ts = Int32(0)
-        te = T
-        cbase = n * NT
-        if cutlass.const_expr(varlen):
-            b = Int32(0)
-            ts = mCu[n]
-            te = mCu[n + 1]
-            cbase = mCuC[n]
-        nchunks = (te - ts + C - 1) // C
+        b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
 
         # ---- state S^T [v, d] (float32 accumulators)
         accS = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
@@ -417,9 +409,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
             cute.arch.sync_threads()
 
             if cutlass.const_expr(store_states):  # the chunk-start state, for the backward
-                for e in cutlass.range_constexpr(cute.size(accS)):
-                    sv_, sd_ = cS[e]
-                    mHs[cbase + ci, hv, sd_, v0 + sv_] = accS[e]
+                store_state(accS, cS, mHs, cbase + ci, hv, v0, False)  # rows are [K, V]
             # ---- S^T in the input dtype as a register A operand
             for f in cutlass.range_constexpr(cute.size(rS)):
                 rS[f] = accS[map_s[f]].to(dtype)
@@ -590,6 +580,11 @@ def _dummies(dev: torch.device):
     return d
 
 
+def chunk_rows(B: int, T: int, nseq: int, varlen: bool) -> int:
+    """How many chunk rows the kernels use: ``B * NT``, or with varlen the upper bound ``T // 64 + N``."""
+    return T // CHUNK + nseq if varlen else B * -(-T // CHUNK)
+
+
 def chunk_map(cu_seqlens, B: int, T: int, dev: torch.device):
     """``(cu, cu_chunks, rows, NT)`` for the kernels' chunk rows: int32 ``cu_seqlens`` and the
     cumulative chunk count on the device, the row count (``B * NT``, or with varlen the upper bound
@@ -597,12 +592,11 @@ def chunk_map(cu_seqlens, B: int, T: int, dev: torch.device):
     varlen ``cu`` and ``cu_chunks`` are placeholders the kernels do not read."""
     if cu_seqlens is None:
         _, i32_dummy = _dummies(dev)
-        NT = -(-T // CHUNK)
-        return i32_dummy, i32_dummy, B * NT, NT
+        return i32_dummy, i32_dummy, chunk_rows(B, T, B, False), -(-T // CHUNK)
     cu = cu_seqlens.to(device=dev, dtype=torch.int32)
     nch = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
     cu_chunks = torch.cat([cu.new_zeros(1), torch.cumsum(nch, 0, dtype=torch.int32)])
-    return cu, cu_chunks, T // CHUNK + cu.numel() - 1, 0
+    return cu, cu_chunks, chunk_rows(B, T, cu.numel() - 1, True), 0
 
 
 def check_serve(q, k, v, g, beta, initial_state=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
@@ -690,7 +684,7 @@ def forward(
         if tuple(initial_state.shape) != want:
             raise Unsupported(f"initial_state shape {tuple(initial_state.shape)} (expected {want})")
     if store_states:  # the chunk rows (and the backward's dH rows) must be int32-addressable too
-        rows = (T // CHUNK + nseq) if varlen else B * -(-T // CHUNK)
+        rows = chunk_rows(B, T, nseq, varlen)
         if rows * HV * K * V >= 2**31:
             raise Unsupported(f"{rows} chunk rows of {HV} x {K} x {V} states: more than 2**31 elements")
     if scale is None:

@@ -152,8 +152,6 @@ class _Train(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, h0, cu, *saved = ctx.saved_tensors
         cfg = ctx.cfg
-        if do is None:
-            do = torch.zeros(*v.shape[:3], v.shape[3], dtype=v.dtype, device=v.device)
         dvn, dH, dh0 = IMPL["sweep"](q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg)
         grads = input_grads((q, k, v, g, beta, A_log, dt_bias), saved, dH, dvn, do, cu, cfg)
         dh0 = dh0 if (h0 is not None and ctx.needs_input_grad[7]) else None
