@@ -85,30 +85,17 @@ def _recompute(q, k, v, g, b, scale, C):
     )
 
 
-def _reverse_sweep(r, do, dS_last):
-    """Stage 2: dH of every chunk (the gradient of the state leaving it), dvn, and dS0."""
-    P, kd, qg, w, dec = r["P"], r["kd"], r["qg"], r["w"], r["dec"]
-    NC = P.shape[2]
-    dH = dS_last
-    dHs, dvns = [None] * NC, [None] * NC
-    for c in reversed(range(NC)):
-        dHs[c] = dH
-        dvn = P[:, :, c].transpose(-1, -2) @ do[:, :, c] + kd[:, :, c] @ dH
-        dvns[c] = dvn
-        dH = qg[:, :, c].transpose(-1, -2) @ do[:, :, c] + dec[:, :, c] * dH - w[:, :, c].transpose(-1, -2) @ dvn
-    return torch.stack(dHs, dim=2), torch.stack(dvns, dim=2), dH
-
-
 def reverse_sweep_ref(q, k, g, beta, scale, do, dS_last, chunk_size):
     """Stage 2 alone, for the reverse-sweep kernel's tests: ``(dvn [B, T, HV, V], dH [B, HV, NC, K, V],
     dS0 [B, HV, K, V])`` from q, k ``[B, T, HV, K]`` (l2-normalized already if the op normalizes),
     g ``[B, T, HV, 1]``, beta ``[B, T, HV]``, do ``[B, T, HV, V]``, dS_last ``[B, HV, K, V]``."""
     T, C = q.shape[1], chunk_size
     NC = -(-T // C)
-    q, k, g, do = (_chunks(x, NC, C) for x in (q, k, g, do))
-    r = _recompute(q, k, None, g, _chunks(beta.unsqueeze(-1), NC, C), scale, C)
-    dHc, dvn, dS0 = _reverse_sweep(r, do, dS_last)
-    return _unchunk(dvn, T), dHc, dS0
+    lay = ChunkLayout(q.shape[0], T, C)
+    q, k, g, do = (lay.to_chunks(x) for x in (q, k, g, do))
+    r = _recompute(q, k, None, g, lay.to_chunks(beta.unsqueeze(-1)), scale, C)
+    _, _, dHc, dvn, dS0 = sweeps_ref(r, lay, None, dS_last, do)
+    return lay.from_chunks(dvn), dHc, dS0
 
 
 def chunk_grads(q, k, v, b, Sc, dHc, dvn, do, r, vn=None):
@@ -171,22 +158,13 @@ def chunked_core_bwd(q, k, v, g, beta, scale, S0, do, dS_last, chunk_size):
     q, k, v, g, do = (_chunks(x, NC, C) for x in (q, k, v, g, do))
     b = _chunks(beta.unsqueeze(-1), NC, C)  # [B, HV, NC, C, 1]
 
-    # ---- stage 1: recompute the forward's chunk quantities and the chunk-start states
+    # ---- stage 1: recompute the forward's chunk quantities; the chunk-start states Sc
+    # ---- stage 2: the reverse sweep (state gradients dHc and dvn)
     r = _recompute(q, k, v, g, b, scale, C)
-    u, w, kd, dec = r["u"], r["w"], r["kd"], r["dec"]
-    S, starts, vns = S0, [], []
-    for c in range(NC):
-        starts.append(S)
-        vn = u[:, :, c] - w[:, :, c] @ S
-        vns.append(vn)
-        S = dec[:, :, c] * S + kd[:, :, c].transpose(-1, -2) @ vn
-    Sc, vn = torch.stack(starts, dim=2), torch.stack(vns, dim=2)  # [B, HV, NC, K, V], [B, HV, NC, C, V]
-
-    # ---- stage 2: the reverse sweep (state gradients and dvn)
-    dHc, dvn, dS0 = _reverse_sweep(r, do, dS_last)
+    Sc, _, dHc, dvn, dS0 = sweeps_ref(r, ChunkLayout(q.shape[0], T, C), S0, dS_last, do)
 
     # ---- stage 3: per-chunk gradients
-    dq, dk, dv, dg, dbeta = chunk_grads(q, k, v, b, Sc, dHc, dvn, do, r, vn=vn)
+    dq, dk, dv, dg, dbeta = chunk_grads(q, k, v, b, Sc, dHc, dvn, do, r)
     out = [_unchunk(x, T) for x in (dq, dk, dv, dg)]
     dbeta = _unchunk(dbeta.unsqueeze(-1), T).squeeze(-1)
     return (*out, dbeta, dS0)
@@ -257,54 +235,60 @@ class ChunkLayout:
         """``[Bc, HV, NC, K, V]`` -> kernel rows ``[rows, HV, K, V]``."""
         return s.permute(0, 2, 1, 3, 4).reshape(-1, *s.shape[1:2], *s.shape[3:])
 
-    def sweep_marks(self):
-        """Per ``[Bc, NC]`` chunk: the sequence it belongs to, and whether it is that sequence's
-        first and last chunk (dense: every chunk of row b belongs to sequence b)."""
+    def sweep_marks(self, device):
+        """Per ``[Bc, NC]`` chunk: the sequence it belongs to, whether it is that sequence's first
+        and last chunk, and whether it is a chunk at all (dense: row b's chunks are sequence b's)."""
         if not self.varlen:
-            c = torch.arange(self.NC)
-            seq = torch.arange(self.B)[:, None].expand(self.B, self.NC)
-            return seq, (c == 0).expand(self.B, self.NC), (c == self.NC - 1).expand(self.B, self.NC)
-        return self.seq[None], self.first[None], self.last[None]
+            c = torch.arange(self.NC, device=device).expand(self.B, self.NC)
+            seq = torch.arange(self.B, device=device)[:, None].expand(self.B, self.NC)
+            return seq, c == 0, c == self.NC - 1, torch.ones_like(c, dtype=torch.bool)
+        return self.seq[None], self.first[None], self.last[None], self.valid_chunk[None]
 
 
 def sweeps_ref(r, layout: ChunkLayout, h0, dht, do):
-    """Stages 1 and 2 over the chunked form, restarting at every sequence: the state entering
-    every chunk ``Sc``, the final states, and (with ``do``) ``dHc``, ``dvn`` and ``dh0``.
-    h0 and dht ``[N, HV, K, V]`` or None. The oracle of the kernels' two sweeps."""
+    """Stages 1 and 2 over the chunked form, restarting at every sequence: ``(Sc, final states)``,
+    the state entering every chunk and the state leaving each sequence (None when ``r`` has no
+    u, i.e. was recomputed without v), and with ``do`` also ``dHc``, ``dvn`` and ``dh0``.
+    h0 and dht ``[N, HV, K, V]`` or None. The oracle of the kernels' two sweeps; every batch row
+    of the chunked form advances together, each chunk masked by its sequence marks."""
     u, w, kd, dec, P, qg = r["u"], r["w"], r["kd"], r["dec"], r["P"], r["qg"]
-    Bc, HV, NC = w.shape[:3]
-    K, V = w.shape[-1], u.shape[-1]
+    Bc, HV, NC, _, K = w.shape
     N = layout.N if layout.varlen else layout.B
-    seq, first, last = (m.tolist() for m in layout.sweep_marks())
-    zero = w.new_zeros(HV, K, V)
-    Sc = w.new_zeros(Bc, HV, NC, K, V)
-    ht = zero.expand(N, HV, K, V).clone() if h0 is None else h0.clone()
-    for bc in range(Bc):
-        S = zero
+    seq, first, last, valid = layout.sweep_marks(w.device)
+
+    def mask(m):
+        return m.view(-1, 1, 1, 1)
+
+    def state_of(states, c, like):  # each row's value of states (None: zeros) for chunk c
+        return torch.zeros_like(like) if states is None else states[seq[:, c]]
+
+    Sc = ht = None
+    if u is not None:
+        V = u.shape[-1]
+        S = w.new_zeros(Bc, HV, K, V)
+        ht = w.new_zeros(N, HV, K, V) if h0 is None else h0.clone()
+        starts = []
         for c in range(NC):
-            if first[bc][c]:
-                S = zero if h0 is None else h0[seq[bc][c]]
-            if not (layout.varlen and not layout.valid_chunk[c]):
-                Sc[bc, :, c] = S
-                S = dec[bc, :, c] * S + kd[bc, :, c].transpose(-1, -2) @ (u[bc, :, c] - w[bc, :, c] @ S)
-            if last[bc][c]:
-                ht[seq[bc][c]] = S
+            S = torch.where(mask(first[:, c]), state_of(h0, c, S), S)
+            starts.append(torch.where(mask(valid[:, c]), S, torch.zeros_like(S)))
+            nxt = dec[:, :, c] * S + kd[:, :, c].transpose(-1, -2) @ (u[:, :, c] - w[:, :, c] @ S)
+            S = torch.where(mask(valid[:, c]), nxt, S)
+            ends = last[:, c]
+            ht[seq[ends, c]] = S[ends]
+        Sc = torch.stack(starts, dim=2)
     if do is None:
         return Sc, ht
-    dHc = torch.zeros_like(Sc)
-    dvn = torch.zeros_like(u)
-    dh0 = zero.expand(N, HV, K, V).clone() if dht is None else dht.clone()
-    for bc in range(Bc):
-        dH = zero
-        for c in reversed(range(NC)):
-            if layout.varlen and not layout.valid_chunk[c]:
-                continue
-            if last[bc][c]:
-                dH = zero if dht is None else dht[seq[bc][c]]
-            dHc[bc, :, c] = dH
-            dv = P[bc, :, c].transpose(-1, -2) @ do[bc, :, c] + kd[bc, :, c] @ dH
-            dvn[bc, :, c] = dv
-            dH = qg[bc, :, c].transpose(-1, -2) @ do[bc, :, c] + dec[bc, :, c] * dH - w[bc, :, c].transpose(-1, -2) @ dv
-            if first[bc][c]:
-                dh0[seq[bc][c]] = dH
-    return Sc, ht, dHc, dvn, dh0
+    V = do.shape[-1]
+    dH = w.new_zeros(Bc, HV, K, V)
+    dh0 = w.new_zeros(N, HV, K, V) if dht is None else dht.clone()
+    dHs, dvns = [None] * NC, [None] * NC
+    for c in reversed(range(NC)):
+        dH = torch.where(mask(last[:, c]), state_of(dht, c, dH), dH)
+        dHs[c] = torch.where(mask(valid[:, c]), dH, torch.zeros_like(dH))
+        dv = P[:, :, c].transpose(-1, -2) @ do[:, :, c] + kd[:, :, c] @ dH
+        dvns[c] = torch.where(mask(valid[:, c]), dv, torch.zeros_like(dv))
+        nxt = qg[:, :, c].transpose(-1, -2) @ do[:, :, c] + dec[:, :, c] * dH - w[:, :, c].transpose(-1, -2) @ dv
+        dH = torch.where(mask(valid[:, c]), nxt, dH)
+        starts_here = first[:, c]
+        dh0[seq[starts_here, c]] = dH[starts_here]
+    return Sc, ht, torch.stack(dHs, dim=2), torch.stack(dvns, dim=2), dh0
