@@ -144,7 +144,6 @@ class _Train(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg):
         o, ht, saved = IMPL["forward"](q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg)
         ctx.cfg = cfg
-        ctx.n_saved = len(saved)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu, *saved)
         return o, ht
 
