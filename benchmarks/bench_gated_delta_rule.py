@@ -94,7 +94,10 @@ def load_peers():
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--shapes", type=int, default=None, help="time only the first N shapes")
+    ap.add_argument("--skip", default="", help="comma-separated rows to leave out (e.g. flashqla,sm90-train)")
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gated_delta_rule: needs a CUDA GPU; nothing to time here")
         return
@@ -117,6 +120,9 @@ def main() -> None:
     shapes.append(("varlen mixed", 1, sum(mixed), 16, 32, mixed))
     if args.quick:
         shapes = [("B2 T1024", 2, 1024, 16, 32, None), ("varlen", 1, 1000, 16, 32, [1, 63, 65, 871])]
+    shapes = shapes[: args.shapes]
+    skip = {s for s in args.skip.split(",") if s}
+    peers = {n: f for n, f in peers.items() if n not in skip}
 
     rows = []
     for label, B, T, H, HV, lengths in shapes:
@@ -152,7 +158,7 @@ def main() -> None:
 
         times = {}
         paths = {}
-        for name in [n for n in ["cutedsl", "op", *TRAIN_ROWS, *peers] if n not in broken]:
+        for name in [n for n in ["cutedsl", "op", *TRAIN_ROWS, *peers] if n not in broken | skip]:
             try:
                 t_f = bench(fwd_fn(name), args.warmup, args.rep)
                 if name == "op":
@@ -171,6 +177,7 @@ def main() -> None:
                     continue
                 raise
             times[name] = (t_f, t_fb)
+            print(f"{label}: {name} fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms", flush=True)  # partial results survive a timeout
         peer_f = [t[0] for n, t in times.items() if n in peers]
         peer_fb = [t[1] for n, t in times.items() if n in peers and t[1] == t[1]]
         best_f = min(peer_f) if peer_f else float("nan")

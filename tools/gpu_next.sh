@@ -5,9 +5,10 @@
 #   bash tools/gpu_next.sh demo     # ./run demo --preset gpu on the default backends, alone, with minutes to compile
 #   bash tools/gpu_next.sh fla1|fla2|fla3  # the FLA-comparison tiers (GDN / KDA / conv, patches, demo, mlp layer),
 #                                   # one call each, few workers: FLA's autotuner and TileLang compile per shape
-#   bash tools/gpu_next.sh gdn      # GDN kernel tiers (forward, reverse sweep, stage-3 kernel)
+#   bash tools/gpu_next.sh gdn      # GDN kernel tiers (forward, reverse sweep, stage-3 kernel); GDN_S=limit
 #   bash tools/gpu_next.sh gdn_train  # the opt-in GDN training path through the op, vs oracle and FLA
-#   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call
+#   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call (bench_gdn: SHAPES=N, SKIP=rows,
+#                                   # BENCH_S=limit)
 #   bash tools/gpu_next.sh save_caches  # the peers' JIT results (Triton autotune choices, TileLang kernels) -> $OUT
 # The FLA-comparison tiers spend most of their time in FLA's Triton autotuner and TileLang's JIT. The
 # caches stay on the machine while it is warm; to start a later session with them, copy the
@@ -49,20 +50,19 @@ bench_rms)
   timeout 120 python3 -m benchmarks.bench_rms_norm_gated --warmup 10 --rep 40 --json $OUT/bench_rms.json > $OUT/bench_rms.log 2>&1
   echo "bench_rms rc=$?"; tail -n 25 $OUT/bench_rms.log | cut -c1-300 ;;
 bench_gdn)
-  # the GDN kernel tiers that need no FLA backward: forward, reverse sweep, stage-3 kernel vs the torch stage
-  timeout -k 10 400 $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py > $OUT/gdn.log 2>&1
-  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
-  grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn.log | tail -12 ;;
+  # forward and forward+backward vs FLA and FlashQLA; rows print as they finish, so a timeout keeps them
+  timeout -k 10 ${BENCH_S:-560} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --shapes ${SHAPES:-2} \
+    ${SKIP:+--skip $SKIP} --json $OUT/bench_gdn.json > $OUT/bench_gdn.log 2>&1
+  echo "bench_gdn rc=$?"; grep -vE "^\s*$" $OUT/bench_gdn.log | tail -n 40 | cut -c1-300 ;;
 gdn_train)
   # the opt-in training path through the op vs the oracle and FLA (FLA's backward JIT-compiles per shape)
   timeout -k 10 560 $P -n 6 tests/kernels/test_gated_delta_rule_train_sm90.py > $OUT/gdn_train.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -cE " PASSED " $OUT/gdn_train.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn_train.log | tail -16 ;;
 gdn)
-  # the GDN kernel tiers: forward, reverse sweep, the opt-in training path (FLA's backward compiles for the last)
-  timeout -k 10 560 $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_train_sm90.py > $OUT/gdn.log 2>&1
+  # the GDN kernel tiers that need no FLA backward: forward, reverse sweep, stage-3 kernel vs the torch stage
+  timeout -k 10 ${GDN_S:-400} $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py > $OUT/gdn.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn.log | tail -12 ;;
 save_caches)
