@@ -1,6 +1,6 @@
 """Gated RMSNorm: cutedsl vs torch eager, torch.compile and FLA's FusedRMSNormGated, in one run.
 
-    python -m benchmarks.bench_rms_norm_gated [--json out.json] [--quick]
+    python -m benchmarks.bench_rms_norm_gated [--json out.json] [--quick] [--rounds N]
 
 Bytes counted (the ANCHORS convention): forward 3 tensors of M x D (x, gate read;
 y written), forward+backward 8 (forward's 3, then dy, x, gate read and dx, dgate
@@ -11,10 +11,13 @@ dy, x, gate, dx, dgate) against the copy bandwidth measured in the same run.
 Two timings of forward+backward per implementation: eager (``torch.autograd.grad`` as a user
 calls it, host time of Python, the autograd engine and the launches included; the ANCHORS
 figures are of this kind) and graphed (the same call captured once as a CUDA graph and
-replayed: GPU time only, as a training step under CUDA graphs sees it).
+replayed: GPU time only, as a training step under CUDA graphs sees it). With ``--rounds N`` every
+implementation is timed N times, interleaved, and each figure is the median of its N rounds.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 
@@ -60,12 +63,14 @@ def main() -> None:
         if fla_rms_norm_gated is not None:
             impls["fla"] = lambda x, g, w: fla_rms_norm_gated(x, g, w, None, activation="swish", eps=1e-5)
 
-        times = {}
-        for name, f in impls.items():
-            fwd = bench(lambda: f(x, g, w), args.warmup, args.rep)
-            fb = bench(lambda: torch.autograd.grad(f(x, g, w), (x, g, w), dy), args.warmup, args.rep)
-            fbg = bench_graphed(lambda: torch.autograd.grad(f(x, g, w), (x, g, w), dy), args.warmup, args.rep)
-            times[name] = (fwd, fb, fbg)
+        samples = {name: [] for name in impls}
+        for _ in range(max(1, args.rounds)):
+            for name, f in impls.items():
+                fwd = bench(lambda: f(x, g, w), args.warmup, args.rep)
+                fb = bench(lambda: torch.autograd.grad(f(x, g, w), (x, g, w), dy), args.warmup, args.rep)
+                fbg = bench_graphed(lambda: torch.autograd.grad(f(x, g, w), (x, g, w), dy), args.warmup, args.rep)
+                samples[name].append((fwd, fb, fbg))
+        times = {name: tuple(statistics.median(col) for col in zip(*s)) for name, s in samples.items()}
         assert last_path("rms_norm_gated") == "cutedsl:sm90", last_path("rms_norm_gated")
         best_peer_fb = min(t[1] for n, t in times.items() if n in ("torch.compile", "fla"))
         best_peer_f = min(t[0] for n, t in times.items() if n in ("torch.compile", "fla"))

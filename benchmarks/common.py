@@ -28,6 +28,11 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke test)")
     p.add_argument("--warmup", type=float, default=25.0, help="warm-up time in ms per measurement")
     p.add_argument("--rep", type=float, default=100.0, help="measured time in ms per measurement")
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="measure every implementation this many times, interleaved (round r times each one before "
+        "round r+1 starts), and report the median of the rounds: drift of the machine hits all alike",
+    )
     return p
 
 

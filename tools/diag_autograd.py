@@ -28,6 +28,7 @@ y0, rstd = k.forward(xd, gd, wd, 1e-5, "swish").value
 bwd_fn = k.get_compiled("bwd", x.dtype, w.dtype, d, "swish")
 dx0, dg0 = torch.empty_like(xd), torch.empty_like(gd)
 part0 = torch.empty(64, d, device="cuda")
+dw0 = torch.empty_like(wd)
 
 marks = {"entry": [], "wall": [], "cpu": []}
 t_call = [0.0]
@@ -60,7 +61,7 @@ BODIES = {
     "trivial": lambda gy: torch.empty_like(gy),
     "4x empty_like": lambda gy: [torch.empty_like(gy) for _ in range(4)][0],
     "current_stream": lambda gy: (torch.cuda.current_stream(), torch.empty_like(gy))[1],
-    "raw tvm-ffi launch": lambda gy: (bwd_fn(dy, xd, gd, wd, rstd, dx0, dg0, part0), dx0)[1],
+    "raw tvm-ffi launch": lambda gy: (bwd_fn(dy, xd, gd, wd, rstd, dx0, dg0, part0, dw0), dx0)[1],
     "k.backward": lambda gy: k.backward(dy, xd, gd, wd, rstd, "swish").value[0],
 }
 

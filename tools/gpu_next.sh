@@ -5,9 +5,11 @@
 #   bash tools/gpu_next.sh demo     # ./run demo --preset gpu on the default backends, alone, with minutes to compile
 #   bash tools/gpu_next.sh fla1|fla2|fla3  # the FLA-comparison tiers (GDN / KDA / conv, patches, demo, mlp layer),
 #                                   # one call each, few workers: FLA's autotuner and TileLang compile per shape
+#                                   # (FLA_N workers, FLA_DIST pytest-xdist mode, FLA_S limit)
 #   bash tools/gpu_next.sh gdn      # GDN kernel tiers (forward, reverse sweep, stage-3 kernel); GDN_S=limit
 #   bash tools/gpu_next.sh gdn_train  # the opt-in GDN training path through the op, vs oracle and FLA
-#   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call (bench_gdn: SHAPES=N, SKIP=rows,
+#   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call (bench_rms: ROUNDS=N, after
+#                                   # tools/diag_autograd.py; bench_gdn: SHAPES=N, SKIP=rows,
 #                                   # BENCH_S=limit)
 #   bash tools/gpu_next.sh save_caches  # the peers' JIT results (Triton autotune choices, TileLang kernels) -> $OUT
 # The FLA-comparison tiers spend most of their time in FLA's Triton autotuner and TileLang's JIT. The
@@ -26,7 +28,7 @@ verify)
     tests/fused/test_csa.py tests/fused/test_gnn.py tests/layers/test_gnn.py tests/layers/test_mlp.py \
     "tests/test_fla.py::test_gpu_patched_gated_mlp_agrees_with_fla_and_uses_the_sm90_gemms" > $OUT/verify.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null; sleep 1  # no worker left running into the benchmark grep -E " (FAILED|ERROR) |passed|failed" $OUT/verify.log | tail -12
-  timeout 90 python3 -m benchmarks.bench_rms_norm_gated --warmup 10 --rep 40 --json $OUT/bench_rms.json > $OUT/bench_rms.log 2>&1
+  timeout 90 python3 -m benchmarks.bench_rms_norm_gated --warmup 10 --rep 40 --rounds ${ROUNDS:-3} --json $OUT/bench_rms.json > $OUT/bench_rms.log 2>&1
   echo "bench_rms rc=$?"; tail -n 25 $OUT/bench_rms.log | cut -c1-300 ;;
 demo)
   for b in default torch; do
@@ -43,11 +45,12 @@ fla|fla1|fla2|fla3)
   *) files="tests/fused/test_gated_delta_rule.py tests/fused/test_kda.py tests/fused/test_causal_conv1d.py
            tests/layers/test_gated_deltanet.py tests/layers/test_kda.py tests/test_fla.py tests/test_demo.py" ;;
   esac
-  timeout -k 10 560 $P -n 4 --dist loadfile $files > $OUT/$1.log 2>&1
+  timeout -k 10 ${FLA_S:-560} $P -n ${FLA_N:-4} --dist ${FLA_DIST:-loadfile} $files > $OUT/$1.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -cE " PASSED " $OUT/$1.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/$1.log | tail -20 ;;
 bench_rms)
-  timeout 120 python3 -m benchmarks.bench_rms_norm_gated --warmup 10 --rep 40 --json $OUT/bench_rms.json > $OUT/bench_rms.log 2>&1
+  timeout 60 python3 tools/diag_autograd.py > $OUT/diag_autograd.log 2>&1; echo "diag rc=$?"; cat $OUT/diag_autograd.log | cut -c1-200
+  timeout 120 python3 -m benchmarks.bench_rms_norm_gated --warmup 10 --rep 40 --rounds ${ROUNDS:-3} --json $OUT/bench_rms.json > $OUT/bench_rms.log 2>&1
   echo "bench_rms rc=$?"; tail -n 25 $OUT/bench_rms.log | cut -c1-300 ;;
 bench_gdn)
   # forward and forward+backward vs FLA and FlashQLA; rows print as they finish, so a timeout keeps them
