@@ -8,6 +8,8 @@
 #                                   # (FLA_N workers, FLA_DIST pytest-xdist mode, FLA_S limit)
 #   bash tools/gpu_next.sh gdn      # GDN kernel tiers (forward, reverse sweep, stage-3 kernel); GDN_S=limit
 #   bash tools/gpu_next.sh gdn_train  # the opt-in GDN training path through the op, vs oracle and FLA
+#   bash tools/gpu_next.sh gdn_fwd  # the GDN forward tier, then tools/time_gdn_fwd.py (each kernel alone, FLA's
+#                                   # forward; GDN_S / TIME_S limits, SHAPES=N)
 #   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call (bench_rms: ROUNDS=N, after
 #                                   # tools/diag_autograd.py; bench_gdn: SHAPES=N, SKIP=rows,
 #                                   # BENCH_S=limit)
@@ -68,6 +70,13 @@ gdn)
     tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py > $OUT/gdn.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn.log | tail -12 ;;
+gdn_fwd)
+  # the forward tier (the state kernel's cp.async prefetch is the default), then where the forward's time goes
+  timeout -k 10 ${GDN_S:-240} $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py > $OUT/gdn_fwd.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn_fwd.log | tail -12
+  timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} > $OUT/time_gdn_fwd.log 2>&1
+  echo "time_gdn_fwd rc=$?"; tail -n 30 $OUT/time_gdn_fwd.log | cut -c1-200 ;;
 save_caches)
   cd "$HOME" || exit 1
   list=$(find .triton/cache -name "*.autotune.json" 2>/dev/null; [ -d .tilelang ] && echo .tilelang)
@@ -77,5 +86,5 @@ save_caches)
     tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
   fi
   ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|bench_rms|bench_gdn|save_caches"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|bench_rms|bench_gdn|save_caches"; exit 2 ;;
 esac

@@ -39,10 +39,18 @@ Varlen needs no host read: kernel 1 is launched on an upper bound of the
 chunk count (``T_total // 64 + N``) and each CTA finds its sequence by
 bisection in a device-side cumulative chunk count; surplus CTAs exit.
 
-Not yet: the backward (``cutedsl_backend`` declines calls that need gradients);
-splitting long sequences across CTAs (parallelism is N x HV x V/64 in kernel 2);
-TMA, warp specialization and load/compute overlap (loads are synchronous
-16-byte vector copies, all of a group in flight before the first smem store).
+Loads: kernel 1 uses synchronous 16-byte vector copies, all of a group in flight
+before the first smem store. Kernel 2 (``STATE_PREFETCH``; by default at K = 128 and not
+for the training forward's ``store_states`` variant, the cases its GPU tier has covered)
+fetches chunk c + 1 by ``cp.async`` while
+it computes chunk c: k, u and gc have two buffers; q and w are refilled in place once
+chunk c's first three products are done (~90 KiB of smem, two CTAs per SM). With
+``CUDNN_TRAIN_GDN_FWD_PREFETCH=0`` it loads every chunk synchronously at its start.
+
+Not yet: splitting long sequences across CTAs (parallelism is N x HV x V/64 in
+kernel 2); TMA and warp specialization. The backward lives in
+``gated_delta_rule_bwd_sm90.py`` / ``gated_delta_rule_bwd_chunk_sm90.py`` and the
+opt-in training path in ``gated_delta_rule_train_sm90.py``.
 
 Layout: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``
 (any strides, last dim of q/k/v contiguous with 16-byte aligned rows); states
@@ -62,6 +70,10 @@ from . import gated_delta_rule_common_sm90 as cm
 CHUNK = cm.CHUNK
 THREADS = cm.THREADS
 VBLOCK = 64  # V columns per CTA of the state kernel
+# The state kernel fetches chunk c + 1 with cp.async while it computes chunk c (two buffers of
+# k, u and gc; q and w refilled once the chunk's first products are done). 0: the earlier
+# synchronous loads at the top of every chunk.
+STATE_PREFETCH = os.environ.get("CUDNN_TRAIN_GDN_FWD_PREFETCH", "1") == "1"
 HEAD_DIMS = (64, 128)
 L2NORM_EPS = 1e-6
 _SOURCES = (__file__, cm.__file__)
@@ -136,6 +148,51 @@ def _make_load_chunk(K: int, VB: int):
             sGc[tidx] = mGc[b, t0 + cutlass.min(tidx, length - 1), hv]
 
     return load_chunk
+
+
+def _make_issue_chunk(dtype, K: int, VB: int):
+    """``issue_chunk(...)``, with :func:`_make_load_chunk`'s arguments: the same tiles and gc, by
+    ``cp.async`` (16-byte copies, 4 bytes for gc) without waiting; rows >= ``length`` are zeroed
+    by plain shared stores. The caller commits the group and, before reading, waits for it,
+    fences to the async proxy and syncs."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import cpasync
+
+    C = CHUNK
+
+    @cute.jit
+    def issue_tiles(tiles: cutlass.Constexpr, nvalid: Int32, tidx: Int32):
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                                   num_bits_per_copy=128)
+        for ti in cutlass.range_constexpr(len(tiles)):
+            gX, sX, cols, c0 = tiles[ti]  # columns from the 8-element tile c0 of gX (keeps 16-byte alignment)
+            VPR = cols // 8
+            RPP = THREADS // VPR
+            for p in cutlass.range_constexpr(C // RPP):
+                r = p * RPP + tidx // VPR
+                dst = cute.local_tile(sX[r, None], (8,), (tidx % VPR,))
+                if r < nvalid:
+                    cute.copy(atom, cute.local_tile(gX[r, None], (8,), (c0 + tidx % VPR,)), dst)
+                else:
+                    zero = cute.make_rmem_tensor((8,), dtype)
+                    zero.fill(0.0)
+                    cute.autovec_copy(zero, dst)
+
+    @cute.jit
+    def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mX: cute.Tensor, mGc: cute.Tensor,
+                    sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor, sGc: cute.Tensor,
+                    b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32, tidx: Int32):
+        issue_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
+                     (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),
+                     (cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K, 0),
+                     (cute.domain_offset((t0, 0), mX[b, None, hv, None]), sX, VB, v0 // 8)), length, tidx)
+        if tidx < C:
+            atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            row = t0 + cutlass.min(tidx, length - 1)
+            cute.copy(atom4, cute.local_tile(mGc[b, None, hv], (1,), (row,)), cute.local_tile(sGc, (1,), (tidx,)))
+
+    return issue_chunk
 
 
 # ------------------------------------------------------------------ kernel 1: w, u, gc
@@ -325,7 +382,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
 
 
 def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
-                 store_states: bool = False):
+                 store_states: bool = False, prefetch: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -336,6 +393,8 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     U_STRIDE = VB + 8  # padded row-major u tile: conflict-free transposed reads
 
     load_chunk = _make_load_chunk(K, VB)
+    issue_chunk = _make_issue_chunk(dtype, K, VB)
+    NBUF = 2 if prefetch else 1  # buffers of k, u and gc
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
@@ -367,11 +426,12 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         lqk = cm.smem_tile_layout(dtype, C, K)
         lp = cm.smem_tile_layout(dtype, C, C)
         sQ = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
-        sK = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
         sW = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
         sP = smem.allocate_tensor(dtype, lp.outer, 1024, lp.inner)
-        sU = smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16)
-        sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        # k, u and gc: NBUF buffers (chunk c in buffer c % NBUF)
+        sKb = [smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner) for _ in range(NBUF)]
+        sUb = [smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16) for _ in range(NBUF)]
+        sGcb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(NBUF)]
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
 
@@ -382,8 +442,8 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         tBq = mma_x.make_fragment_B(thr_x.partition_B(sQ))
         tBp = mma_x.make_fragment_B(thr_x.partition_B(sP))
         tAq = mma_p.make_fragment_A(thr_p.partition_A(sQ))
-        tBk = mma_p.make_fragment_B(thr_p.partition_B(sK))
-        tBkt = mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(sK)))
+        tBkb = [mma_p.make_fragment_B(thr_p.partition_B(t)) for t in sKb]
+        tBktb = [mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(t))) for t in sKb]
         rS = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
         rVn = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, C)))
         rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
@@ -400,72 +460,94 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         else:
             accS.fill(0.0)
 
-        for ci in cutlass.range(nchunks, unroll=1):
-            t0 = ts + ci * C
-            length = cutlass.min(te - t0, C)
-            cute.arch.sync_threads()  # the previous chunk is done with every smem tile
-            load_chunk(mQ, mK, mW, mU, mGc, sQ, sK, sW, sU, sGc, b, h, hv, t0, v0, length, tidx)
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()
+        NPAR = 2 if prefetch else 1  # chunks a trip of the loop: one per buffer, so every tile stays static
+        if cutlass.const_expr(prefetch):
+            if nchunks > 0:
+                issue_chunk(mQ, mK, mW, mU, mGc, sQ, sKb[0], sW, sUb[0], sGcb[0], b, h, hv, ts, v0,
+                            cutlass.min(te - ts, C), tidx)
+            cute.arch.cp_async_commit_group()
+        for cp in cutlass.range((nchunks + NPAR - 1) // NPAR, unroll=1):
+            for par in cutlass.range_constexpr(NPAR):
+                ci = cp * NPAR + par
+                if ci < nchunks:
+                    t0 = ts + ci * C
+                    length = cutlass.min(te - t0, C)
+                    if cutlass.const_expr(prefetch):
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.sync_threads()  # chunk ci is in smem; every thread is done with chunk ci - 1
+                    else:
+                        cute.arch.sync_threads()  # the previous chunk is done with every smem tile
+                        load_chunk(mQ, mK, mW, mU, mGc, sQ, sKb[0], sW, sUb[0], sGcb[0], b, h, hv, t0, v0, length, tidx)
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.sync_threads()
 
-            if cutlass.const_expr(store_states):  # the chunk-start state, for the backward
-                store_state(accS, cS, mHs, cbase + ci, hv, v0, False)  # rows are [K, V]
-            # ---- S^T in the input dtype as a register A operand
-            for f in cutlass.range_constexpr(cute.size(rS)):
-                rS[f] = accS[map_s[f]].to(dtype)
-            accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
-            accO = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
-            accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
-            gemm(mma_x, accX, rS, tBw, True)  # S^T w^T   [v, i]
-            gemm(mma_x, accO, rS, tBq, True)  # S^T q^T   [v, i]
-            gemm(mma_p, accP, tAq, tBk, True)  # q k^T    [i, j]
-            warpgroup.commit_group()
-            if cutlass.const_expr(l2norm):
-                if tidx < C:
-                    sRq[tidx] = row_inv_norm(sQ, tidx)
-                else:
-                    sRk[tidx - C] = row_inv_norm(sK, tidx - C)
-            warpgroup.wait_group(0)
-            if cutlass.const_expr(l2norm):
-                cute.arch.sync_threads()
+                    if cutlass.const_expr(store_states):  # the chunk-start state, for the backward
+                        store_state(accS, cS, mHs, cbase + ci, hv, v0, False)  # rows are [K, V]
+                    # ---- S^T in the input dtype as a register A operand
+                    for f in cutlass.range_constexpr(cute.size(rS)):
+                        rS[f] = accS[map_s[f]].to(dtype)
+                    accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
+                    accO = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
+                    accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
+                    gemm(mma_x, accX, rS, tBw, True)  # S^T w^T   [v, i]
+                    gemm(mma_x, accO, rS, tBq, True)  # S^T q^T   [v, i]
+                    gemm(mma_p, accP, tAq, tBkb[par], True)  # q k^T    [i, j]
+                    warpgroup.commit_group()
+                    if cutlass.const_expr(l2norm):
+                        if tidx < C:
+                            sRq[tidx] = row_inv_norm(sQ, tidx)
+                        else:
+                            sRk[tidx - C] = row_inv_norm(sKb[par], tidx - C)
+                    warpgroup.wait_group(0)
+                    if cutlass.const_expr(l2norm or prefetch):
+                        cute.arch.sync_threads()  # sRq/sRk written; every read of sQ and sW is done
+                    if cutlass.const_expr(prefetch):
+                        # chunk ci + 1: q, w over this chunk's (done with); k, u, gc into the other buffer
+                        if ci + 1 < nchunks:
+                            t1 = t0 + C
+                            issue_chunk(mQ, mK, mW, mU, mGc, sQ, sKb[1 - par], sW, sUb[1 - par], sGcb[1 - par],
+                                        b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx)
+                        cute.arch.cp_async_commit_group()
 
-            # ---- vn^T = u^T - S^T w^T (in place)
-            for e in cutlass.range_constexpr(cute.size(accX)):
-                xv, xi = cX[e]
-                accX[e] = sU[xi, xv].to(Float32) - accX[e]
-            # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j -> smem (B operand of the o update)
-            store_p(accP, cP, sP, sGc, sRq, sRk, scale)
-            # ---- o^T = scale exp(gc_i) rq_i S^T q^T + ...
-            for e in cutlass.range_constexpr(cute.size(accO)):
-                _, oi = cX[e]
-                ocoef = scale * cute.math.exp2(sGc[oi] * LOG2E, fastmath=True)
-                if cutlass.const_expr(l2norm):
-                    ocoef = ocoef * sRq[oi]
-                accO[e] = accO[e] * ocoef
-            glast = sGc[C - 1]
-            for f in cutlass.range_constexpr(cute.size(rVn)):
-                rVn[f] = accX[map_vn[f]].to(dtype)
-            for f in cutlass.range_constexpr(cute.size(rVd)):
-                _, dj = cX[map_vd[f]]
-                dcoef = cute.math.exp2((glast - sGc[dj]) * LOG2E, fastmath=True)
-                if cutlass.const_expr(l2norm):
-                    dcoef = dcoef * sRk[dj]
-                rVd[f] = (accX[map_vd[f]] * dcoef).to(dtype)
-            decay = cute.math.exp2(glast * LOG2E, fastmath=True)
-            for e in cutlass.range_constexpr(cute.size(accS)):
-                accS[e] = accS[e] * decay
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()  # P visible to the async proxy
+                    # ---- vn^T = u^T - S^T w^T (in place)
+                    for e in cutlass.range_constexpr(cute.size(accX)):
+                        xv, xi = cX[e]
+                        accX[e] = sUb[par][xi, xv].to(Float32) - accX[e]
+                    # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j -> smem (B operand of the o update)
+                    store_p(accP, cP, sP, sGcb[par], sRq, sRk, scale)
+                    # ---- o^T = scale exp(gc_i) rq_i S^T q^T + ...
+                    for e in cutlass.range_constexpr(cute.size(accO)):
+                        _, oi = cX[e]
+                        ocoef = scale * cute.math.exp2(sGcb[par][oi] * LOG2E, fastmath=True)
+                        if cutlass.const_expr(l2norm):
+                            ocoef = ocoef * sRq[oi]
+                        accO[e] = accO[e] * ocoef
+                    glast = sGcb[par][C - 1]
+                    for f in cutlass.range_constexpr(cute.size(rVn)):
+                        rVn[f] = accX[map_vn[f]].to(dtype)
+                    for f in cutlass.range_constexpr(cute.size(rVd)):
+                        _, dj = cX[map_vd[f]]
+                        dcoef = cute.math.exp2((glast - sGcb[par][dj]) * LOG2E, fastmath=True)
+                        if cutlass.const_expr(l2norm):
+                            dcoef = dcoef * sRk[dj]
+                        rVd[f] = (accX[map_vd[f]] * dcoef).to(dtype)
+                    decay = cute.math.exp2(glast * LOG2E, fastmath=True)
+                    for e in cutlass.range_constexpr(cute.size(accS)):
+                        accS[e] = accS[e] * decay
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_threads()  # P visible to the async proxy
 
-            gemm(mma_x, accO, rVn, tBp, False)  # o^T += vn^T P^T
-            gemm(mma_s, accS, rVd, tBkt, False)  # S^T += (vn^T diag(exp(gl - gc) rk)) k
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+                    gemm(mma_x, accO, rVn, tBp, False)  # o^T += vn^T P^T
+                    gemm(mma_s, accS, rVd, tBktb[par], False)  # S^T += (vn^T diag(exp(gl - gc) rk)) k
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
 
-            for e in cutlass.range_constexpr(cute.size(accO)):
-                ov, oi = cX[e]
-                if oi < length:
-                    mO[b, t0 + oi, hv, v0 + ov] = accO[e].to(dtype)
+                    for e in cutlass.range_constexpr(cute.size(accO)):
+                        ov, oi = cX[e]
+                        if oi < length:
+                            mO[b, t0 + oi, hv, v0 + ov] = accO[e].to(dtype)
+
 
         if cutlass.const_expr(out_final):
             store_state(accS, cS, mHT, n, hv, v0, state_vk)
@@ -555,12 +637,15 @@ def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2nor
     return kc.get_kernel("gdn_fwd_wy", key, build, _SOURCES)
 
 
-def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False):
+def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False,
+                     prefetch=None):
+    # by default only where the GPU tier has run with it (K = 128, not the training forward's store_states)
+    prefetch = (STATE_PREFETCH and K == 128 and not store_states) if prefetch is None else bool(prefetch)
     key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
-           bool(store_states))
+           bool(store_states)) + (("prefetch",) if prefetch else ())
 
     def build():
-        return _build_state(_dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states)
+        return _build_state(_dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states, prefetch)
 
     return kc.get_kernel("gdn_fwd_state", key, build, _SOURCES)
 

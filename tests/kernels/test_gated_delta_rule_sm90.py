@@ -42,10 +42,11 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
         fn = F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
                                K, V, l2, gate, dtb, sig, bscale, varlen)
         assert callable(fn)
-    for v in STATE_VARIANTS:
-        assert callable(F90.get_state_kernel(*v))
+    for v in STATE_VARIANTS:  # each with and without the cp.async prefetch of the next chunk
+        for pf in (True, False):
+            assert callable(F90.get_state_kernel(*v, prefetch=pf))
     objs = sorted(p.name for p in tmp_path.rglob("*.o"))
-    assert len(objs) == len(WY_VARIANTS) + len(STATE_VARIANTS), objs
+    assert len(objs) == len(WY_VARIANTS) + 2 * len(STATE_VARIANTS), objs
     # another process loads them from disk without compiling
     kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0]))
@@ -339,6 +340,41 @@ def test_forward_varlen_is_graph_capturable(poisoned):
         fla = peer(q, k, v, g, beta, 128**-0.5, h0, cu, use_qk_l2norm_in_kernel=True)
         _check("o", o.float(), ref_o, None if fla is None else fla[0].float())
         _check("final_state", ht, ref_h, None if fla is None else fla[1].float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "k64_state_vk", "store_states"])
+def test_state_prefetch_matches_synchronous_loads_bitwise(case, monkeypatch, poisoned):
+    """The cp.async prefetch only changes how chunk tiles reach shared memory: the same math in
+    the same order, so o, the final state and the chunk-start states are bitwise those of the
+    synchronous loads (both layouts, GVA, tails, empty and one-token sequences)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    K, V, vk, cu, store = 128, 128, False, None, case == "store_states"
+    if case == "k64_state_vk":
+        K, vk = 64, True
+    if case in ("varlen", "store_states"):
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, torch.bfloat16, nseq=len(lengths),
+                                       state_v_first=vk)
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, V, torch.bfloat16, state_v_first=vk)
+    orig = F90.get_state_kernel
+    outs = []
+    for pf in (True, False):
+        monkeypatch.setattr(F90, "get_state_kernel", lambda *a, pf=pf, **kw: orig(*a, **{**kw, "prefetch": pf}))
+        res = F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                          cu_seqlens=cu, state_v_first=vk, store_states=store)
+        o, ht = res.value[:2]
+        outs.append((o, ht) + ((res.value[2][3],) if store else ()))
+    if store:  # rows past the varlen chunk count are never written: compare the written ones
+        cu_chunks = F90.chunk_map(cu, 1, q.shape[1], q.device)[1]
+        rows = int(cu_chunks[-1])
+        outs = [(o, ht, hs[:rows]) for o, ht, hs in outs]
+    for name, a, b in zip(("o", "final_state", "chunk_states"), outs[0], outs[1]):
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the prefetching kernel did not write"
+        assert torch.equal(a, b), f"{case}: {name} differs from the synchronous loads"
 
 
 @pytest.mark.gpu
