@@ -75,7 +75,7 @@ gdn_fwd)
   timeout -k 10 ${GDN_S:-240} $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py > $OUT/gdn_fwd.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn_fwd.log | tail -12
-  timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} > $OUT/time_gdn_fwd.log 2>&1
+  timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} --profile > $OUT/time_gdn_fwd.log 2>&1
   echo "time_gdn_fwd rc=$?"; tail -n 30 $OUT/time_gdn_fwd.log | cut -c1-200 ;;
 save_caches)
   cd "$HOME" || exit 1

@@ -1,12 +1,15 @@
 """Where the SM90 GDN forward's time goes (GPU machine): each kernel alone, the state kernel with
 and without the cp.async prefetch, the whole forward, and FLA's forward in the same run.
 
-    python3 tools/time_gdn_fwd.py [--shapes N]
+    python3 tools/time_gdn_fwd.py [--shapes N] [--profile]
 
 K = V = 128, bf16, ``use_qk_l2norm_in_kernel=True``, no initial or final state (the benchmark's
 setting). Each line: median ms of ``triton.testing.do_bench`` (L2 cleared before every call)
 and TFLOP/s with the issue's FLOP model. Before timing, the state kernel's two variants are
-compared on the same inputs (they must agree bitwise).
+compared on the same inputs (they must agree bitwise). ``--profile`` then runs the kernels'
+profile variants once (``clock64`` sums per phase, thread 0 of every CTA; the phases are
+``WY_PHASES`` / ``STATE_PHASES`` of the kernel module) and prints the mean cycles a CTA spends
+in each phase (for the state kernel also per chunk).
 """
 
 import argparse
@@ -27,6 +30,7 @@ def flops(B, T, HV, K=128, V=128, C=64):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="per-phase cycles from the profile variants")
     args = ap.parse_args()
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fwd
@@ -47,12 +51,12 @@ def main():
         w = torch.empty(B, T, HV, K, device=dev, dtype=torch.bfloat16)
         u = torch.empty(B, T, HV, V, device=dev, dtype=torch.bfloat16)
         gc = torch.empty(B, T, HV, device=dev)
-        f32, i32 = F90._dummies(q.device)
+        f32, i32, i64 = F90._dummies(q.device)
         cu, cuc, rows, NT = F90.chunk_map(None, B, T, q.device)
         group = HV // H
 
         def run_wy():
-            wy(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, T, NT, B, group, rows)
+            wy(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, T, NT, B, group, rows, i64)
 
         run_wy()
         st = {pf: F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=pf)
@@ -63,7 +67,7 @@ def main():
         d4 = f32.view(1, 1, 1, 1)
 
         def run_state(pf):
-            st[pf](q, k, w, u, gc, d4, outs[pf], d4, cu, cuc, d4, K**-0.5, T, NT, group, B)
+            st[pf](q, k, w, u, gc, d4, outs[pf], d4, cu, cuc, d4, K**-0.5, T, NT, group, B, i64)
 
         for pf in st:
             run_state(pf)
@@ -82,6 +86,39 @@ def main():
                     lambda: fla_fwd(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40)))
         for name, ms in rows_out:
             print(f"  {name:38s} {ms:8.3f} ms  {fl / ms / 1e9:7.1f} TFLOP/s")
+        if args.profile:
+            profile(q, k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group, d4, outs)
+
+
+def _report(title, buf, phases, ctas, per=1):
+    tab = buf.view(ctas, len(phases) + 1).double().mean(0).tolist()
+    total = tab[-1]
+    print(f"  {title}: {total / per:,.0f} cycles a CTA{' and chunk' if per > 1 else ''} (mean over {ctas} CTAs)")
+    for name, cyc in zip(phases, tab):
+        print(f"    {name:34s} {cyc / per:10,.0f} cycles  {100 * cyc / total:5.1f}%")
+
+
+def profile(q, k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group, d4, outs):
+    """The profile variants once each; their outputs must equal the plain kernels' (``outs``)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    wyp = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,
+                            False, 1.0, False, profile=True)
+    ctas = rows * HV
+    buf = torch.zeros(ctas * (len(F90.WY_PHASES) + 1), dtype=torch.int64, device=q.device)
+    wyp(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, T, NT, B, group, rows, buf)
+    torch.cuda.synchronize()
+    _report("wy kernel", buf, F90.WY_PHASES, ctas)
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=q.dtype)
+    for pf in (True, False):
+        stp = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=pf,
+                                   profile=True)
+        ctas = B * HV * (V // F90.VBLOCK)
+        buf = torch.zeros(ctas * (len(F90.STATE_PHASES) + 1), dtype=torch.int64, device=q.device)
+        stp(q, k, w, u, gc, d4, o, d4, cu, cuc, d4, K**-0.5, T, NT, group, B, buf)
+        torch.cuda.synchronize()
+        print(f"  profile variant's o equals the plain kernel's: {torch.equal(o, outs[pf])}")
+        _report(f"state kernel, prefetch={pf}", buf, F90.STATE_PHASES, ctas, per=NT)
 
 
 if __name__ == "__main__":

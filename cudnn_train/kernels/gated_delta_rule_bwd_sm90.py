@@ -241,7 +241,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
     dev = q.device
-    f32_dummy, _ = fwd._dummies(dev)
+    f32_dummy, _, _ = fwd._dummies(dev)
     cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     dvn = torch.zeros(B, T, HV, V, dtype=torch.float32, device=dev)
     dH = torch.empty(total_chunks, HV, K, V, dtype=torch.float32, device=dev)

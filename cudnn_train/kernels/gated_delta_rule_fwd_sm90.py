@@ -89,6 +89,48 @@ def _empty(*shape, dtype, device):
 
 # ------------------------------------------------------------------ shared device code
 
+# Phases timed by the kernels' profile variants (``tools/time_gdn_fwd.py --profile``)
+WY_PHASES = ("k, v tiles + g, beta loads", "cumsum + k norms", "k k^T + A", "triangular solve",
+             "scaled T copies", "w, u products", "w, u stores")
+STATE_PHASES = ("chunk loads (wait)", "S w, S q, q k^T (+ norms)", "vn, P, scalings", "o, state products",
+                "o stores")
+
+
+def make_profile(on: bool, nphase: int):
+    """``(start, mark, finish)``, trace-time helpers of the kernels' profile variants.
+
+    ``acc = start()`` keeps, in registers, per-phase sums of ``clock64`` differences (every
+    thread its own); ``mark(acc, p)`` ends phase ``p`` (adds the time since the previous mark;
+    ``p = -1`` only restarts the clock); ``finish(acc, mProf, cta, tidx)`` has thread 0 write
+    ``[phase sums..., kernel total]`` to ``mProf[cta * (nphase + 1):]``. With ``on`` False all
+    three emit nothing."""
+    if not on:
+        return (lambda: None), (lambda acc, p: None), (lambda acc, mProf, cta, tidx: None)
+    cutlass, cute = kc.import_cute()
+
+    def start():
+        acc = cute.make_rmem_tensor((nphase + 2,), cutlass.Int64)  # phases, kernel start, last mark
+        acc.fill(0)
+        now = cute.arch.clock64()
+        acc[nphase] = now
+        acc[nphase + 1] = now
+        return acc
+
+    def mark(acc, phase):
+        now = cute.arch.clock64()
+        if phase >= 0:
+            acc[phase] = acc[phase] + (now - acc[nphase + 1])
+        acc[nphase + 1] = now
+
+    @cute.jit
+    def finish(acc: cute.Tensor, mProf: cute.Tensor, cta: cutlass.Int32, tidx: cutlass.Int32):
+        acc[nphase] = cute.arch.clock64() - acc[nphase]
+        if tidx == 0:
+            for p in cutlass.range_constexpr(nphase + 1):
+                mProf[cta * (nphase + 1) + p] = acc[p]
+
+    return start, mark, finish
+
 
 def _make_load_tiles(rows: int):
     """``load_tiles(((gX, sX, cols), ...), nvalid, tidx)``: copy ``rows x cols`` tiles global -> shared.
@@ -199,7 +241,7 @@ def _make_issue_chunk(dtype, K: int, VB: int):
 
 
 def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int, l2norm: bool, gate: bool,
-              has_dt_bias: bool, beta_sigmoid: bool, beta_scale: float, varlen: bool):
+              has_dt_bias: bool, beta_sigmoid: bool, beta_scale: float, varlen: bool, profile: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -230,11 +272,13 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     def kernel(
         mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAlog: cute.Tensor, mDtb: cute.Tensor,
         mCu: cute.Tensor, mCuC: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
-        T: Int32, NT: Int32, nseq: Int32, group: Int32,
+        T: Int32, NT: Int32, nseq: Int32, group: Int32, mProf: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cid, hv, _ = cute.arch.block_idx()
         h = hv // group
+        pstart, pmark, pfinish = make_profile(profile, len(WY_PHASES))
+        prof = pstart()
 
         mma_kk = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)
         mma_w = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True)
@@ -288,6 +332,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                 sG[tidx] = gval
                 sB[tidx] = bval
             cute.arch.sync_threads()
+            pmark(prof, 0)
             if tidx < C:
                 # in-chunk inclusive cumsum (padded rows have g = 0, so gc stays flat past the end)
                 acc = Float32(0.0)
@@ -305,6 +350,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                 sRk[r] = rk
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
+            pmark(prof, 1)
 
             # ---- A = strictly_lower(beta_i rk_i rk_j k_i.k_j exp(gc_i - gc_j))
             thr_kk = mma_kk.get_slice(tidx)
@@ -324,9 +370,11 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                     a = accA[e] * coef
                 sA[i, j] = a
             cute.arch.sync_threads()
+            pmark(prof, 2)
 
             # ---- T = (I + A)^-1 in float32 by block doubling (see `solve` below)
             solve(sA, sT, sM, tidx)
+            pmark(prof, 3)
             # column-scaled copies of T in the input dtype: A operands of the w and u products
             c = tidx % C
             cw = sB[c] * cute.math.exp2(sGc[c] * LOG2E, fastmath=True)
@@ -342,6 +390,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                 sTu[i, c] = (tv * cu).to(dtype)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
+            pmark(prof, 4)
 
             # ---- w = Tw k, u = Tu v  (B operands: MN-major views of the k and v tiles)
             thr_w = mma_w.get_slice(tidx)
@@ -354,18 +403,21 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                  mma_u.make_fragment_B(thr_u.partition_B(cm.transpose_view(sV))), True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
+            pmark(prof, 5)
             store_rows(accW, thr_w.partition_C(cute.make_identity_tensor((C, K))), gW, length)
             store_rows(accU, thr_u.partition_C(cute.make_identity_tensor((C, V))), gU, length)
+            pmark(prof, 6)
+        pfinish(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
 
     @cute.jit
     def host(
         mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAlog: cute.Tensor, mDtb: cute.Tensor,
         mCu: cute.Tensor, mCuC: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
-        T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32, stream,
+        T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32, mProf: cute.Tensor, stream,
     ):
         _static_checks(dtype, K, V)
         HV = mV.shape[2]
-        kernel(mK, mV, mG, mBeta, mAlog, mDtb, mCu, mCuC, mW, mU, mGc, T, NT, nseq, group).launch(
+        kernel(mK, mV, mG, mBeta, mAlog, mDtb, mCu, mCuC, mW, mU, mGc, T, NT, nseq, group, mProf).launch(
             grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream
         )
 
@@ -373,7 +425,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     args = (
         f.rows4(dtype, K), f.rows4(dtype, V), f.any3(g_dtype), f.any3(beta_dtype), f.vec(alog_dtype), f.vec(dtb_dtype),
         f.vec(cutlass.Int32), f.vec(cutlass.Int32), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
-        Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+        Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
@@ -382,7 +434,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
 
 
 def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
-                 store_states: bool = False, prefetch: bool = False):
+                 store_states: bool = False, prefetch: bool = False, profile: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -405,10 +457,12 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     def kernel(
         mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
         mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, mHs: cute.Tensor, scale: Float32,
-        T: Int32, NT: Int32, group: Int32,
+        T: Int32, NT: Int32, group: Int32, mProf: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
+        pstart, pmark, pfinish = make_profile(profile, len(STATE_PHASES))
+        prof = pstart()
         h = hv // group
         v0 = vb * VB
 
@@ -472,6 +526,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                 if ci < nchunks:
                     t0 = ts + ci * C
                     length = cutlass.min(te - t0, C)
+                    pmark(prof, -1)
                     if cutlass.const_expr(prefetch):
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.fence_view_async_shared()
@@ -481,6 +536,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                         load_chunk(mQ, mK, mW, mU, mGc, sQ, sKb[0], sW, sUb[0], sGcb[0], b, h, hv, t0, v0, length, tidx)
                         cute.arch.fence_view_async_shared()
                         cute.arch.sync_threads()
+                    pmark(prof, 0)
 
                     if cutlass.const_expr(store_states):  # the chunk-start state, for the backward
                         store_state(accS, cS, mHs, cbase + ci, hv, v0, False)  # rows are [K, V]
@@ -509,6 +565,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                             issue_chunk(mQ, mK, mW, mU, mGc, sQ, sKb[1 - par], sW, sUb[1 - par], sGcb[1 - par],
                                         b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx)
                         cute.arch.cp_async_commit_group()
+                    pmark(prof, 1)
 
                     # ---- vn^T = u^T - S^T w^T (in place)
                     for e in cutlass.range_constexpr(cute.size(accX)):
@@ -537,30 +594,33 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                         accS[e] = accS[e] * decay
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # P visible to the async proxy
+                    pmark(prof, 2)
 
                     gemm(mma_x, accO, rVn, tBp, False)  # o^T += vn^T P^T
                     gemm(mma_s, accS, rVd, tBktb[par], False)  # S^T += (vn^T diag(exp(gl - gc) rk)) k
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
+                    pmark(prof, 3)
 
                     for e in cutlass.range_constexpr(cute.size(accO)):
                         ov, oi = cX[e]
                         if oi < length:
                             mO[b, t0 + oi, hv, v0 + ov] = accO[e].to(dtype)
-
+                    pmark(prof, 4)
 
         if cutlass.const_expr(out_final):
             store_state(accS, cS, mHT, n, hv, v0, state_vk)
+        pfinish(prof, mProf, (n * cute.arch.grid_dim()[1] + hv) * cute.arch.grid_dim()[2] + vb, tidx)
 
     @cute.jit
     def host(
         mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
         mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, mHs: cute.Tensor, scale: Float32,
-        T: Int32, NT: Int32, group: Int32, nseq: Int32, stream,
+        T: Int32, NT: Int32, group: Int32, nseq: Int32, mProf: cute.Tensor, stream,
     ):
         _static_checks(dtype, K, V)
         HV = mU.shape[2]
-        kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, scale, T, NT, group).launch(
+        kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, scale, T, NT, group, mProf).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
         )
 
@@ -568,7 +628,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
         f.state(), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32), f.state(),
-        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
@@ -626,26 +686,28 @@ def _dt(t: torch.dtype | None):
 
 
 def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2norm, gate, has_dt_bias,
-                  beta_sigmoid, beta_scale, varlen):
+                  beta_sigmoid, beta_scale, varlen, profile=False):
     key = ("wy", str(dtype), str(g_dtype), str(beta_dtype), str(alog_dtype), str(dtb_dtype), K, V, bool(l2norm),
-           bool(gate), bool(has_dt_bias), bool(beta_sigmoid), float(beta_scale), bool(varlen))
+           bool(gate), bool(has_dt_bias), bool(beta_sigmoid), float(beta_scale), bool(varlen)) + (
+           ("profile",) if profile else ())
 
     def build():
         return _build_wy(_dt(dtype), _dt(g_dtype), _dt(beta_dtype), _dt(alog_dtype), _dt(dtb_dtype), K, V, l2norm,
-                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen)
+                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile))
 
     return kc.get_kernel("gdn_fwd_wy", key, build, _SOURCES)
 
 
 def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False,
-                     prefetch=None):
+                     prefetch=None, profile=False):
     # by default only where the GPU tier has run with it (K = 128, not the training forward's store_states)
     prefetch = (STATE_PREFETCH and K == 128 and not store_states) if prefetch is None else bool(prefetch)
     key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
-           bool(store_states)) + (("prefetch",) if prefetch else ())
+           bool(store_states)) + (("prefetch",) if prefetch else ()) + (("profile",) if profile else ())
 
     def build():
-        return _build_state(_dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states, prefetch)
+        return _build_state(_dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states, prefetch,
+                            bool(profile))
 
     return kc.get_kernel("gdn_fwd_state", key, build, _SOURCES)
 
@@ -661,7 +723,8 @@ def _dummies(dev: torch.device):
     """Placeholders for absent optional tensors (never read by the kernels)."""
     d = _DUMMIES.get(dev)
     if d is None:
-        d = _DUMMIES[dev] = (torch.zeros(1, dtype=torch.float32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev))
+        d = _DUMMIES[dev] = (torch.zeros(1, dtype=torch.float32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev),
+                             torch.zeros(1, dtype=torch.int64, device=dev))
     return d
 
 
@@ -676,7 +739,7 @@ def chunk_map(cu_seqlens, B: int, T: int, dev: torch.device):
     ``T // 64 + N``, so that nothing is read on the host) and ``NT`` (0 with varlen). Without
     varlen ``cu`` and ``cu_chunks`` are placeholders the kernels do not read."""
     if cu_seqlens is None:
-        _, i32_dummy = _dummies(dev)
+        _, i32_dummy, _ = _dummies(dev)
         return i32_dummy, i32_dummy, chunk_rows(B, T, B, False), -(-T // CHUNK)
     cu = cu_seqlens.to(device=dev, dtype=torch.int32)
     nch = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
@@ -795,7 +858,7 @@ def forward(
     else:
         ht = None
 
-    f32_dummy, _ = _dummies(dev)
+    f32_dummy, _, i64_dummy = _dummies(dev)
     state_dummy = f32_dummy.view(1, 1, 1, 1)
     cu, cu_chunks, grid_chunks, NT = chunk_map(cu_seqlens, B, T, dev)
     # chunk-start states [chunks, HV, K, V] (chunk b * NT + c, or cu_chunks[n] + c with varlen)
@@ -811,10 +874,10 @@ def forward(
             else:
                 ht.copy_(initial_state)
     else:
-        wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, T, NT, nseq, group, grid_chunks)
+        wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, T, NT, nseq, group, grid_chunks, i64_dummy)
         st(q, k, w, u, gc, state_dummy if initial_state is None else initial_state, o,
            state_dummy if ht is None else ht, cu, cu_chunks, state_dummy if hs is None else hs, float(scale), T, NT,
-           group, nseq)
+           group, nseq, i64_dummy)
     if store_states:
         return Served((o, ht, (w, u, gc, hs)), "sm90")
     if return_intermediates:

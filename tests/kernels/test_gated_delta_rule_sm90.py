@@ -54,6 +54,20 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
 
 
 @pytest.mark.compile
+def test_profile_variants_compile_for_sm90a(tmp_path, monkeypatch):
+    """The clock64 phase-timing variants that tools/time_gdn_fwd.py --profile launches."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    kc.clear_memory_cache()
+    assert callable(F90.get_wy_kernel(*WY_VARIANTS[0][:3], torch.float32, torch.float32, *WY_VARIANTS[0][3:],
+                                      profile=True))
+    assert callable(F90.get_state_kernel(*STATE_VARIANTS[0], prefetch=True, profile=True))
+    assert len(list(tmp_path.rglob("*.o"))) == 2
+
+
+@pytest.mark.compile
 def test_layout_facts_the_kernels_rely_on():
     """The register and shared-memory layout facts, checked for more threads than at trace time."""
     from cudnn_train.kernels import compile as kc
