@@ -34,8 +34,10 @@ In-kernel flags (all applied in float32 before the recurrence):
 Backends (op ``chunk_gated_delta_rule``), in order:
 
 * ``cutedsl``: the SM90 kernels (``kernels/gated_delta_rule_*_sm90.py``): calls without
-  gradients; calls with gradients only when opted in (``CUDNN_TRAIN_GDN_SM90_TRAIN=1``, path
-  ``cutedsl:sm90-train``: see ``kernels/gated_delta_rule_train_sm90.py``). A backend receives
+  gradients when FLA is not installed or when opted in (``CUDNN_TRAIN_GDN_SM90_FWD=1``: FLA's
+  forward is faster for now); calls with gradients only when opted in
+  (``CUDNN_TRAIN_GDN_SM90_TRAIN=1``, path ``cutedsl:sm90-train``: see
+  ``kernels/gated_delta_rule_train_sm90.py``). A backend receives
   exactly the keyword arguments of :func:`_torch_backend` and returns ``(o, final_state)``
   carrying its own autograd.
 * ``fla``: FLA's Triton ``chunk_gated_delta_rule`` (only for CUDA tensors, when ``fla``
@@ -610,8 +612,9 @@ def _fla_backend(q, k, v, g, beta, *, scale, initial_state, output_final_state, 
 
 @chunk_op.register("cutedsl")
 def _cutedsl_backend(q, k, v, g, beta, **kw):
-    """The SM90 kernels: inference, and training when opted in (``CUDNN_TRAIN_GDN_SM90_TRAIN=1``);
-    otherwise a call that needs gradients declines to the next backend."""
+    """The SM90 kernels: inference (when FLA is absent, or ``CUDNN_TRAIN_GDN_SM90_FWD=1``), and
+    training when opted in (``CUDNN_TRAIN_GDN_SM90_TRAIN=1``); otherwise the call declines to the
+    next backend."""
     from ..kernels import gated_delta_rule_fwd_sm90 as k90
 
     return k90.cutedsl_backend(q, k, v, g, beta, **kw)

@@ -893,6 +893,23 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+FWD_OPT_IN = "CUDNN_TRAIN_GDN_SM90_FWD"
+_FLA_PRESENT: list[bool] = []
+
+
+def _fla_present() -> bool:
+    """Whether FLA (the next backend of the op) is installed; looked up once."""
+    if not _FLA_PRESENT:
+        import importlib.util
+
+        _FLA_PRESENT.append(importlib.util.find_spec("fla") is not None)
+    return _FLA_PRESENT[0]
+
+
+def fwd_opted_in() -> bool:
+    return os.environ.get(FWD_OPT_IN, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                     cu_seqlens, chunk_size, cu_seqlens_cpu=None):
@@ -900,7 +917,10 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
 
     A call that needs gradients goes to the training path (``gated_delta_rule_train_sm90``)
     when it is opted in, and declines otherwise, so training falls through to the next
-    backend. ``cu_seqlens`` values are trusted as FLA does (never read on the host;
+    backend. A call without gradients declines too while FLA is installed, unless
+    ``CUDNN_TRAIN_GDN_SM90_FWD=1``: FLA's forward is faster on the H200 for now (0.65 vs 0.94 ms
+    at B4 T4096 H16 HV32, docs/PERFORMANCE.md); without FLA these kernels serve it (the torch
+    backend is far slower). ``cu_seqlens`` values are trusted as FLA does (never read on the host;
     ``cu_seqlens_cpu`` is not needed). A half-precision initial state is read as float32.
     """
     from . import gated_delta_rule_train_sm90 as tr
@@ -910,6 +930,8 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
     training = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
     if training:
         tr.check_train_serve()
+    elif not fwd_opted_in() and _fla_present():
+        raise Unsupported(f"FLA's forward is faster on SM90 for now ({FWD_OPT_IN}=1 serves this one)")
     if torch.compiler.is_compiling():
         raise Unsupported("traced by torch.compile (kernels launch on real tensors only)")
     if initial_state is not None and initial_state.dtype in (torch.float16, torch.bfloat16):

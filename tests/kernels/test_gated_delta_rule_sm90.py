@@ -404,10 +404,34 @@ def test_forward_is_bitwise_reproducible():
 
 
 @pytest.mark.gpu
+def test_op_inference_goes_to_fla_unless_opted_in(monkeypatch):
+    """While FLA's forward is the faster one, the op serves inference on it; opting in selects ours."""
+    import importlib.util
+
+    from cudnn_train import last_path
+    from cudnn_train.fused import chunk_gated_delta_rule
+
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("FLA is not installed: the SM90 forward serves inference without opting in")
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_SM90_FWD", raising=False)
+    q, k, v, g, beta, _ = _inputs(1, 100, 2, 4, 128, 128, torch.bfloat16)
+    with torch.no_grad():
+        o_fla, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        assert last_path("chunk_gated_delta_rule").startswith("fla:fallback(FLA's forward is faster")
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_SM90_FWD", "1")
+        o_ours, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        assert last_path("chunk_gated_delta_rule") == "cutedsl:sm90"
+    ref_o, _ = oracle(q, k, v, g, beta, 128**-0.5, None, None, l2norm=True)
+    _check("o", o_ours.float(), ref_o, o_fla.float())
+
+
+@pytest.mark.gpu
 def test_backend_function_serves_inference_and_declines_training(poisoned, monkeypatch):
     monkeypatch.delenv("CUDNN_TRAIN_GDN_SM90_TRAIN", raising=False)
     from cudnn_train.backend import Unsupported
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SM90_FWD", "1")  # serve inference even with FLA installed
 
     q, k, v, g, beta, h0 = _inputs(1, 100, 2, 4, 128, 128, torch.bfloat16)
     kw = dict(scale=128**-0.5, initial_state=h0.to(torch.bfloat16), output_final_state=True,
