@@ -9,7 +9,8 @@
 #   bash tools/gpu_next.sh gdn      # GDN kernel tiers (forward, reverse sweep, stage-3 kernel); GDN_S=limit
 #   bash tools/gpu_next.sh gdn_train  # the opt-in GDN training path through the op, vs oracle and FLA
 #   bash tools/gpu_next.sh gdn_fwd  # the GDN forward tier, then tools/time_gdn_fwd.py (each kernel alone, FLA's
-#                                   # forward; GDN_S / TIME_S limits, SHAPES=N)
+#                                   # forward, per-phase cycles; GDN_TIER=0 skips the tier; GDN_S / TIME_S
+#                                   # limits, SHAPES=N)
 #   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call (bench_rms: ROUNDS=N, after
 #                                   # tools/diag_autograd.py; bench_gdn: SHAPES=N, SKIP=rows,
 #                                   # BENCH_S=limit)
@@ -72,9 +73,11 @@ gdn)
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn.log | tail -12 ;;
 gdn_fwd)
   # the forward tier (the state kernel's cp.async prefetch is the default), then where the forward's time goes
-  timeout -k 10 ${GDN_S:-240} $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py > $OUT/gdn_fwd.log 2>&1
-  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
-  grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn_fwd.log | tail -12
+  if [ "${GDN_TIER:-1}" = 1 ]; then  # GDN_TIER=0: the timing and profile alone
+    timeout -k 10 ${GDN_S:-240} $P -n 12 tests/kernels/test_gated_delta_rule_sm90.py > $OUT/gdn_fwd.log 2>&1
+    echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+    grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn_fwd.log | tail -12
+  fi
   timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} --profile > $OUT/time_gdn_fwd.log 2>&1
   echo "time_gdn_fwd rc=$?"; tail -n 30 $OUT/time_gdn_fwd.log | cut -c1-200 ;;
 save_caches)
