@@ -208,7 +208,14 @@ def deterministic(flag: bool = True) -> _DeterministicScope:
     return _DeterministicScope(flag)
 
 
+def env_flag(name: str, default: bool = False) -> bool:
+    """A boolean environment switch: 1/true/yes/on (any case) set it, anything else clears it;
+    ``default`` when the variable is unset or empty."""
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value in ("1", "true", "yes", "on")
+
+
 def is_deterministic() -> bool:
     if _det_global[0] is not None:
         return _det_global[0]
-    return os.environ.get("CUDNN_TRAIN_DETERMINISTIC", "0").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag("CUDNN_TRAIN_DETERMINISTIC")

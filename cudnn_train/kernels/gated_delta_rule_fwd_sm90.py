@@ -63,7 +63,7 @@ import os
 
 import torch
 
-from ..backend import Served, Unsupported
+from ..backend import Served, Unsupported, env_flag
 from . import compile as kc
 from . import gated_delta_rule_common_sm90 as cm
 
@@ -73,7 +73,7 @@ VBLOCK = 64  # V columns per CTA of the state kernel
 # The state kernel fetches chunk c + 1 with cp.async while it computes chunk c (two buffers of
 # k, u and gc; q and w refilled once the chunk's first products are done). 0: the earlier
 # synchronous loads at the top of every chunk.
-STATE_PREFETCH = os.environ.get("CUDNN_TRAIN_GDN_FWD_PREFETCH", "1") == "1"
+STATE_PREFETCH = env_flag("CUDNN_TRAIN_GDN_FWD_PREFETCH", default=True)
 HEAD_DIMS = (64, 128)
 L2NORM_EPS = 1e-6
 _SOURCES = (__file__, cm.__file__)
@@ -907,7 +907,7 @@ def _fla_present() -> bool:
 
 
 def fwd_opted_in() -> bool:
-    return os.environ.get(FWD_OPT_IN, "0").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag(FWD_OPT_IN)
 
 
 def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

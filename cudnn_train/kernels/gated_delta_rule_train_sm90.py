@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backend import Unsupported
+from ..backend import Unsupported, env_flag
 from ..fused import delta_rule_bwd as db
 from ..fused.gated_delta_rule import _gdn_log_decay, prepare_qkv
 
@@ -39,7 +39,7 @@ CHUNK = 64
 
 
 def opted_in() -> bool:
-    return os.environ.get(OPT_IN, "0").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag(OPT_IN)
 
 
 @dataclass(frozen=True)
