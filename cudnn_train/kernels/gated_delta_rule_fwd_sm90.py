@@ -894,16 +894,17 @@ def _needs_grad(*tensors) -> bool:
 
 
 FWD_OPT_IN = "CUDNN_TRAIN_GDN_SM90_FWD"
-_FLA_PRESENT: list[bool] = []
 
 
-def _fla_present() -> bool:
-    """Whether FLA (the next backend of the op) is installed; looked up once."""
-    if not _FLA_PRESENT:
-        import importlib.util
+def _fla_serves() -> bool:
+    """Whether the op's next backend, FLA's chunk_gated_delta_rule, imports (its own test)."""
+    from ..fused.gated_delta_rule import fla_original
 
-        _FLA_PRESENT.append(importlib.util.find_spec("fla") is not None)
-    return _FLA_PRESENT[0]
+    try:
+        fla_original("fla.ops.gated_delta_rule.chunk", "chunk_gated_delta_rule")
+    except Unsupported:
+        return False
+    return True
 
 
 def fwd_opted_in() -> bool:
@@ -917,7 +918,7 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
 
     A call that needs gradients goes to the training path (``gated_delta_rule_train_sm90``)
     when it is opted in, and declines otherwise, so training falls through to the next
-    backend. A call without gradients declines too while FLA is installed, unless
+    backend. A call without gradients declines too while FLA imports, unless
     ``CUDNN_TRAIN_GDN_SM90_FWD=1``: FLA's forward is faster on the H200 for now (0.65 vs 0.94 ms
     at B4 T4096 H16 HV32, docs/PERFORMANCE.md); without FLA these kernels serve it (the torch
     backend is far slower). ``cu_seqlens`` values are trusted as FLA does (never read on the host;
@@ -930,7 +931,7 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
     training = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
     if training:
         tr.check_train_serve()
-    elif not fwd_opted_in() and _fla_present():
+    elif not fwd_opted_in() and _fla_serves():
         raise Unsupported(f"FLA's forward is faster on SM90 for now ({FWD_OPT_IN}=1 serves this one)")
     if torch.compiler.is_compiling():
         raise Unsupported("traced by torch.compile (kernels launch on real tensors only)")
