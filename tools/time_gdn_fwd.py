@@ -61,9 +61,7 @@ def main():
         run_wy()
         st = {pf: F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=pf)
               for pf in (True, False)}
-        outs = {}
-        for pf, fn in st.items():
-            outs[pf] = torch.full((B, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16)
+        outs = {pf: torch.full((B, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16) for pf in st}
         d4 = f32.view(1, 1, 1, 1)
 
         def run_state(pf):
