@@ -14,6 +14,7 @@ synchronizes after each test, so an asynchronous fault is charged to the test th
 kernel. ``CUDNN_TRAIN_GPU_TESTS_INPROCESS=1`` runs them in the pytest process instead.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -288,6 +289,10 @@ def _compile_cases():
             epilogue="swiglu", store_preact=True, bias=torch.empty(12288, dtype=bf), bias2=torch.empty(12288, dtype=bf)
         )
 
+    def swiglu_mlp_forward():  # what fused.swiglu_mlp launches: pre-activations stored, no bias
+        x, w = torch.empty(16384, 4096, dtype=bf), torch.empty(2 * 12288, 4096, dtype=bf)
+        return (x, w[:12288].t(), w[12288:].t()), dict(epilogue="swiglu", store_preact=True)
+
     def dswiglu():
         dout, wd = torch.empty(8192, 5120, dtype=bf), torch.empty(5120, 17408, dtype=bf)
         g = torch.empty(8192, 17408, dtype=bf)
@@ -316,6 +321,7 @@ def _compile_cases():
         ("wgrad_fp32_accumulate", wgrad_accumulate, dict(a_major="m", b_major="n", out_dtype="float32", has_beta=True, bn=128)),
         ("small_n", small_n, dict(bn=64, cluster_m=1)),
         ("swiglu_preact_bias", swiglu, dict(epilogue="swiglu", store_preact=True, bias_dtype="bfloat16", bn=128, cluster_m=2)),
+        ("swiglu_mlp_forward", swiglu_mlp_forward, dict(epilogue="swiglu", store_preact=True, bias_dtype="", bn=128)),
         ("dswiglu_rowscale", dswiglu, dict(epilogue="dswiglu", b_major="n", rs_dtype="float32")),
         ("grouped_rowscale", grouped, dict(grouped=True, cluster_m=1, b_major="k", rs_dtype="float32")),
         ("grouped_swiglu", grouped_swiglu, dict(grouped=True, epilogue="swiglu", b_major="n")),
@@ -388,6 +394,67 @@ def test_compiles_for_sm90a_and_caches_on_disk(name, build, expect, tmp_path, mo
     monkeypatch.setattr(gk, "_build", no_compile)
     assert callable(gk.get_compiled(spec))
     kc.clear_memory_cache()
+
+
+def _ptxas():
+    """A standalone ptxas (CUDA's, else the one Triton ships), or None."""
+    import shutil
+
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    try:
+        import triton
+
+        cand = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        return str(cand) if cand.exists() else None
+    except ImportError:
+        return None
+
+
+def _ptxas_report(ptx: Path, ptxas: str) -> str:
+    """ptxas -v's report on a PTX file; a PTX ISA version newer than this ptxas knows is lowered
+    to the one it names (the kernels use no instruction of the newer versions)."""
+    import re
+
+    def run():
+        return subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True)
+
+    r = run()
+    m = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", r.stderr)
+    if m:
+        ptx.write_text(re.sub(r"^\.version \S+", f".version {m.group(1)}", ptx.read_text(), count=1, flags=re.M))
+        r = run()
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("pingpong", [False, True], ids=["coop", "pingpong"])
+@pytest.mark.parametrize("name,build,expect", _CASES, ids=[c[0] for c in _CASES])
+def test_wgmmas_are_not_serialized(name, build, expect, pingpong, tmp_path, monkeypatch):
+    # ptxas serializes every WGMMA of a kernel (its note C7514) when a non-WGMMA instruction touches
+    # accumulator registers inside a WGMMA pipeline stage; the SwiGLU kernel storing its
+    # pre-activations once did. Its note C7517 (a wait injected after the first k-block) is allowed
+    # for ping-pong with an N-major B only, where ptxas adds it whatever the code: one wait a tile.
+    ptxas = _ptxas()
+    if ptxas is None:
+        pytest.skip("no standalone ptxas (neither CUDA's nor Triton's) to report on the PTX")
+    monkeypatch.setenv("CUDNN_TRAIN_ARCH", "sm_90a")
+    args, kw = build()
+    kw.setdefault("epilogue", "none")
+    spec = plan_cpu(*args, **kw).spec
+    if pingpong:
+        wide = spec.out_dtype == "float32" or spec.has_beta
+        spec = dataclasses.replace(spec, pingpong=True, bn=min(spec.bn, gk.pingpong_bn(spec.epilogue, wide)))
+    monkeypatch.setattr(gk, "_EXTRA_COMPILE_OPTIONS", f" --keep-ptx --dump-dir {tmp_path}")
+    gk._build(spec)
+    (ptx,) = list(tmp_path.glob("*.ptx"))
+    report = _ptxas_report(ptx, ptxas)
+    assert "C7514" not in report, report
+    if not (pingpong and spec.b_major == "n"):
+        assert "C7517" not in report, report
+    assert " 0 bytes spill stores" in report, report
 
 
 # ------------------------------------------------------------------ GPU tier
