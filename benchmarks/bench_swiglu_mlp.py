@@ -1,7 +1,7 @@
 """SwiGLU MLP forward+backward: ``fused.swiglu_mlp`` (cutedsl GEMMs) vs eager torch, torch.compile,
 quack's ``gemm_act`` MLP and Liger's SwiGLU when importable, in one run.
 
-    python -m benchmarks.bench_swiglu_mlp [--quick] [--json PATH]
+    python -m benchmarks.bench_swiglu_mlp [--quick] [--rounds N] [--json PATH]
 
 Shapes (bf16): M=16384, H=4096, I=12288 and M=8192, H=5120, I=17408 (the issue's; eager was
 measured there at 656 and 664 TFLOP/s). FLOPs: forward 2*M*H*2I + 2*M*I*H = 6*M*H*I,
@@ -11,6 +11,8 @@ Without a CUDA GPU it prints that it needs one and exits 0.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -83,17 +85,28 @@ def main() -> None:
             **peers,
         }
         flops_f = 6 * m * h * i
+        runs: dict[str, list] = {name: [] for name in impls}  # (fwd, fwd+bwd) per round
+        failed: dict[str, str] = {}
+        for _ in range(max(1, args.rounds)):  # rounds interleave the implementations: drift hits all alike
+            for name, f in impls.items():
+                if name in failed:
+                    continue
+                try:
+                    tf = bench(lambda: f(x, *ws), args.warmup, args.rep)
+                    tfb = bench(lambda: torch.autograd.grad(f(x, *ws), (x, *ws), dout), args.warmup, args.rep)
+                    runs[name].append((tf, tfb))
+                except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+                    failed[name] = f"failed: {type(e).__name__}: {e}"[:120]
+                if name == "cutedsl":
+                    path = f"{last_path('swiglu_mlp')} / {last_path('swiglu_mlp_bwd')}"
         times = {}
         for name, f in impls.items():
-            try:
-                tf = bench(lambda: f(x, *ws), args.warmup, args.rep)
-                tfb = bench(lambda: torch.autograd.grad(f(x, *ws), (x, *ws), dout), args.warmup, args.rep)
-                mem = _saved_bytes(f, [x, *ws])
-                times[name] = (tf, tfb, mem, "")
-            except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
-                times[name] = (float("nan"), float("nan"), 0, f"failed: {type(e).__name__}: {e}"[:120])
-            if name == "cutedsl":
-                path = f"{last_path('swiglu_mlp')} / {last_path('swiglu_mlp_bwd')}"
+            if name in failed:
+                times[name] = (float("nan"), float("nan"), 0, failed[name])
+            else:
+                tf = statistics.median(r[0] for r in runs[name])
+                tfb = statistics.median(r[1] for r in runs[name])
+                times[name] = (tf, tfb, _saved_bytes(f, [x, *ws]), "")
         eager_fb = times["torch eager"][1]
         for name, (tf, tfb, mem, note) in times.items():
             rows.append({

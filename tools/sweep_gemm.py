@@ -26,8 +26,8 @@ from benchmarks.common import bench  # noqa: E402
 from cudnn_train.kernels import gemm_sm90 as gk  # noqa: E402
 
 SIZES = [(16384, 4096, 12288), (8192, 5120, 17408), (8192, 8192, 8192)]
-CASES = ["fwd_swiglu", "fwd_gateup", "fwd_down", "bwd_dswiglu", "bwd_dx", "bwd_dx_acc", "bwd_wgrad_gu", "bwd_wgrad_down",
-         "dense"]
+CASES = ["fwd_swiglu", "fwd_gateup", "fwd_down", "bwd_dswiglu", "bwd_dx", "bwd_dx_acc", "bwd_dx_tail", "bwd_wgrad_gu",
+         "bwd_wgrad_stacked", "bwd_wgrad_down", "dense"]
 FIELDS = {"bn": "bn", "cm": "cluster_m", "s": "stages", "g": "group_m", "pp": "pingpong"}
 
 
@@ -82,6 +82,14 @@ def make_case(case: str, m: int, h: int, i: int):
             dx = gk.gemm(dg, wg)
             return gk.gemm(du, wu, out=dx, beta=1.0)
         return 4.0 * m * h * i, t, o
+    dgu = torch.cat([dg, du], dim=1)
+    if case == "bwd_dx_tail":  # both at once: dx = [dgate | dup] @ [wg; wu] (b_tail), vs torch's mm + addmm
+        def t():
+            dx = dg @ wg
+            return dx.addmm_(du, wu)
+        return 4.0 * m * h * i, t, (lambda: gk.gemm(dgu, wg, b_tail=wu))
+    if case == "bwd_wgrad_stacked":  # [dw_gate; dw_up] = [dgate | dup]^T x in one GEMM, vs torch's two
+        return 4.0 * m * h * i, (lambda: (dg.t() @ x, du.t() @ x)), (lambda: gk.gemm(dgu.t(), x))
     if case == "bwd_wgrad_gu":  # dw_gate = dgate^T x (one of two)
         return 2.0 * m * h * i, (lambda: dg.t() @ x), (lambda: gk.gemm(dg.t(), x))
     if case == "bwd_wgrad_down":  # dw_down = dout^T h

@@ -138,8 +138,12 @@ def _bwd_torch(dout2, x2, wg, wu, wd, gate, up, h):
 # backward: gate, up recomputed by gemm_swiglu when only x was saved
 #           dgate, dup = gemm_dswiglu(dout, wd, gate, up)   dh never reaches memory
 #           h saved by the forward, or recomputed with gate and up by gemm_swiglu
-#           dx = dgate @ wg, then += dup @ wu (accumulating epilogue, beta = 1)
-#           dwg = dgate^T @ x, dwu = dup^T @ x, dwd = dout^T @ h (column-major A, no copies)
+#           dgate | dup written side by side into one [M, 2I] buffer when I is a multiple of 64:
+#             dx = [dgate | dup] @ [wg; wu]   (one GEMM, wu continues wg along K: b_tail)
+#             [dwg; dwu] = [dgate | dup]^T @ x  (one GEMM, column-major A)
+#           else: dx = dgate @ wg, then += dup @ wu (accumulating epilogue, beta = 1),
+#             dwg = dgate^T @ x, dwu = dup^T @ x
+#           dwd = dout^T @ h (column-major A, no copies)
 # Every GEMM is checked with ``can_implement`` before anything is written, so a decline
 # (no SM90 GPU, a dim not a multiple of 8 -- M included, as the wgrad GEMMs reduce over M --
 # misaligned operands) hands the whole call to the torch backend untouched.
@@ -198,13 +202,37 @@ def _bwd_cutedsl(dout2, x2, wg, wu, wd, gate, up, h):
         h, gate, up = g.gemm_swiglu(x2, wg.t(), wu.t(), store_preact=True)
     elif h is None:  # a forward that did not keep h (not ours)
         h = _swiglu_math(gate, up).to(x2.dtype)
-    dgate, dup = g.gemm_dswiglu(dout2, wd, gate, up)
-    dx = g.gemm(dgate, wg)
-    g.gemm(dup, wu, out=dx, beta=1.0)
-    dwg = g.gemm(dgate.t(), x2)
-    dwu = g.gemm(dup.t(), x2)
+    m, i = x2.shape[0], wg.shape[0]
+    if _stacked_grads(g, x2, wg, wu):
+        # dgate | dup side by side in one [M, 2I] buffer: dx is one GEMM over K = 2I (w_up continues
+        # w_gate along K) and both weight gradients one [2I, H] GEMM
+        dgu = x2.new_empty(m, 2 * i)
+        g.gemm_dswiglu(dout2, wd, gate, up, out_dgate=dgu[:, :i], out_dup=dgu[:, i:])
+        dx = g.gemm(dgu, wg, b_tail=wu)
+        dwgu = g.gemm(dgu.t(), x2)
+        dwg, dwu = dwgu[:i], dwgu[i:]
+    else:
+        dgate, dup = g.gemm_dswiglu(dout2, wd, gate, up)
+        dx = g.gemm(dgate, wg)
+        g.gemm(dup, wu, out=dx, beta=1.0)
+        dwg = g.gemm(dgate.t(), x2)
+        dwu = g.gemm(dup.t(), x2)
     dwd = g.gemm(dout2.t(), h)
     return backend.Served((dx, dwg, dwu, dwd), "sm90")
+
+
+def _stacked_grads(g, x2, wg, wu) -> bool:
+    """Whether the backward can keep dgate and dup in one [M, 2I] buffer: I a multiple of the GEMM's
+    k-block (so a k-block never spans w_gate and w_up) and the [2I, M] wgrad operand within 32-bit
+    indexing. Otherwise two dx GEMMs (the second accumulating) and two wgrad GEMMs."""
+    m, i = x2.shape[0], wg.shape[0]
+    if i % g.BK or 2 * i * m > 2**31 - 1:
+        return False
+    try:
+        g.can_implement(x2.new_empty(0, 2 * i), wg, b_tail=wu)
+    except backend.Unsupported:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- custom ops (torch.compile)

@@ -3,8 +3,11 @@
 Public API (all functions take torch tensors on one SM90 GPU and launch on the
 current stream; none of them syncs the host):
 
-``gemm(a, b, *, out=None, bias=None, alpha=1.0, beta=0.0, row_scale=None, out_dtype=None, group_offsets=None)``
+``gemm(a, b, *, out=None, bias=None, alpha=1.0, beta=0.0, row_scale=None, out_dtype=None, group_offsets=None, b_tail=None)``
     ``out = row_scale[:, None] * (alpha * (a @ b) + bias) + beta * out``, math in float32.
+    ``b_tail`` (dense only): a second ``[K2, N]`` operand that continues ``b`` along K,
+    ``a @ cat([b, b_tail])`` without the copy (``b``'s K1 must be a multiple of 64, both of
+    one major order); the MLP's ``dx = [dgate | dup] @ [w_gate; w_up]`` is one GEMM with it.
     ``a`` is ``[M, K]``, ``b`` is ``[K, N]`` (dense) or ``[G, K, N]`` (grouped, see
     below). ``bias`` is ``[N]``, ``row_scale`` is ``[M]``. ``beta`` is 0 (``out`` is
     only written) or any other value (``out`` is read first: accumulate into an
@@ -196,6 +199,7 @@ class KernelSpec:
     stages: int
     group_m: int = GROUP_M  # swizzle band height in M-tiles
     pingpong: bool = False  # each consumer warp group owns whole tiles, taking turns (see the docstring)
+    b_tail: bool = False  # B continues along K in a second tensor (gemm's b_tail)
 
     def key(self) -> tuple:
         return tuple(getattr(self, f) for f in self.__dataclass_fields__)
@@ -259,6 +263,7 @@ def _build(spec: KernelSpec):
     HAS_BETA = spec.has_beta
     PREACT = spec.store_preact
     NB = 2 if EPI == "swiglu" else 1
+    TAIL = spec.b_tail  # k-blocks from kt_head on come from the second B descriptor
     PINGPONG = spec.pingpong
     MMA_WG = 1 if PINGPONG else 2  # consumer warp groups sharing one tile
     TURN_BAR = 1  # named barriers 1 and 2: the ping-pong turns (0 is __syncthreads)
@@ -415,6 +420,13 @@ def _build(spec: KernelSpec):
                 x = x * mRSv[clamp_row(row0 + tCc[i][0], row_lo, row_lim)].to(Float32)
             frag[i] = x
 
+    @cute.jit
+    def copy_b(atom, src, dst, bar, mask):
+        if const_expr(CM > 1):
+            cute.copy(atom, src, dst, tma_bar_ptr=bar, mcast_mask=mask)
+        else:
+            cute.copy(atom, src, dst, tma_bar_ptr=bar)
+
     # ---------------------------------------------------------- device kernel
 
     @cute.kernel
@@ -450,7 +462,7 @@ def _build(spec: KernelSpec):
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
-            if const_expr(NB == 2):
+            if const_expr(NB == 2 or TAIL):
                 cpasync.prefetch_descriptor(tma_atom_b2)
 
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -484,6 +496,9 @@ def _build(spec: KernelSpec):
         N = mD.shape[1]
         K = mA_tma.shape[1]
         k_tiles = ceil_div(K, BK)
+        kt_head = k_tiles
+        if const_expr(TAIL):
+            kt_head = mB_tma.shape[1] // BK  # a multiple of BK (checked on the host)
         n_tiles = ceil_div(N, BN)
         cluster_id = bidx // CM
         n_clusters = nblocks // CM
@@ -530,6 +545,11 @@ def _build(spec: KernelSpec):
                     )
                     tB2sB2 = tBsB
                     tB2gB2 = tBgB
+                    if const_expr(TAIL):  # the tail's k-blocks land in B's stage buffers
+                        gB2 = cute.local_tile(mB2_g, (BN, BK), (nt, None))
+                        _, tB2gB2 = cpasync.tma_partition(
+                            tma_atom_b2, rank_m, cute.make_layout(CM), cute.group_modes(sB, 0, 2), cute.group_modes(gB2, 0, 2)
+                        )
                     if const_expr(NB == 2):
                         gB2 = cute.local_tile(mB2_g, (BN, BK), (nt, None))
                         tB2sB2, tB2gB2 = cpasync.tma_partition(
@@ -539,7 +559,12 @@ def _build(spec: KernelSpec):
                         ab_pipe.producer_acquire(prod_state)
                         bar = ab_pipe.producer_get_barrier(prod_state)
                         cute.copy(tma_atom_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
-                        if const_expr(CM > 1):
+                        if const_expr(TAIL):
+                            if kt < kt_head:
+                                copy_b(tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)], bar, b_mcast_mask)
+                            else:
+                                copy_b(tma_atom_b2, tB2gB2[(None, kt - kt_head)], tBsB[(None, prod_state.index)], bar, b_mcast_mask)
+                        elif const_expr(CM > 1):
                             cute.copy(
                                 tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask
                             )
@@ -746,7 +771,7 @@ def _build(spec: KernelSpec):
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(b_op, mB, b_smem, (BN, BK), num_multicast=CM)
         tma_atom_b2 = tma_atom_b
         tma_b2 = tma_b
-        if const_expr(NB == 2):
+        if const_expr(NB == 2 or TAIL):
             tma_atom_b2, tma_b2 = cpasync.make_tiled_tma_atom(b_op, mB2, b_smem, (BN, BK), num_multicast=CM)
         cta_layout_mnk = cute.make_layout((CM, 1, 1))
 
@@ -818,7 +843,7 @@ def _build(spec: KernelSpec):
     else:
         fa = cute.runtime.make_fake_tensor(AB, (m, k), (1, sym16(AB)), assumed_align=16)
 
-    def fake_b():
+    def fake_b(k=k):
         if GROUPED:
             gs = cute.sym_int()
             if spec.b_major == "k":
@@ -830,6 +855,8 @@ def _build(spec: KernelSpec):
 
     fb = fake_b()
     fb2 = fake_b() if NB == 2 else fb
+    if TAIL:  # b = the first K1 rows of K, b2 = the rest
+        fb, fb2 = fake_b(cute.sym_int(divisibility=BK)), fake_b(cute.sym_int())
     fd = rows(OUT)
     fe1 = rows(AB) if (EPI == "dswiglu" or (EPI == "swiglu" and PREACT)) else dummy(AB)
     fe2 = rows(AB) if (EPI == "swiglu" and PREACT) else dummy(AB)
@@ -983,6 +1010,7 @@ def _plan(
     up=None,
     store_preact: bool = False,
     group_offsets=None,
+    b_tail=None,
     _device_check: bool = True,
     _num_sms: int = 132,
 ) -> _Plan:
@@ -1009,12 +1037,25 @@ def _plan(
         if groups < 1:
             raise ValueError("b: a grouped GEMM needs at least one group")
     else:
-        if b.dim() != 2 or b.shape[0] != k:
+        k_head = k
+        if b_tail is not None:
+            b_tail = _is_tensor(b_tail, "b_tail")
+            if b_tail.dim() != 2 or b.dim() != 2 or b_tail.shape[1] != b.shape[1] or b.shape[0] + b_tail.shape[0] != k:
+                raise ValueError(f"b, b_tail: expected [K1, N] and [K2, N] with K1 + K2 = K={k}, got "
+                                 f"{list(b.shape)} and {list(b_tail.shape)}")
+            k_head = b.shape[0]
+        if b.dim() != 2 or b.shape[0] != k_head:
             raise ValueError(f"{bname}: expected [K={k}, N], got {list(b.shape)}")
         groups = 1
     n = b.shape[-1]
     dev = a.device
     tensors = {bname: b}
+    if b_tail is not None:
+        if epilogue != "none":
+            raise ValueError(f"b_tail: only the plain epilogue takes it (got {epilogue!r})")
+        if grouped:
+            raise ValueError("b_tail: not with group_offsets")
+        tensors["b_tail"] = b_tail
     if epilogue == "swiglu":
         b2 = _is_tensor(b2, "b_up")
         if b2.shape != b.shape:
@@ -1077,12 +1118,14 @@ def _plan(
     # b is [K, N] (or [G, K, N]); the kernel reads it as [N, K]: K contiguous -> "k", N contiguous -> "n"
     bviews = []
     b_major = None
-    for nm in [bname] + (["b_up"] if epilogue == "swiglu" else []):
+    if b_tail is not None and b.shape[0] % BK:
+        raise Unsupported(f"b_tail: b's K={b.shape[0]} is not a multiple of {BK} (a k-block would span both)")
+    for nm in [bname] + (["b_up"] if epilogue == "swiglu" else []) + (["b_tail"] if b_tail is not None else []):
         t = tensors[nm]
         bt = t.transpose(-1, -2)
         v, major = _operand_major(bt, nm, "k", "n")
         if b_major is not None and major != b_major:
-            raise Unsupported("b_gate and b_up have different major orders")
+            raise Unsupported(f"{bname} and {nm} have different major orders")
         b_major = major
         if grouped:
             if groups > 1 and v.stride(0) % 8:
@@ -1118,6 +1161,7 @@ def _plan(
         bn=bn,
         cluster_m=cluster_m,
         stages=stages,
+        b_tail=b_tail is not None,
     )
     if _CONFIG_OVERRIDE:
         spec = dataclasses.replace(spec, **_CONFIG_OVERRIDE)
@@ -1209,18 +1253,19 @@ def _run(plan: _Plan, d, e1=None, e2=None, gate=None, up=None, bias=None, bias2=
 
 def can_implement(a, b, *, epilogue: str = "none", b_up=None, out=None, out_dtype=None, bias=None, bias_up=None,
                   row_scale=None, beta: float = 0.0, gate=None, up=None, store_preact: bool = False,
-                  group_offsets=None) -> None:
+                  group_offsets=None, b_tail=None) -> None:
     """Raise ``Unsupported(reason)`` if the kernel does not serve this call (``ValueError`` if it is
     malformed); return None if it does. Touches no memory. ``b`` is ``b_gate`` for ``epilogue="swiglu"``."""
     _plan(a, b, b_up, epilogue=epilogue, out=out, out_dtype=out_dtype, bias=bias, bias2=bias_up, row_scale=row_scale,
-          beta=beta, gate=gate, up=up, store_preact=store_preact, group_offsets=group_offsets)
+          beta=beta, gate=gate, up=up, store_preact=store_preact, group_offsets=group_offsets, b_tail=b_tail)
 
 
 def gemm(a, b, *, out=None, bias=None, alpha: float = 1.0, beta: float = 0.0, row_scale=None, out_dtype=None,
-         group_offsets=None) -> torch.Tensor:
-    """``row_scale[:, None] * (alpha * (a @ b) + bias) + beta * out`` (see the module docstring)."""
+         group_offsets=None, b_tail=None) -> torch.Tensor:
+    """``row_scale[:, None] * (alpha * (a @ b) + bias) + beta * out`` (see the module docstring);
+    with ``b_tail``, ``b`` stands for ``cat([b, b_tail])``."""
     plan = _plan(a, b, None, epilogue="none", out=out, out_dtype=out_dtype, bias=bias, row_scale=row_scale, beta=beta,
-                 group_offsets=group_offsets)
+                 group_offsets=group_offsets, b_tail=b_tail)
     if out is None:
         out = torch.empty((plan.m, plan.n), device=a.device, dtype=getattr(torch, plan.spec.out_dtype))
     if plan.m == 0 or plan.n == 0:

@@ -185,7 +185,7 @@ def _dense(m=64, k=64, n=64, dtype=torch.bfloat16):
 @pytest.mark.parametrize(
     "what",
     ["K not a multiple of 8", "N not a multiple of 8", "float32", "unaligned pointer", "strided rows", "K == 0",
-     "unaligned out rows", "int64 bias"],
+     "unaligned out rows", "int64 bias", "b_tail head not whole k-blocks", "b_tail of another major order"],
 )
 def test_declines(what):
     a, b = _dense()
@@ -206,6 +206,12 @@ def test_declines(what):
         kw["out"] = torch.empty(64, 68).bfloat16()[:, :64]
     elif what == "int64 bias":
         kw["bias"] = torch.zeros(64, dtype=torch.int64)
+    elif what == "b_tail head not whole k-blocks":
+        a, b = torch.randn(64, 136).bfloat16(), torch.randn(72, 64).bfloat16()
+        kw["b_tail"] = torch.randn(64, 64).bfloat16()
+    elif what == "b_tail of another major order":
+        a = torch.randn(64, 128).bfloat16()
+        kw["b_tail"] = torch.randn(64, 64).bfloat16().t()
     with pytest.raises(Unsupported):
         plan_cpu(a, b, None, epilogue="none", **kw)
 
@@ -224,6 +230,7 @@ def test_declines_without_sm90_before_touching_memory():
         ("a 1-D", "a"), ("K mismatch", "b"), ("dtype mismatch", "b"), ("beta without out", "beta"),
         ("bias shape", "bias"), ("row_scale shape", "row_scale"), ("out shape", "out"), ("offsets dtype", "group_offsets"),
         ("offsets length", "group_offsets"), ("bad epilogue", "epilogue"), ("b_up shape", "b_up"), ("gate shape", "gate"),
+        ("b_tail K", "b_tail"), ("b_tail dtype", "b_tail"), ("b_tail with swiglu", "b_tail"),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_argument(what, arg):
@@ -257,6 +264,15 @@ def test_bad_input_raises_value_error_naming_the_argument(what, arg):
         b2 = torch.randn(64, 32).bfloat16()
     elif what == "gate shape":
         kw.update(epilogue="dswiglu", gate=torch.randn(64, 32).bfloat16(), up=torch.randn(64, 64).bfloat16())
+    elif what == "b_tail K":  # K1 + K2 must be a's K
+        kw["b_tail"] = torch.randn(8, 64).bfloat16()
+    elif what == "b_tail dtype":
+        a = torch.randn(64, 128).bfloat16()
+        kw["b_tail"] = torch.randn(64, 64).half()
+    elif what == "b_tail with swiglu":
+        a = torch.randn(64, 128).bfloat16()
+        kw.update(epilogue="swiglu", b_tail=torch.randn(64, 64).bfloat16())
+        b2 = b
     with pytest.raises(ValueError, match=arg):
         plan_cpu(a, b, b2, **kw)
 
@@ -279,6 +295,10 @@ def _compile_cases():
     def wgrad_accumulate():
         dy, x = torch.empty(8192, 4096, dtype=bf), torch.empty(8192, 4096, dtype=bf)
         return (dy.t(), x, None), dict(out=torch.empty(4096, 4096), beta=1.0)
+
+    def dx_stacked():  # the MLP's dx = [dgate | dup] @ [w_gate; w_up]: w_up continues w_gate along K
+        dgu, wg = torch.empty(16384, 2 * 12288, dtype=bf), torch.empty(12288, 4096, dtype=bf)
+        return (dgu, wg, None), dict(b_tail=torch.empty_like(wg))
 
     def small_n():
         return (torch.empty(256, 512, dtype=bf), torch.empty(64, 512, dtype=bf).t(), None), {}
@@ -320,6 +340,7 @@ def _compile_cases():
         ("dgrad_fp16_bias_rowscale", dgrad_bias_rs, dict(a_major="k", b_major="n", ab_dtype="float16", bias_dtype="float32", rs_dtype="float32")),
         ("wgrad_fp32_accumulate", wgrad_accumulate, dict(a_major="m", b_major="n", out_dtype="float32", has_beta=True, bn=128)),
         ("small_n", small_n, dict(bn=64, cluster_m=1)),
+        ("dx_b_tail", dx_stacked, dict(b_major="n", b_tail=True, bn=256, cluster_m=2)),
         ("swiglu_preact_bias", swiglu, dict(epilogue="swiglu", store_preact=True, bias_dtype="bfloat16", bn=128, cluster_m=2)),
         ("swiglu_mlp_forward", swiglu_mlp_forward, dict(epilogue="swiglu", store_preact=True, bias_dtype="", bn=128)),
         ("dswiglu_rowscale", dswiglu, dict(epilogue="dswiglu", b_major="n", rs_dtype="float32")),
@@ -599,6 +620,21 @@ def test_gemm_tile_configs(dtype, m, n, k):
     out = poison_(torch.empty(m, n, device=DEV, dtype=dtype))
     gk.gemm(a, b, out=out)
     assert rel_l2(out, ref_gemm(a, b)) <= TOL16
+
+
+@gpu
+@pytest.mark.parametrize("m,n", [(1, 520), (129, 520), (1000, 520), (4200, 4096)])
+@pytest.mark.parametrize("b_major", ["k", "n"])
+def test_gemm_b_tail(m, n, b_major):
+    # b_tail continues b along K: 192 = 3 k-blocks from b, then 136 (a K tail) from b_tail;
+    # (4200, 4096) runs 128x256 tiles in 2-CTA clusters (b and b_tail multicast)
+    k1, k2 = 192, 136
+    a = make_a(m, k1 + k2, "k", device=DEV)
+    b, bt = make_b(k1, n, b_major, device=DEV), make_b(k2, n, b_major, device=DEV)
+    assert gk._plan(a, b, None, epilogue="none", b_tail=bt).spec.b_tail
+    out = poison_(torch.empty(m, n, device=DEV, dtype=torch.bfloat16))
+    gk.gemm(a, b, out=out, b_tail=bt)
+    assert rel_l2(out, ref_gemm(a, torch.cat([b, bt]))) <= TOL16
 
 
 @gpu
