@@ -29,10 +29,14 @@ ncu)
     --section Occupancy --metrics sm__cycles_elapsed.avg.per_second,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
     python3 tools/ncu_gemm.py ${NCU_SHAPE:-} > $OUT/ncu.log 2>&1
   echo "ncu rc=$?"; grep -vE "^\s*$|----" $OUT/ncu.log | grep -E "==PROF==|gemm|Kernel|kernel|Throughput|Duration|Frequency|hmma|Stall|Warp Cycles|Issued|Eligible|Active Warps|Registers|Achieved" | cut -c1-160 | head -80 ;;
-test)
-  timeout -k 10 ${TEST_S:-300} python3 -m pytest -p no:cacheprovider -m gpu -q -rfE -n 8 tests/kernels/test_gemm_sm90.py \
-    tests/fused/test_swiglu_mlp.py tests/layers/test_mlp.py > $OUT/test.log 2>&1
-  echo "pytest rc=$?"; grep -E " (FAILED|ERROR) |passed|failed" $OUT/test.log | tail -15 ;;
+test)  # the GEMM and swiglu GPU tiers on the default schedule, then the GEMM tier with ping-pong everywhere
+  P="python3 -m pytest -p no:cacheprovider -m gpu -q -rfE -n 8"
+  timeout -k 10 ${TEST_S:-280} $P tests/kernels/test_gemm_sm90.py tests/fused/test_swiglu_mlp.py tests/layers/test_mlp.py \
+    > $OUT/test.log 2>&1
+  echo "pytest rc=$?"; grep -E " (FAILED|ERROR) |passed|failed" $OUT/test.log | tail -15
+  CUDNN_TRAIN_GEMM_PINGPONG=all timeout -k 10 ${TEST_S:-200} $P tests/kernels/test_gemm_sm90.py tests/fused/test_swiglu_mlp.py \
+    > $OUT/test_pp.log 2>&1
+  echo "pytest pingpong rc=$?"; grep -E " (FAILED|ERROR) |passed|failed" $OUT/test_pp.log | tail -15 ;;
 bench)
   timeout -k 5 250 python3 -m benchmarks.bench_gemm --warmup 10 --rep 50 --json $OUT/bench_gemm.json > $OUT/bench_gemm.log 2>&1
   echo "bench_gemm rc=$?"; tail -n 25 $OUT/bench_gemm.log | cut -c1-260

@@ -141,6 +141,7 @@ Tile heuristic (``choose_config``), BM = 128 and BK = 64 always:
 """
 
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -218,8 +219,26 @@ def pingpong_bn(epilogue: str, wide_epilogue: bool) -> int:
     return 128 if epilogue == "none" and not wide_epilogue else 64
 
 
-def choose_config(m: int, n: int, epilogue: str, grouped: bool, wide_epilogue: bool, num_sms: int, groups: int = 1):
-    """(bn, cluster_m, stages) for a problem with M rows and N output columns (see the module docstring)."""
+# Which epilogues run the ping-pong schedule (see the module docstring). Measured choice below;
+# CUDNN_TRAIN_GEMM_PINGPONG overrides it: a comma list of epilogues ("none,swiglu,dswiglu"), "all" or "0".
+PINGPONG_EPILOGUES: tuple[str, ...] = ()
+
+
+def pingpong_epilogues() -> tuple[str, ...]:
+    env = os.environ.get("CUDNN_TRAIN_GEMM_PINGPONG", "").strip().lower()
+    if not env:
+        return PINGPONG_EPILOGUES
+    if env == "all":
+        return EPILOGUES
+    if env in ("0", "off", "false", "no"):
+        return ()
+    return tuple(e.strip() for e in env.split(",") if e.strip() in EPILOGUES)
+
+
+def choose_config(m: int, n: int, epilogue: str, grouped: bool, wide_epilogue: bool, num_sms: int, groups: int = 1,
+                  pingpong: bool = False):
+    """(bn, cluster_m, stages) for a problem with M rows and N output columns (see the module docstring);
+    ``pingpong``: tiles for the ping-pong schedule (BN capped by ``pingpong_bn``)."""
     m_tiles = -(-m // BM)
     if grouped:
         m_tiles = m_tiles + groups  # upper bound: every group may end in a partial tile
@@ -231,6 +250,8 @@ def choose_config(m: int, n: int, epilogue: str, grouped: bool, wide_epilogue: b
         bn = 128
     else:
         bn = 64
+    if pingpong:
+        bn = min(bn, pingpong_bn(epilogue, wide_epilogue))
     tiles = m_tiles * -(-n // bn)
     cluster_m = 2 if (not grouped and m_tiles >= 2 and tiles >= 2 * num_sms) else 1
     nb = 2 if epilogue == "swiglu" else 1
@@ -1146,7 +1167,8 @@ def _plan(
         raise Unsupported("output has more than 2**31 - 1 elements (32-bit indexing)")
 
     wide = out_dtype == torch.float32 or beta != 0.0
-    bn, cluster_m, stages = choose_config(m, n, epilogue, grouped, wide, num_sms, groups)
+    pingpong = epilogue in pingpong_epilogues()
+    bn, cluster_m, stages = choose_config(m, n, epilogue, grouped, wide, num_sms, groups, pingpong)
     spec = KernelSpec(
         ab_dtype=_tname(a.dtype),
         out_dtype=_tname(out_dtype),
@@ -1162,6 +1184,7 @@ def _plan(
         cluster_m=cluster_m,
         stages=stages,
         b_tail=b_tail is not None,
+        pingpong=pingpong,
     )
     if _CONFIG_OVERRIDE:
         spec = dataclasses.replace(spec, **_CONFIG_OVERRIDE)

@@ -615,7 +615,7 @@ def test_gemm_tile_configs(dtype, m, n, k):
     a = make_a(m, k, "k", dtype, device=DEV)
     b = make_b(k, n, "k", dtype, device=DEV)
     spec = gk._plan(a, b, None, epilogue="none").spec
-    if (m, n) != (300, 64):
+    if (m, n) != (300, 64) and not spec.pingpong:  # (CUDNN_TRAIN_GEMM_PINGPONG may select 128-wide tiles)
         assert (spec.bn, spec.cluster_m) == (256, 2)
     out = poison_(torch.empty(m, n, device=DEV, dtype=dtype))
     gk.gemm(a, b, out=out)
