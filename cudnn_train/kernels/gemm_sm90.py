@@ -176,7 +176,7 @@ _SOURCES = (__file__,)
 _AB_DTYPES = (torch.bfloat16, torch.float16)
 _INT32_MAX = 2**31 - 1
 _EXTRA_COMPILE_OPTIONS = ""  # tests set " --keep-cubin --dump-dir DIR" to inspect the cubin
-# tools/sweep_gemm.py only: a dict of KernelSpec fields (bn, cluster_m, stages, group_m) that replaces
+# tools/sweep_gemm.py only: a dict of KernelSpec fields (bn, cluster_m, stages, group_m, pingpong) that replaces
 # what choose_config picked; never set in a served path.
 _CONFIG_OVERRIDE: dict | None = None
 
