@@ -6,7 +6,7 @@ several tile configurations: where the MLP's time goes and which configuration e
 
 The MLP sizes are those of the issue (0: M=16384 H=4096 I=12288, 1: M=8192 H=5120 I=17408) and
 8192^3 (size 2, the plain GEMM alone). A configuration is ``default`` (choose_config) or
-``bn<BN>_cm<C>_s<S>_g<G>_pp<0|1>`` with any part left out keeping the default (``bn128``, ``cm1_g16``);
+``bn<BN>_cm<C>_s<S>_g<G>`` with any part left out keeping the default (``bn128``, ``cm1_g16``);
 it is applied through ``gemm_sm90._CONFIG_OVERRIDE``. Each line prints ms, TFLOP/s and ours /
 torch (torch time over ours: above 1 is faster). Needs an SM90 GPU.
 """
@@ -28,7 +28,7 @@ from cudnn_train.kernels import gemm_sm90 as gk  # noqa: E402
 SIZES = [(16384, 4096, 12288), (8192, 5120, 17408), (8192, 8192, 8192)]
 CASES = ["fwd_swiglu", "fwd_gateup", "fwd_down", "bwd_dswiglu", "bwd_dx", "bwd_dx_acc", "bwd_dx_tail", "bwd_wgrad_gu",
          "bwd_wgrad_stacked", "bwd_wgrad_down", "dense"]
-FIELDS = {"bn": "bn", "cm": "cluster_m", "s": "stages", "g": "group_m", "pp": "pingpong"}
+FIELDS = {"bn": "bn", "cm": "cluster_m", "s": "stages", "g": "group_m"}
 
 
 def parse_config(name: str) -> dict | None:
@@ -36,11 +36,10 @@ def parse_config(name: str) -> dict | None:
         return None
     out = {}
     for part in name.split("_"):
-        m = re.fullmatch(r"(bn|cm|s|g|pp)(\d+)", part)
+        m = re.fullmatch(r"(bn|cm|s|g)(\d+)", part)
         if not m:
             raise SystemExit(f"bad config {name!r}: parts are bn<N>, cm<N>, s<N>, g<N>")
-        v = int(m.group(2))
-        out[FIELDS[m.group(1)]] = bool(v) if m.group(1) == "pp" else v
+        out[FIELDS[m.group(1)]] = int(m.group(2))
     return out
 
 
@@ -89,7 +88,10 @@ def make_case(case: str, m: int, h: int, i: int):
             return dx.addmm_(du, wu)
         return 4.0 * m * h * i, t, (lambda: gk.gemm(dgu, wg, b_tail=wu))
     if case == "bwd_wgrad_stacked":  # [dw_gate; dw_up] = [dgate | dup]^T x in one GEMM, vs torch's two
-        return 4.0 * m * h * i, (lambda: (dg.t() @ x, du.t() @ x)), (lambda: gk.gemm(dgu.t(), x))
+        def o():
+            out = gk.gemm(dgu.t(), x)
+            return out[:i], out[i:]
+        return 4.0 * m * h * i, (lambda: (dg.t() @ x, du.t() @ x)), o
     if case == "bwd_wgrad_gu":  # dw_gate = dgate^T x (one of two)
         return 2.0 * m * h * i, (lambda: dg.t() @ x), (lambda: gk.gemm(dg.t(), x))
     if case == "bwd_wgrad_down":  # dw_down = dout^T h
@@ -144,7 +146,7 @@ def main() -> int:
                     gk._CONFIG_OVERRIDE = None
                 tf = lambda ms: flops / ms / 1e9  # noqa: E731
                 print(f"{str(SIZES[si]):>22} {case:>15} {cname:>18} {ot:8.3f} {tf(ot):8.1f} {tt:8.3f} {tf(tt):8.1f} {tt / ot:6.3f} rel {rel:.1e} "
-                      + " ".join(f"[bn{u.bn} cm{u.cluster_m} s{u.stages} g{u.group_m} pp{int(u.pingpong)}]" for u in used), flush=True)
+                      + " ".join(f"[bn{u.bn} cm{u.cluster_m} s{u.stages} g{u.group_m}]" for u in used), flush=True)
             del ref
             torch.cuda.empty_cache()
     return 0

@@ -76,16 +76,6 @@ each owns 64 rows of the 128-row tile and runs ``m64nNk16`` WGMMAs from
 shared memory, keeping one WGMMA batch in flight and releasing a stage as
 soon as the batch that read it has retired.
 
-Ping-pong schedule (``KernelSpec.pingpong``): the two consumer warp groups
-own whole tiles instead of 64-row halves of one (the CTA's j-th tile goes to
-consumer j % 2; each holds all 128 rows, so BN is at most 128, 64 for two B
-operands or a wide epilogue). They take turns on the tensor cores: a consumer
-starts its main loop when the other has issued the last WGMMA of its tile
-(named barriers 1 and 2), and its epilogue then runs under the other's main
-loop, so the tensor cores do not idle while a tile is stored. Each consumer
-skips the ring stages of the other's tiles; the empty barrier then counts
-the warps of one warp group.
-
 The first k-block's WGMMAs run with ACCUMULATE off instead of zero-filling
 the accumulators, and epilogue values are converted into fresh register
 fragments before the first store: register moves or stores that touch the
@@ -141,7 +131,6 @@ Tile heuristic (``choose_config``), BM = 128 and BK = 64 always:
 """
 
 import dataclasses
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -176,7 +165,7 @@ _SOURCES = (__file__,)
 _AB_DTYPES = (torch.bfloat16, torch.float16)
 _INT32_MAX = 2**31 - 1
 _EXTRA_COMPILE_OPTIONS = ""  # tests set " --keep-cubin --dump-dir DIR" to inspect the cubin
-# tools/sweep_gemm.py only: a dict of KernelSpec fields (bn, cluster_m, stages, group_m, pingpong) that replaces
+# tools/sweep_gemm.py only: a dict of KernelSpec fields (bn, cluster_m, stages, group_m) that replaces
 # what choose_config picked; never set in a served path.
 _CONFIG_OVERRIDE: dict | None = None
 
@@ -199,7 +188,6 @@ class KernelSpec:
     cluster_m: int
     stages: int
     group_m: int = GROUP_M  # swizzle band height in M-tiles
-    pingpong: bool = False  # each consumer warp group owns whole tiles, taking turns (see the docstring)
     b_tail: bool = False  # B continues along K in a second tensor (gemm's b_tail)
 
     def key(self) -> tuple:
@@ -214,31 +202,8 @@ def _stage_bytes(bn: int, nb: int, elem: int = 2) -> int:
     return (BM * BK + nb * bn * BK) * elem
 
 
-def pingpong_bn(epilogue: str, wide_epilogue: bool) -> int:
-    """The widest BN a ping-pong consumer (all 128 rows, 128 accumulator registers) can hold."""
-    return 128 if epilogue == "none" and not wide_epilogue else 64
-
-
-# Which epilogues run the ping-pong schedule (see the module docstring). Measured choice below;
-# CUDNN_TRAIN_GEMM_PINGPONG overrides it: a comma list of epilogues ("none,swiglu,dswiglu"), "all" or "0".
-PINGPONG_EPILOGUES: tuple[str, ...] = ()
-
-
-def pingpong_epilogues() -> tuple[str, ...]:
-    env = os.environ.get("CUDNN_TRAIN_GEMM_PINGPONG", "").strip().lower()
-    if not env:
-        return PINGPONG_EPILOGUES
-    if env == "all":
-        return EPILOGUES
-    if env in ("0", "off", "false", "no"):
-        return ()
-    return tuple(e.strip() for e in env.split(",") if e.strip() in EPILOGUES)
-
-
-def choose_config(m: int, n: int, epilogue: str, grouped: bool, wide_epilogue: bool, num_sms: int, groups: int = 1,
-                  pingpong: bool = False):
-    """(bn, cluster_m, stages) for a problem with M rows and N output columns (see the module docstring);
-    ``pingpong``: tiles for the ping-pong schedule (BN capped by ``pingpong_bn``)."""
+def choose_config(m: int, n: int, epilogue: str, grouped: bool, wide_epilogue: bool, num_sms: int, groups: int = 1):
+    """(bn, cluster_m, stages) for a problem with M rows and N output columns (see the module docstring)."""
     m_tiles = -(-m // BM)
     if grouped:
         m_tiles = m_tiles + groups  # upper bound: every group may end in a partial tile
@@ -250,8 +215,6 @@ def choose_config(m: int, n: int, epilogue: str, grouped: bool, wide_epilogue: b
         bn = 128
     else:
         bn = 64
-    if pingpong:
-        bn = min(bn, pingpong_bn(epilogue, wide_epilogue))
     tiles = m_tiles * -(-n // bn)
     cluster_m = 2 if (not grouped and m_tiles >= 2 and tiles >= 2 * num_sms) else 1
     nb = 2 if epilogue == "swiglu" else 1
@@ -285,9 +248,7 @@ def _build(spec: KernelSpec):
     PREACT = spec.store_preact
     NB = 2 if EPI == "swiglu" else 1
     TAIL = spec.b_tail  # k-blocks from kt_head on come from the second B descriptor
-    PINGPONG = spec.pingpong
-    MMA_WG = 1 if PINGPONG else 2  # consumer warp groups sharing one tile
-    TURN_BAR = 1  # named barriers 1 and 2: the ping-pong turns (0 is __syncthreads)
+    MMA_WG = 2  # consumer warp groups sharing one tile (64 rows each)
     GM = max(1, spec.group_m // CM)  # swizzle band height in cluster rows
     LOG2E = 1.4426950408889634
     a_layout = LayoutEnum.ROW_MAJOR if spec.a_major == "k" else LayoutEnum.COL_MAJOR
@@ -610,10 +571,7 @@ def _build(spec: KernelSpec):
         # ------------------------------------------------------ consumer warp groups
         if wg_idx > 0:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            cw = wg_idx - 1  # consumer warp group 0 or 1
-            ctid = tidx - 128  # cooperative: 256 threads share the tile
-            if const_expr(PINGPONG):
-                ctid = tidx - 128 * wg_idx  # ping-pong: 128 threads own it
+            ctid = tidx - 128
             thr_mma = tiled_mma.get_slice(ctid)
             tCsA = thr_mma.partition_A(sA)
             tCsB = thr_mma.partition_B(sB)
@@ -634,124 +592,98 @@ def _build(spec: KernelSpec):
             t = cluster_id
             g, tb, s, e, gt = first_tile(t, mOffs, G, n_tiles, dense_tiles, M)
             valid = cutlass.and_(g < G, t < tb + gt)
-            # Ping-pong: the CTA's j-th tile belongs to consumer j % 2. Its main loop starts when the
-            # other consumer has issued its last WGMMA of tile j - 1 (named barrier TURN_BAR + j % 2:
-            # the owner syncs, the other arrives), so one warp group's epilogue runs under the other's
-            # main loop. Consumer 1 opens turn 0; the stages of the other consumer's tiles are skipped.
-            j = Int32(0)
-            if const_expr(PINGPONG):
-                if cw == 1:
-                    cute.arch.barrier_arrive(barrier_id=TURN_BAR, number_of_threads=256)
             while valid:
-                mine = True
-                if const_expr(PINGPONG):
-                    mine = (j & 1) == cw
-                if mine:
-                    mt = Int32(0)
-                    nt = Int32(0)
-                    row0 = Int32(0)
-                    row_lo = Int32(0)
-                    row_lim = M
-                    if const_expr(GROUPED):
-                        mt, nt = swizzle(t - tb, group_mtiles(s, e), n_tiles)
-                        row0 = tile_start(s) + mt * BM
-                        row_lo = cutlass.max(s, Int32(0))  # rows [tile_start(s), s) belong to the previous group
-                        row_lim = cutlass.min(e, M)
-                    else:
-                        cm, nt = swizzle(t, m_cluster_rows, n_tiles)
-                        mt = cm * CM + rank_m
-                        row0 = mt * BM
-                    col0 = nt * BN
+                mt = Int32(0)
+                nt = Int32(0)
+                row0 = Int32(0)
+                row_lo = Int32(0)
+                row_lim = M
+                if const_expr(GROUPED):
+                    mt, nt = swizzle(t - tb, group_mtiles(s, e), n_tiles)
+                    row0 = tile_start(s) + mt * BM
+                    row_lo = cutlass.max(s, Int32(0))  # rows [tile_start(s), s) belong to the previous group
+                    row_lim = cutlass.min(e, M)
+                else:
+                    cm, nt = swizzle(t, m_cluster_rows, n_tiles)
+                    mt = cm * CM + rank_m
+                    row0 = mt * BM
+                col0 = nt * BN
 
-                    # ---- main loop: one WGMMA batch in flight, release a stage when its batch retires.
-                    # The first k-block's WGMMAs overwrite the accumulators (ACCUMULATE off) instead of a
-                    # zero fill: register moves between WGMMAs make ptxas serialize them (C7514).
-                    if const_expr(PINGPONG):
-                        cute.arch.barrier(barrier_id=TURN_BAR + cw, number_of_threads=256)  # my turn
-                    warpgroup.fence()
+                # ---- main loop: one WGMMA batch in flight, release a stage when its batch retires.
+                # The first k-block's WGMMAs overwrite the accumulators (ACCUMULATE off) instead of a
+                # zero fill: register moves between WGMMAs make ptxas serialize them (C7514).
+                warpgroup.fence()
+                ab_pipe.consumer_wait(read_state)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    crd = (None, None, kb, read_state.index)
+                    cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+                    if const_expr(NB == 2):
+                        cute.gemm(tiled_mma, acc2, tCrA[crd], tCrB2[crd], acc2)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                read_state.advance()
+                for kt in cutlass.range(1, k_tiles, unroll=1):
                     ab_pipe.consumer_wait(read_state)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                     for kb in cutlass.range_constexpr(num_k_blocks):
                         crd = (None, None, kb, read_state.index)
                         cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
                         if const_expr(NB == 2):
                             cute.gemm(tiled_mma, acc2, tCrA[crd], tCrB2[crd], acc2)
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.commit_group()
-                    read_state.advance()
-                    for kt in cutlass.range(1, k_tiles, unroll=1):
-                        ab_pipe.consumer_wait(read_state)
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            crd = (None, None, kb, read_state.index)
-                            cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
-                            if const_expr(NB == 2):
-                                cute.gemm(tiled_mma, acc2, tCrA[crd], tCrB2[crd], acc2)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(1)
-                        ab_pipe.consumer_release(release_state)
-                        release_state.advance()
-                        read_state.advance()
-                    if const_expr(PINGPONG):
-                        cute.arch.barrier_arrive(barrier_id=TURN_BAR + 1 - cw, number_of_threads=256)  # your turn
-                    warpgroup.wait_group(0)
+                    warpgroup.wait_group(1)
                     ab_pipe.consumer_release(release_state)
                     release_state.advance()
+                    read_state.advance()
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(release_state)
+                release_state.advance()
 
-                    # ---- epilogue
-                    full = cutlass.and_(row0 >= row_lo, row0 + BM <= row_lim, col0 + BN <= N)
-                    if const_expr(EPI == "none"):
-                        # out = row_scale * (alpha * acc + bias) + beta * out
-                        add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, alpha, HAS_BIAS, HAS_RS)
-                        v = acc.load()
-                        if const_expr(HAS_BETA):
-                            v = v + beta * load_operand(mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
-                        store_result(v, mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
-                    elif const_expr(EPI == "swiglu"):
-                        # gate = acc + bias_gate, up = acc2 + bias_up, h = silu(gate) * up * row_scale
-                        if const_expr(HAS_BIAS):
-                            add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), True, False)
-                            add_bias_scale(acc2, mBias2, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), True, False)
-                        # every value is converted out of the accumulators before the first store
-                        # (stores interleaved with accumulator reads make ptxas serialize the WGMMAs)
-                        gv = acc.load()
-                        uv = acc2.load()
-                        hv = gv * sigmoid(gv) * uv
-                        fg = acc  # placeholders when the pre-activations are not stored
-                        fu = acc
-                        if const_expr(PREACT):
-                            fg = to_frag(gv, tCc, AB)
-                            fu = to_frag(uv, tCc, AB)
-                        if const_expr(HAS_RS):
-                            acc2.store(hv)
-                            add_bias_scale(acc2, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), False, True)
-                            hv = acc2.load()
-                        fh = to_frag(hv, tCc, AB)
-                        if const_expr(PREACT):
-                            store_frag(fg, mE1, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
-                            store_frag(fu, mE2, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
-                        store_frag(fh, mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
-                    else:
-                        # dh = acc * row_scale; dup = dh * silu(gate); dgate = dh * up * silu'(gate)
-                        if const_expr(HAS_RS):
-                            add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), False, True)
-                        gv = load_operand(mG, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
-                        uv = load_operand(mU, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
-                        sg = sigmoid(gv)
-                        dh = acc.load()
-                        store_result(dh * (gv * sg), mE1, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
-                        store_result(dh * uv * (sg * (1.0 + gv * (1.0 - sg))), mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
-                else:  # the other consumer's tile: skip its stages
-                    read_state.advance(k_tiles)
-                    release_state.advance(k_tiles)
-
-                j = j + 1
+                # ---- epilogue
+                full = cutlass.and_(row0 >= row_lo, row0 + BM <= row_lim, col0 + BN <= N)
+                if const_expr(EPI == "none"):
+                    # out = row_scale * (alpha * acc + bias) + beta * out
+                    add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, alpha, HAS_BIAS, HAS_RS)
+                    v = acc.load()
+                    if const_expr(HAS_BETA):
+                        v = v + beta * load_operand(mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                    store_result(v, mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                elif const_expr(EPI == "swiglu"):
+                    # gate = acc + bias_gate, up = acc2 + bias_up, h = silu(gate) * up * row_scale
+                    if const_expr(HAS_BIAS):
+                        add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), True, False)
+                        add_bias_scale(acc2, mBias2, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), True, False)
+                    # every value is converted out of the accumulators before the first store
+                    # (stores interleaved with accumulator reads make ptxas serialize the WGMMAs)
+                    gv = acc.load()
+                    uv = acc2.load()
+                    hv = gv * sigmoid(gv) * uv
+                    fg = acc  # placeholders when the pre-activations are not stored
+                    fu = acc
+                    if const_expr(PREACT):
+                        fg = to_frag(gv, tCc, AB)
+                        fu = to_frag(uv, tCc, AB)
+                    if const_expr(HAS_RS):
+                        acc2.store(hv)
+                        add_bias_scale(acc2, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), False, True)
+                        hv = acc2.load()
+                    fh = to_frag(hv, tCc, AB)
+                    if const_expr(PREACT):
+                        store_frag(fg, mE1, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                        store_frag(fu, mE2, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                    store_frag(fh, mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                else:
+                    # dh = acc * row_scale; dup = dh * silu(gate); dgate = dh * up * silu'(gate)
+                    if const_expr(HAS_RS):
+                        add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), False, True)
+                    gv = load_operand(mG, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                    uv = load_operand(mU, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                    sg = sigmoid(gv)
+                    dh = acc.load()
+                    store_result(dh * (gv * sg), mE1, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
+                    store_result(dh * uv * (sg * (1.0 + gv * (1.0 - sg))), mD, thr_mma, tCc, row0, col0, row_lo, row_lim, N, full)
                 t, g, tb, s, e, gt = next_tile(t, g, tb, s, e, gt, n_clusters, mOffs, G, n_tiles)
                 valid = cutlass.and_(g < G, t < tb + gt)
-            if const_expr(PINGPONG):
-                # the turn opened after the last tile (or consumer 1's opening when there was none) is
-                # still waiting for its owner: take it, so that no named barrier is left half-arrived
-                if (j & 1) == cw:
-                    cute.arch.barrier(barrier_id=TURN_BAR + cw, number_of_threads=256)
 
     # ---------------------------------------------------------- host side
 
@@ -1167,8 +1099,7 @@ def _plan(
         raise Unsupported("output has more than 2**31 - 1 elements (32-bit indexing)")
 
     wide = out_dtype == torch.float32 or beta != 0.0
-    pingpong = epilogue in pingpong_epilogues()
-    bn, cluster_m, stages = choose_config(m, n, epilogue, grouped, wide, num_sms, groups, pingpong)
+    bn, cluster_m, stages = choose_config(m, n, epilogue, grouped, wide, num_sms, groups)
     spec = KernelSpec(
         ab_dtype=_tname(a.dtype),
         out_dtype=_tname(out_dtype),
@@ -1184,7 +1115,6 @@ def _plan(
         cluster_m=cluster_m,
         stages=stages,
         b_tail=b_tail is not None,
-        pingpong=pingpong,
     )
     if _CONFIG_OVERRIDE:
         spec = dataclasses.replace(spec, **_CONFIG_OVERRIDE)

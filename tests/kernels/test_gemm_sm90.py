@@ -14,7 +14,6 @@ synchronizes after each test, so an asynchronous fault is charged to the test th
 kernel. ``CUDNN_TRAIN_GPU_TESTS_INPROCESS=1`` runs them in the pytest process instead.
 """
 
-import dataclasses
 import functools
 import json
 import os
@@ -451,13 +450,11 @@ def _ptxas_report(ptx: Path, ptxas: str) -> str:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("pingpong", [False, True], ids=["coop", "pingpong"])
 @pytest.mark.parametrize("name,build,expect", _CASES, ids=[c[0] for c in _CASES])
-def test_wgmmas_are_not_serialized(name, build, expect, pingpong, tmp_path, monkeypatch):
+def test_wgmmas_are_not_serialized(name, build, expect, tmp_path, monkeypatch):
     # ptxas serializes every WGMMA of a kernel (its note C7514) when a non-WGMMA instruction touches
     # accumulator registers inside a WGMMA pipeline stage; the SwiGLU kernel storing its
-    # pre-activations once did. Its note C7517 (a wait injected after the first k-block) is allowed
-    # for ping-pong with an N-major B only, where ptxas adds it whatever the code: one wait a tile.
+    # pre-activations once did; nor may it inject a wait (C7517) to protect accumulator registers.
     ptxas = _ptxas()
     if ptxas is None:
         pytest.skip("no standalone ptxas (neither CUDA's nor Triton's) to report on the PTX")
@@ -465,16 +462,12 @@ def test_wgmmas_are_not_serialized(name, build, expect, pingpong, tmp_path, monk
     args, kw = build()
     kw.setdefault("epilogue", "none")
     spec = plan_cpu(*args, **kw).spec
-    if pingpong:
-        wide = spec.out_dtype == "float32" or spec.has_beta
-        spec = dataclasses.replace(spec, pingpong=True, bn=min(spec.bn, gk.pingpong_bn(spec.epilogue, wide)))
     monkeypatch.setattr(gk, "_EXTRA_COMPILE_OPTIONS", f" --keep-ptx --dump-dir {tmp_path}")
     gk._build(spec)
     (ptx,) = list(tmp_path.glob("*.ptx"))
     report = _ptxas_report(ptx, ptxas)
     assert "C7514" not in report, report
-    if not (pingpong and spec.b_major == "n"):
-        assert "C7517" not in report, report
+    assert "C7517" not in report, report
     assert " 0 bytes spill stores" in report, report
 
 
@@ -615,7 +608,7 @@ def test_gemm_tile_configs(dtype, m, n, k):
     a = make_a(m, k, "k", dtype, device=DEV)
     b = make_b(k, n, "k", dtype, device=DEV)
     spec = gk._plan(a, b, None, epilogue="none").spec
-    if (m, n) != (300, 64) and not spec.pingpong:  # (CUDNN_TRAIN_GEMM_PINGPONG may select 128-wide tiles)
+    if (m, n) != (300, 64):
         assert (spec.bn, spec.cluster_m) == (256, 2)
     out = poison_(torch.empty(m, n, device=DEV, dtype=dtype))
     gk.gemm(a, b, out=out)
