@@ -1117,7 +1117,11 @@ def _plan(
         b_tail=b_tail is not None,
     )
     if _CONFIG_OVERRIDE:
-        spec = dataclasses.replace(spec, **_CONFIG_OVERRIDE)
+        over = dict(_CONFIG_OVERRIDE)
+        if "bn" in over and "stages" not in over:  # as many stages as fit the new tile
+            nb = 2 if epilogue == "swiglu" else 1
+            over["stages"] = min(MAX_STAGES, (SMEM_BYTES - SMEM_RESERVE) // _stage_bytes(over["bn"], nb))
+        spec = dataclasses.replace(spec, **over)
     return _Plan(spec, m, n, groups, av, bviews[0], bviews[1] if len(bviews) > 1 else None, num_sms)
 
 
