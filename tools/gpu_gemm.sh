@@ -4,6 +4,7 @@
 #   bash tools/gpu_gemm.sh ncu     # ncu of our gate/up GEMM and cuBLAS's (launches 3 and 4: after warm-up)
 #   bash tools/gpu_gemm.sh test    # the GEMM and swiglu GPU tiers
 #   bash tools/gpu_gemm.sh bench   # bench_swiglu_mlp (ROUNDS) then bench_gemm
+#   bash tools/gpu_gemm.sh final   # the tiers, then bench_swiglu_mlp: one call
 source /tmp/gpu-bundle/device.sh || exit 3
 export PYTHONPATH=$(pwd):$PYTHONPATH CUDNN_TRAIN_CACHE_DIR=/tmp/ctc
 case "$1" in
@@ -28,5 +29,12 @@ bench)  # bench_swiglu_mlp (ROUNDS, default 2) first, then bench_gemm
   timeout -k 5 ${GEMM_S:-240} python3 -m benchmarks.bench_gemm --warmup 10 --rep 50 --json $OUT/bench_gemm.json \
     > $OUT/bench_gemm.log 2>&1
   echo "bench_gemm rc=$?"; tail -n 25 $OUT/bench_gemm.log | cut -c1-260 ;;
-*) echo "usage: bash tools/gpu_gemm.sh sweep|ncu|test|bench"; exit 2 ;;
+final)  # one call: the GEMM and swiglu tiers, then bench_swiglu_mlp alone (ROUNDS)
+  timeout -k 10 ${TEST_S:-170} python3 -m pytest -p no:cacheprovider -m gpu -q -rfE -n 8 tests/kernels/test_gemm_sm90.py \
+    tests/fused/test_swiglu_mlp.py > $OUT/test.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f pytest 2>/dev/null; grep -E " (FAILED|ERROR) |passed|failed" $OUT/test.log | tail -15
+  timeout -k 5 ${MLP_S:-320} python3 -m benchmarks.bench_swiglu_mlp --warmup 10 --rep 40 --rounds ${ROUNDS:-2} \
+    --json $OUT/bench_mlp.json > $OUT/bench_mlp.log 2>&1
+  echo "bench_mlp rc=$?"; tail -n 25 $OUT/bench_mlp.log | cut -c1-260 ;;
+*) echo "usage: bash tools/gpu_gemm.sh sweep|ncu|test|bench|final"; exit 2 ;;
 esac
