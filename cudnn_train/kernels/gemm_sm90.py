@@ -202,6 +202,12 @@ def _stage_bytes(bn: int, nb: int, elem: int = 2) -> int:
     return (BM * BK + nb * bn * BK) * elem
 
 
+def _max_stages(bn: int, epilogue: str) -> int:
+    """As many ring stages of BN-wide tiles as fit the shared memory, at most MAX_STAGES."""
+    nb = 2 if epilogue == "swiglu" else 1  # SwiGLU loads a gate and an up tile per stage
+    return min(MAX_STAGES, (SMEM_BYTES - SMEM_RESERVE) // _stage_bytes(bn, nb))
+
+
 def choose_config(m: int, n: int, epilogue: str, grouped: bool, wide_epilogue: bool, num_sms: int, groups: int = 1):
     """(bn, cluster_m, stages) for a problem with M rows and N output columns (see the module docstring)."""
     m_tiles = -(-m // BM)
@@ -217,9 +223,7 @@ def choose_config(m: int, n: int, epilogue: str, grouped: bool, wide_epilogue: b
         bn = 64
     tiles = m_tiles * -(-n // bn)
     cluster_m = 2 if (not grouped and m_tiles >= 2 and tiles >= 2 * num_sms) else 1
-    nb = 2 if epilogue == "swiglu" else 1
-    stages = min(MAX_STAGES, (SMEM_BYTES - SMEM_RESERVE) // _stage_bytes(bn, nb))
-    return bn, cluster_m, stages
+    return bn, cluster_m, _max_stages(bn, epilogue)
 
 
 # ------------------------------------------------------------------ kernel
@@ -404,6 +408,7 @@ def _build(spec: KernelSpec):
 
     @cute.jit
     def copy_b(atom, src, dst, bar, mask):
+        """One TMA load of a B tile (multicast to both CTAs of a 2-CTA cluster)."""
         if const_expr(CM > 1):
             cute.copy(atom, src, dst, tma_bar_ptr=bar, mcast_mask=mask)
         else:
@@ -546,22 +551,10 @@ def _build(spec: KernelSpec):
                                 copy_b(tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)], bar, b_mcast_mask)
                             else:
                                 copy_b(tma_atom_b2, tB2gB2[(None, kt - kt_head)], tBsB[(None, prod_state.index)], bar, b_mcast_mask)
-                        elif const_expr(CM > 1):
-                            cute.copy(
-                                tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask
-                            )
-                            if const_expr(NB == 2):
-                                cute.copy(
-                                    tma_atom_b2,
-                                    tB2gB2[(None, kt)],
-                                    tB2sB2[(None, prod_state.index)],
-                                    tma_bar_ptr=bar,
-                                    mcast_mask=b_mcast_mask,
-                                )
                         else:
-                            cute.copy(tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
+                            copy_b(tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)], bar, b_mcast_mask)
                             if const_expr(NB == 2):
-                                cute.copy(tma_atom_b2, tB2gB2[(None, kt)], tB2sB2[(None, prod_state.index)], tma_bar_ptr=bar)
+                                copy_b(tma_atom_b2, tB2gB2[(None, kt)], tB2sB2[(None, prod_state.index)], bar, b_mcast_mask)
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
                     t, g, tb, s, e, gt = next_tile(t, g, tb, s, e, gt, n_clusters, mOffs, G, n_tiles)
@@ -1119,8 +1112,7 @@ def _plan(
     if _CONFIG_OVERRIDE:
         over = dict(_CONFIG_OVERRIDE)
         if "bn" in over and "stages" not in over:  # as many stages as fit the new tile
-            nb = 2 if epilogue == "swiglu" else 1
-            over["stages"] = min(MAX_STAGES, (SMEM_BYTES - SMEM_RESERVE) // _stage_bytes(over["bn"], nb))
+            over["stages"] = _max_stages(over["bn"], epilogue)
         spec = dataclasses.replace(spec, **over)
     return _Plan(spec, m, n, groups, av, bviews[0], bviews[1] if len(bviews) > 1 else None, num_sms)
 
