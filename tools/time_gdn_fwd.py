@@ -1,5 +1,6 @@
-"""Where the SM90 GDN forward's time goes (GPU machine): each kernel alone, the state kernel with
-and without the cp.async prefetch, the whole forward, and FLA's forward in the same run.
+"""Where the SM90 GDN forward's time goes (GPU machine): each kernel alone (the fused state kernel
+with and without the cp.async prefetch; the split pass's chain at both V blocks and its out kernel),
+the whole forward as chosen and with each state pass forced, and FLA's forward in the same run.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile]
 
@@ -19,6 +20,12 @@ import torch.nn.functional as F
 
 from benchmarks.common import bench
 from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm()).item()
 
 SHAPES = [(4, 4096, 16, 32), (1, 16384, 16, 32), (8, 2048, 32, 32)]
 
@@ -76,8 +83,29 @@ def main():
         rows_out = [("wy kernel", bench(run_wy, 10, 40))]
         for pf in (False, True):
             rows_out.append((f"state kernel, prefetch={pf}", bench(lambda pf=pf: run_state(pf), 10, 40)))
-        rows_out.append(("whole forward (default)", bench(
-            lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40)))
+        # the split state pass: chain (both V blocks) and out, each alone, on the same w, u, gc
+        hs = torch.empty(rows, HV, K, V, device=dev, dtype=torch.bfloat16)
+        vn = torch.empty_like(u)
+        o_split = torch.full_like(outs[True], float("nan"))
+        for vb in SP.CHAIN_VBLOCKS:
+            ch = SP.get_chain_kernel(torch.bfloat16, K, V, vb, True, False, False, False, False)
+            rows_out.append((f"chain kernel, VB={vb}", bench(
+                lambda ch=ch: ch(k, w, u, gc, d4, d4, cu, cuc, hs, vn, T, NT, group, B), 10, 40)))
+        ot = SP.get_out_kernel(torch.bfloat16, K, V, True, False)
+
+        def run_out():
+            ot(q, k, hs, vn, gc, o_split, cu, cuc, K**-0.5, T, NT, B, group, rows)
+
+        rows_out.append(("out kernel", bench(run_out, 10, 40)))
+        err = rel_l2(o_split, outs[True])
+        print(f"  split pass o vs the fused state kernel's: rel L2 {err:.2e}; VB chosen: "
+              f"{SP.chain_vblock(B, HV, V, q.device)}")
+        default = "split" if SP.preferred(B, HV, V, q.device) else "fused"
+        for split, name in ((None, f"whole forward (default: {default})"), (True, "whole forward, split pass"),
+                            (False, "whole forward, fused state kernel")):
+            F90.SPLIT = split
+            rows_out.append((name, bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40)))
+        F90.SPLIT = None
         if fla_fwd is not None:
             with torch.no_grad():
                 rows_out.append(("FLA chunk_gated_delta_rule forward", bench(

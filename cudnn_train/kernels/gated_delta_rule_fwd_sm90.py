@@ -47,8 +47,11 @@ it computes chunk c: k, u and gc have two buffers; q and w are refilled in place
 chunk c's first three products are done (~90 KiB of smem, two CTAs per SM). With
 ``CUDNN_TRAIN_GDN_FWD_PREFETCH=0`` it loads every chunk synchronously at its start.
 
-Not yet: splitting long sequences across CTAs (parallelism is N x HV x V/64 in
-kernel 2); TMA and warp specialization. The backward lives in
+Where N x HV x V/64 (kernel 2's grid) leaves SMs idle, the inference forward replaces kernel 2
+by the split pass of ``gated_delta_rule_fwd_split_sm90`` (a chain over the chunks that only
+carries the state, V split into blocks of 32, then the outputs of all chunks in parallel); the
+training forward (``store_states``) always runs kernel 2. Not yet: splitting one sequence across
+CTAs; TMA and warp specialization. The backward lives in
 ``gated_delta_rule_bwd_sm90.py`` / ``gated_delta_rule_bwd_chunk_sm90.py`` and the
 opt-in training path in ``gated_delta_rule_train_sm90.py``.
 
@@ -74,6 +77,11 @@ VBLOCK = 64  # V columns per CTA of the state kernel
 # k, u and gc; q and w refilled once the chunk's first products are done). 0: the earlier
 # synchronous loads at the top of every chunk.
 STATE_PREFETCH = env_flag("CUDNN_TRAIN_GDN_FWD_PREFETCH", default=True)
+# The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
+# states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
+# (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
+_split_env = os.environ.get("CUDNN_TRAIN_GDN_FWD_SPLIT", "").strip()
+SPLIT = None if not _split_env else env_flag("CUDNN_TRAIN_GDN_FWD_SPLIT")
 HEAD_DIMS = (64, 128)
 L2NORM_EPS = 1e-6
 _SOURCES = (__file__, cm.__file__)
@@ -192,26 +200,25 @@ def _make_load_chunk(K: int, VB: int):
     return load_chunk
 
 
-def _make_issue_chunk(dtype, K: int, VB: int):
-    """``issue_chunk(...)``, with :func:`_make_load_chunk`'s arguments: the same tiles and gc, by
-    ``cp.async`` (16-byte copies, 4 bytes for gc) without waiting; rows >= ``length`` are zeroed
-    by plain shared stores. The caller commits the group and, before reading, waits for it,
-    fences to the async proxy and syncs."""
+def make_issue_tiles(dtype, rows: int):
+    """``issue_tiles(((gX, sX, cols, c0), ...), nvalid, tidx)``: ``rows x cols`` tiles global -> shared by
+    ``cp.async`` (16-byte copies, 128 threads) without waiting, the columns from the 8-element tile ``c0``
+    of ``gX`` on (keeps 16-byte alignment); rows >= nvalid are zeroed by plain shared stores and never
+    read from memory. The caller commits the group and, before reading, waits for it, fences to the
+    async proxy and syncs."""
     cutlass, cute = kc.import_cute()
-    from cutlass import Float32, Int32
+    from cutlass import Int32
     from cutlass.cute.nvgpu import cpasync
-
-    C = CHUNK
 
     @cute.jit
     def issue_tiles(tiles: cutlass.Constexpr, nvalid: Int32, tidx: Int32):
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                    num_bits_per_copy=128)
         for ti in cutlass.range_constexpr(len(tiles)):
-            gX, sX, cols, c0 = tiles[ti]  # columns from the 8-element tile c0 of gX (keeps 16-byte alignment)
+            gX, sX, cols, c0 = tiles[ti]
             VPR = cols // 8
             RPP = THREADS // VPR
-            for p in cutlass.range_constexpr(C // RPP):
+            for p in cutlass.range_constexpr(rows // RPP):
                 r = p * RPP + tidx // VPR
                 dst = cute.local_tile(sX[r, None], (8,), (tidx % VPR,))
                 if r < nvalid:
@@ -220,6 +227,20 @@ def _make_issue_chunk(dtype, K: int, VB: int):
                     zero = cute.make_rmem_tensor((8,), dtype)
                     zero.fill(0.0)
                     cute.autovec_copy(zero, dst)
+
+    return issue_tiles
+
+
+def _make_issue_chunk(dtype, K: int, VB: int):
+    """``issue_chunk(...)``, with :func:`_make_load_chunk`'s arguments: the same tiles and gc, by
+    ``cp.async`` (:func:`make_issue_tiles`; 4 bytes for gc) without waiting. The caller commits the
+    group and, before reading, waits for it, fences to the async proxy and syncs."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import cpasync
+
+    C = CHUNK
+    issue_tiles = make_issue_tiles(dtype, C)
 
     @cute.jit
     def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mX: cute.Tensor, mGc: cute.Tensor,
@@ -846,8 +867,20 @@ def forward(
         K, V, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_gate_in_kernel and dt_bias is not None,
         use_beta_sigmoid_in_kernel, beta_scale, varlen,
     )
-    st = get_state_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, initial_state is not None,
-                          output_final_state, state_v_first, store_states)
+    cu, cu_chunks, grid_chunks, NT = chunk_map(cu_seqlens, B, T, dev)
+    # the state pass: chain + out kernels (gated_delta_rule_fwd_split_sm90) where the fused kernel's
+    # grid leaves SMs idle (CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0: never), unless the training forward
+    # asks for float32 chunk states or the split's chunk states would not be int32-addressable
+    split = not store_states and grid_chunks * HV * K * V < 2**31
+    if split and SPLIT is None:
+        from . import gated_delta_rule_fwd_split_sm90 as sp
+
+        split = sp.preferred(nseq, HV, V, dev)
+    elif split:
+        split = SPLIT
+    if not split:
+        st = get_state_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, initial_state is not None,
+                              output_final_state, state_v_first, store_states)
 
     o = _empty(B, T, HV, V, dtype=q.dtype, device=dev)
     w = _empty(B, T, HV, K, dtype=q.dtype, device=dev)
@@ -860,7 +893,6 @@ def forward(
 
     f32_dummy, _, i64_dummy = _dummies(dev)
     state_dummy = f32_dummy.view(1, 1, 1, 1)
-    cu, cu_chunks, grid_chunks, NT = chunk_map(cu_seqlens, B, T, dev)
     # chunk-start states [chunks, HV, K, V] (chunk b * NT + c, or cu_chunks[n] + c with varlen)
     hs = _empty(grid_chunks, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
     alog = A_log.reshape(HV) if use_gate_in_kernel else f32_dummy
@@ -875,9 +907,15 @@ def forward(
                 ht.copy_(initial_state)
     else:
         wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, T, NT, nseq, group, grid_chunks, i64_dummy)
-        st(q, k, w, u, gc, state_dummy if initial_state is None else initial_state, o,
-           state_dummy if ht is None else ht, cu, cu_chunks, state_dummy if hs is None else hs, float(scale), T, NT,
-           group, nseq, i64_dummy)
+        if split:
+            from . import gated_delta_rule_fwd_split_sm90 as sp
+
+            sp.state_pass(q, k, w, u, gc, o, initial_state, ht, cu, cu_chunks, grid_chunks, NT, scale,
+                          use_qk_l2norm_in_kernel, state_v_first, group, nseq)
+        else:
+            st(q, k, w, u, gc, state_dummy if initial_state is None else initial_state, o,
+               state_dummy if ht is None else ht, cu, cu_chunks, state_dummy if hs is None else hs, float(scale),
+               T, NT, group, nseq, i64_dummy)
     if store_states:
         return Served((o, ht, (w, u, gc, hs)), "sm90")
     if return_intermediates:

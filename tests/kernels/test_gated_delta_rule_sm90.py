@@ -53,6 +53,30 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     assert len(list(tmp_path.rglob("*.o"))) == len(objs)
 
 
+# chain: (q dtype, K, V, VB, l2norm, varlen, has h0, final state, state [V, K]); out: (q dtype, K, V, l2norm, varlen)
+CHAIN_VARIANTS = [
+    (torch.bfloat16, 128, 128, 32, True, False, True, True, False),
+    (torch.float16, 64, 128, 64, False, True, False, True, True),
+]
+OUT_VARIANTS = [(torch.bfloat16, 128, 128, True, False), (torch.float16, 64, 64, False, True)]
+
+
+@pytest.mark.compile
+def test_split_state_kernels_compile_for_sm90a(tmp_path, monkeypatch):
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    kc.clear_memory_cache()
+    for v in CHAIN_VARIANTS:
+        assert callable(SP.get_chain_kernel(*v))
+    for v in OUT_VARIANTS:
+        assert callable(SP.get_out_kernel(*v))
+    assert len(list(tmp_path.rglob("*.o"))) == len(CHAIN_VARIANTS) + len(OUT_VARIANTS)
+    with pytest.raises(ValueError, match="VB=48"):
+        SP.get_chain_kernel(torch.bfloat16, 128, 128, 48, True, False, False, False, False)
+
+
 @pytest.mark.compile
 def test_profile_variants_compile_for_sm90a(tmp_path, monkeypatch):
     """The clock64 phase-timing variants that tools/time_gdn_fwd.py --profile launches."""
@@ -374,6 +398,7 @@ def test_state_prefetch_matches_synchronous_loads_bitwise(case, monkeypatch, poi
                                        state_v_first=vk)
     else:
         q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, V, torch.bfloat16, state_v_first=vk)
+    monkeypatch.setattr(F90, "SPLIT", False)  # the fused state kernel, where the prefetch lives
     orig = F90.get_state_kernel
     outs = []
     for pf in (True, False):
@@ -389,6 +414,38 @@ def test_state_prefetch_matches_synchronous_loads_bitwise(case, monkeypatch, poi
     for name, a, b in zip(("o", "final_state", "chunk_states"), outs[0], outs[1]):
         assert torch.isfinite(a).all(), f"{case}: {name} has elements the prefetching kernel did not write"
         assert torch.equal(a, b), f"{case}: {name} differs from the synchronous loads"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vb", [32, 64])
+@pytest.mark.parametrize("case", ["dense", "varlen", "k64_state_vk", "fp16_no_l2norm"])
+def test_split_state_pass_matches_oracle_and_fused_kernel(case, vb, monkeypatch, poisoned):
+    """The chain + out kernels (the inference forward's default) at both V blocks of the chain: o and
+    the final state against the oracle under the FLA-compat rule, and against the fused state kernel
+    (same rounding points, only the WGMMA summation order differs)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", str(vb))
+    K, V, vk, cu, l2, dtype = 128, 128, False, None, True, torch.bfloat16
+    if case == "k64_state_vk":
+        K, vk = 64, True
+    if case == "fp16_no_l2norm":
+        l2, dtype = False, torch.float16
+    if case == "varlen":
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, dtype, nseq=len(lengths))
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, V, dtype, l2norm=l2, state_v_first=vk)
+    _run_and_compare(q, k, v, g, beta, h0, cu, l2norm=l2, state_v_first=vk)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                state_v_first=vk)
+    split = F90.forward(q, k, v, g, beta, **args).value
+    monkeypatch.setattr(F90, "SPLIT", False)
+    fused = F90.forward(q, k, v, g, beta, **args).value
+    for name, a, b in zip(("o", "final_state"), split, fused):
+        err = rel_l2(a.float(), b.float())
+        assert err < 2e-3, f"{case}, VB {vb}: {name} differs from the fused kernel's by {err:.2e}"
 
 
 @pytest.mark.gpu

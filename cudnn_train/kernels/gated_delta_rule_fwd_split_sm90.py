@@ -1,0 +1,474 @@
+"""The GDN forward's state pass split in two (SM90, CuTeDSL, WGMMA): a short sequential chain
+and a parallel output kernel. Same math as ``gated_delta_rule_fwd_sm90``'s ``state`` kernel
+(the notation of that module's docstring), same rounding points.
+
+Kernel ``chain`` (grid: N x HV x V/VB, one warpgroup, VB = 32 or 64 columns of V): walks the
+chunks of one sequence with the state block ``S [K, VB]`` in float32 accumulators (M = the K rows,
+two M = 64 halves at K = 128), and per chunk does only what the next chunk needs::
+
+    S (input dtype) -> smem -> global hs[chunk]          (the chunk-start state, for `out`)
+    vn = u - w S                   WGMMA  M = 64 rows of the chunk, N = VB, A = w, B = S (smem)
+    vn (input dtype) -> global                           (for `out`)
+    S  = exp(gc_C) S + k^T (vn exp(gc_C - gc) rk)        WGMMA  A = k^T (MN-major view), B = vn (smem)
+
+The next chunk's w, k, u, gc arrive by ``cp.async`` while the current one is computed.
+Everything the output needs (q, the q k^T tile, its exp scaling, the o stores) is off this
+chain, so a chunk costs two small WGMMA groups and the conversions between them; and the grid
+is V/32 = 4 CTAs per (sequence, value head) at K = V = 128, so one long sequence still spreads
+over 128 SMs.
+
+Kernel ``out`` (grid: chunk x HV, one warpgroup; every chunk independent)::
+
+    o = scale exp(gc_i) rq_i (q S) + tril(scale q k^T exp(gc_i - gc_j) rq_i rk_j) vn
+
+with S the bf16/fp16 chunk-start state and vn from ``chain`` (the same values the fused kernel
+converts to the input dtype before its products), P converted in registers into the A operand
+of the second product.
+
+Cost: ``hs`` (input dtype, ``[chunk rows, HV, K, V]``, K V 2 bytes per chunk and value head) and
+``vn`` (``[B, T, HV, V]``) round-trip through global memory, as FLA's forward does with its
+``h``. The training forward (``store_states``: float32 chunk states for the backward) keeps the
+fused kernel.
+"""
+
+import os
+
+import torch
+
+from . import compile as kc
+from . import gated_delta_rule_common_sm90 as cm
+from . import gated_delta_rule_fwd_sm90 as F
+
+CHUNK = cm.CHUNK
+THREADS = cm.THREADS
+CHAIN_VBLOCKS = (32, 64)
+_SOURCES = (__file__, F.__file__, cm.__file__)
+
+
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def chain_vblock(nseq: int, HV: int, V: int, device: torch.device) -> int:
+    """V columns per ``chain`` CTA: 64 when N x HV x V/64 CTAs already give every SM one, else 32
+    (twice the CTAs on the same sequential chain). ``CUDNN_TRAIN_GDN_CHAIN_VB`` overrides.
+
+    Measured (H200, K = V = 128, ``tools/time_gdn_fwd.py``): 256 CTAs at VB 64 (B4 HV32) run the
+    chain in 0.271 ms against 0.370 at VB 32; 32 sequence-heads (B1 HV32) in 0.743 at VB 64 against
+    0.425 at VB 32."""
+    env = os.environ.get("CUDNN_TRAIN_GDN_CHAIN_VB", "").strip()
+    if env:
+        vb = int(env)
+        if vb not in CHAIN_VBLOCKS or V % vb:
+            raise ValueError(f"CUDNN_TRAIN_GDN_CHAIN_VB={env}: expected one of {CHAIN_VBLOCKS} dividing V={V}")
+        return vb
+    return 64 if nseq * HV * (V // 64) >= sm_count(device) else 32
+
+
+def preferred(nseq: int, HV: int, V: int, device: torch.device) -> bool:
+    """Whether the split pass is the faster one: when the fused state kernel's N x HV x V/64 CTAs
+    leave SMs idle. With one per SM or more the fused kernel moves less memory and wins (H200,
+    K = V = 128: 0.94 vs 0.99 ms whole forward at B4 T4096 HV32; at B1 T16384 HV32 the split is
+    1.13 ms against 1.98)."""
+    return nseq * HV * (V // 64) < sm_count(device)
+
+
+def _static_checks(dtype, K: int, V: int, VB: int) -> None:
+    cm.check_mn_major_view(dtype, K, VB)   # S block: B operand of w S
+    cm.check_mn_major_view(dtype, CHUNK, VB)  # vn block: B operand of the state update
+    cm.check_mn_major_view(dtype, CHUNK, 64)  # k halves: MN-major A operand of the state update
+    cm.check_mn_major_view(dtype, K, V)    # whole state: B operand of q S
+    cm.check_mn_major_view(dtype, CHUNK, V)  # vn: B operand of P vn
+
+
+def _make_sum_sq(dtype, cols: int):
+    """``sum_sq(sX, r)``: the float32 sum of squares of row ``r`` of a ``[rows, cols]`` smem tile."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+
+    @cute.jit
+    def sum_sq(sX: cute.Tensor, r: Int32):
+        ss = Float32(0.0)
+        for vc in cutlass.range_constexpr(cols // 8):
+            frag = cute.make_rmem_tensor((1, 8), dtype)
+            cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, vc)), frag)
+            xv = frag.load().to(Float32)
+            ss = ss + (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        return ss
+
+    return sum_sq
+
+
+def _make_store_pairs():
+    """``store_pairs(acc, cAcc, gX, nvalid)``: float32 accumulator element pairs ``(e, e + 1)``
+    (columns n, n + 1 of one row, checked with ``cm.check_acc_pairs``) into rows < nvalid of
+    ``gX`` in its dtype, 4-byte stores."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    @cute.jit
+    def store_pairs(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
+        for e in cutlass.range_constexpr(cute.size(acc) // 2):
+            i, d = cAcc[2 * e]
+            if i < nvalid:
+                frag = cute.make_rmem_tensor((1, 2), gX.element_type)
+                frag[0] = acc[2 * e].to(gX.element_type)
+                frag[1] = acc[2 * e + 1].to(gX.element_type)
+                cute.autovec_copy(frag, cute.local_tile(gX, (1, 2), (i, d // 2)))
+
+    return store_pairs
+
+
+# ------------------------------------------------------------------ kernel: chain
+
+
+def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool,
+                 state_vk: bool):
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+
+    C = CHUNK
+    KH = K // 64  # M = 64 halves of the state's K rows
+    LOG2E = cm.LOG2E
+    U_STRIDE = VB + 8  # padded row-major u tile: conflict-free pair reads
+    issue_rows = F.make_issue_tiles(dtype, C)
+    gemm = cm.make_gemm()
+    sum_sq = _make_sum_sq(dtype, 64)
+    locate_seq = cm.make_seq_locator(varlen)
+
+    @cute.jit
+    def issue_chunk(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, sKs: cutlass.Constexpr,
+                    sW: cute.Tensor,
+                    sU: cute.Tensor, sGc: cute.Tensor, b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32,
+                    length: Int32, tidx: Int32):
+        gK = cute.domain_offset((t0, 0), mK[b, None, h, None])
+        tiles = [(cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K, 0),
+                 (cute.domain_offset((t0, 0), mU[b, None, hv, None]), sU, VB, v0 // 8)]
+        for hf in cutlass.range_constexpr(KH):
+            tiles.append((gK, sKs[hf], 64, hf * 8))
+        issue_rows(tuple(tiles), length, tidx)
+        if tidx < C:
+            atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            row = t0 + cutlass.min(tidx, length - 1)
+            cute.copy(atom4, cute.local_tile(mGc[b, None, hv], (1,), (row,)), cute.local_tile(sGc, (1,), (tidx,)))
+
+    @cute.kernel
+    def kernel(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
+               mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, mHs: cute.Tensor, mVn: cute.Tensor,
+               T: Int32, NT: Int32, group: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, hv, vb = cute.arch.block_idx()
+        h = hv // group
+        v0 = vb * VB
+
+        mma_vn = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=True)  # vn [i, v] = w S
+        mma_up = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=True, a_mn_major=True)  # S [d, v] += k^T vn_s
+        cm.check_acc_pairs(mma_vn, (C, VB))
+        cm.check_acc_pairs(mma_up, (64, VB))
+
+        smem = cutlass.utils.SmemAllocator()
+        sWb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
+        sKb = [[cm.alloc_tile(smem, dtype, C, 64) for _ in range(KH)] for _ in range(2)]
+        sS = cm.alloc_tile(smem, dtype, K, VB)
+        sVn = cm.alloc_tile(smem, dtype, C, VB)
+        sUb = [smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16) for _ in range(2)]
+        sGcb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(2)]
+        sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+
+        thr_vn = mma_vn.get_slice(tidx)
+        thr_up = mma_up.get_slice(tidx)
+        tAw = [mma_vn.make_fragment_A(thr_vn.partition_A(t)) for t in sWb]
+        tBs = mma_vn.make_fragment_B(thr_vn.partition_B(cm.transpose_view(sS)))
+        tAk = [[mma_up.make_fragment_A(thr_up.partition_A(cm.transpose_view(t))) for t in ks] for ks in sKb]
+        tBvn = mma_up.make_fragment_B(thr_up.partition_B(cm.transpose_view(sVn)))
+        cV = thr_vn.partition_C(cute.make_identity_tensor((C, VB)))  # (i, v)
+        cS = thr_up.partition_C(cute.make_identity_tensor((64, VB)))  # (d within the half, v)
+
+        b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
+
+        accS = [cute.make_rmem_tensor(thr_up.partition_shape_C((64, VB)), Float32) for _ in range(KH)]
+        for hf in cutlass.range_constexpr(KH):
+            if cutlass.const_expr(has_h0):
+                for e in cutlass.range_constexpr(cute.size(accS[hf])):
+                    dl, sv = cS[e]
+                    if cutlass.const_expr(state_vk):
+                        accS[hf][e] = mH0[n, hv, v0 + sv, hf * 64 + dl]
+                    else:
+                        accS[hf][e] = mH0[n, hv, hf * 64 + dl, v0 + sv]
+            else:
+                accS[hf].fill(0.0)
+
+        if nchunks > 0:
+            issue_chunk(mK, mW, mU, mGc, sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts, v0,
+                        cutlass.min(te - ts, C), tidx)
+        cute.arch.cp_async_commit_group()
+        VPR = VB // 8  # 16-byte vectors of an S row
+        RPP = THREADS // VPR
+        for cp in cutlass.range((nchunks + 1) // 2, unroll=1):
+            for par in cutlass.range_constexpr(2):  # chunk ci in buffer par: every tile stays static
+                ci = cp * 2 + par
+                if ci < nchunks:
+                    t0 = ts + ci * C
+                    length = cutlass.min(te - t0, C)
+                    # ---- the chunk-start state in the input dtype -> sS (B operand of w S)
+                    for hf in cutlass.range_constexpr(KH):
+                        for e in cutlass.range_constexpr(cute.size(accS[hf]) // 2):
+                            rd, rv = cS[2 * e]
+                            pair = cute.make_rmem_tensor((1, 2), dtype)
+                            pair[0] = accS[hf][2 * e].to(dtype)
+                            pair[1] = accS[hf][2 * e + 1].to(dtype)
+                            cute.autovec_copy(pair, cute.local_tile(sS, (1, 2), (hf * 64 + rd, rv // 2)))
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_threads()  # chunk ci and sS in smem; every thread is done with chunk ci - 1
+                    if ci + 1 < nchunks:
+                        t1 = t0 + C
+                        issue_chunk(mK, mW, mU, mGc, sKb[1 - par], sWb[1 - par], sUb[1 - par], sGcb[1 - par],
+                                    b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx)
+                    cute.arch.cp_async_commit_group()
+
+                    accVn = cute.make_rmem_tensor(thr_vn.partition_shape_C((C, VB)), Float32)
+                    gemm(mma_vn, accVn, tAw[par], tBs, True)  # w S   [i, v]
+                    warpgroup.commit_group()
+                    # meanwhile: sS -> the chunk's row of hs (16-byte vectors), the k row norms
+                    gHs = mHs[cbase + ci, hv, None, None]
+                    for p in cutlass.range_constexpr(K // RPP):
+                        r = p * RPP + tidx // VPR
+                        vec = cute.make_rmem_tensor((1, 8), dtype)
+                        cute.autovec_copy(cute.local_tile(sS, (1, 8), (r, tidx % VPR)), vec)
+                        cute.autovec_copy(vec, cute.local_tile(gHs, (1, 8), (r, v0 // 8 + tidx % VPR)))
+                    if cutlass.const_expr(l2norm):
+                        if tidx < C:
+                            ss = Float32(0.0)
+                            for hf in cutlass.range_constexpr(KH):
+                                ss = ss + sum_sq(sKb[par][hf], tidx)
+                            sRk[tidx] = cute.math.rsqrt(ss + F.L2NORM_EPS)
+                    warpgroup.wait_group(0)
+                    if cutlass.const_expr(l2norm):
+                        cute.arch.sync_threads()  # sRk written
+
+                    # ---- vn = u - w S: to global as is, to sVn scaled by exp(gc_C - gc_i) rk_i
+                    glast = sGcb[par][C - 1]
+                    gVn = cute.domain_offset((t0, 0), mVn[b, None, hv, None])
+                    for e in cutlass.range_constexpr(cute.size(accVn) // 2):
+                        vi, vc = cV[2 * e]
+                        upair = cute.make_rmem_tensor((1, 2), dtype)
+                        cute.autovec_copy(cute.local_tile(sUb[par], (1, 2), (vi, vc // 2)), upair)
+                        a0 = upair[0].to(Float32) - accVn[2 * e]
+                        a1 = upair[1].to(Float32) - accVn[2 * e + 1]
+                        coef = cute.math.exp2((glast - sGcb[par][vi]) * LOG2E, fastmath=True)
+                        if cutlass.const_expr(l2norm):
+                            coef = coef * sRk[vi]
+                        vpair = cute.make_rmem_tensor((1, 2), dtype)
+                        vpair[0] = a0.to(dtype)
+                        vpair[1] = a1.to(dtype)
+                        if vi < length:
+                            cute.autovec_copy(vpair, cute.local_tile(gVn, (1, 2), (vi, (v0 + vc) // 2)))
+                        spair = cute.make_rmem_tensor((1, 2), dtype)
+                        spair[0] = (a0 * coef).to(dtype)
+                        spair[1] = (a1 * coef).to(dtype)
+                        cute.autovec_copy(spair, cute.local_tile(sVn, (1, 2), (vi, vc // 2)))
+                    decay = cute.math.exp2(glast * LOG2E, fastmath=True)
+                    for hf in cutlass.range_constexpr(KH):
+                        for e in cutlass.range_constexpr(cute.size(accS[hf])):
+                            accS[hf][e] = accS[hf][e] * decay
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_threads()  # sVn visible to the async proxy
+
+                    for hf in cutlass.range_constexpr(KH):
+                        gemm(mma_up, accS[hf], tAk[par][hf], tBvn, False)  # S += k^T vn_s
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+
+        if cutlass.const_expr(out_final):
+            for hf in cutlass.range_constexpr(KH):
+                for e in cutlass.range_constexpr(cute.size(accS[hf])):
+                    dl, sv = cS[e]
+                    if cutlass.const_expr(state_vk):
+                        mHT[n, hv, v0 + sv, hf * 64 + dl] = accS[hf][e]
+                    else:
+                        mHT[n, hv, hf * 64 + dl, v0 + sv] = accS[hf][e]
+
+    @cute.jit
+    def host(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
+             mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, mHs: cute.Tensor, mVn: cute.Tensor,
+             T: Int32, NT: Int32, group: Int32, nseq: Int32, stream):
+        _static_checks(dtype, K, V, VB)
+        HV = mU.shape[2]
+        kernel(mK, mW, mU, mGc, mH0, mHT, mCu, mCuC, mHs, mVn, T, NT, group).launch(
+            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
+        )
+
+    f = F._fakes()
+    args = (
+        f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32), f.state(), f.state(),
+        f.vec(cutlass.Int32), f.vec(cutlass.Int32), f.rows4(dtype, V), f.rows4(dtype, V),
+        Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+    )
+    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
+
+
+# ------------------------------------------------------------------ kernel: out
+
+
+def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool):
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import warpgroup
+
+    C = CHUNK
+    LOG2E = cm.LOG2E
+    issue_rows = F.make_issue_tiles(dtype, C)
+    issue_state = F.make_issue_tiles(dtype, K)
+    gemm = cm.make_gemm()
+    row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
+    store_pairs = _make_store_pairs()
+    locate = cm.make_chunk_locator(varlen)
+
+    @cute.kernel
+    def kernel(mQ: cute.Tensor, mK: cute.Tensor, mHs: cute.Tensor, mVn: cute.Tensor, mGc: cute.Tensor,
+               mO: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, scale: Float32, T: Int32, NT: Int32,
+               nseq: Int32, group: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cid, hv, _ = cute.arch.block_idx()
+        h = hv // group
+
+        mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)  # q k^T  [i, j]
+        mma_o = cm.make_mma(dtype, V, a_regs=False, b_mn_major=True)  # q S    [i, v]
+        mma_ov = cm.make_mma(dtype, V, a_regs=True, b_mn_major=True)  # P vn   [i, v]
+        cm.check_same_acc_layout(mma_o, mma_ov, (C, V))
+        cm.check_acc_pairs(mma_o, (C, V))
+        map_p = cm.acc_to_frag_map(mma_p, (C, C), mma_ov, (C, C))
+
+        smem = cutlass.utils.SmemAllocator()
+        sQ = cm.alloc_tile(smem, dtype, C, K)
+        sK = cm.alloc_tile(smem, dtype, C, K)
+        sS = cm.alloc_tile(smem, dtype, K, V)
+        sVn = cm.alloc_tile(smem, dtype, C, V)
+        sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+
+        b, t0, tend, valid = locate(cid, mCu, mCuC, T, NT, nseq)
+        length = cutlass.min(tend - t0, C)
+        if valid:
+            issue_rows(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
+                        (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),
+                        (cute.domain_offset((t0, 0), mVn[b, None, hv, None]), sVn, V, 0)), length, tidx)
+            issue_state(((mHs[cid, hv, None, None], sS, V, 0),), K, tidx)
+            cute.arch.cp_async_commit_group()
+            if tidx < C:
+                sGc[tidx] = mGc[b, t0 + cutlass.min(tidx, length - 1), hv]
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+            thr_p = mma_p.get_slice(tidx)
+            thr_o = mma_o.get_slice(tidx)
+            thr_ov = mma_ov.get_slice(tidx)
+            accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
+            accO = cute.make_rmem_tensor(thr_o.partition_shape_C((C, V)), Float32)
+            gemm(mma_p, accP, mma_p.make_fragment_A(thr_p.partition_A(sQ)),
+                 mma_p.make_fragment_B(thr_p.partition_B(sK)), True)
+            gemm(mma_o, accO, mma_o.make_fragment_A(thr_o.partition_A(sQ)),
+                 mma_o.make_fragment_B(thr_o.partition_B(cm.transpose_view(sS))), True)
+            warpgroup.commit_group()
+            if cutlass.const_expr(l2norm):
+                if tidx < C:
+                    sRq[tidx] = row_inv_norm(sQ, tidx)
+                else:
+                    sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+            warpgroup.wait_group(0)
+            if cutlass.const_expr(l2norm):
+                cute.arch.sync_threads()  # sRq, sRk written
+
+            # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j, in registers as the A operand
+            cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))
+            rP = mma_ov.make_fragment_A(thr_ov.partition_shape_A((C, C)))
+            for f in cutlass.range_constexpr(cute.size(rP)):
+                pi, pj = cP[map_p[f]]
+                pval = Float32(0.0)
+                if pj <= pi:
+                    pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
+                    if cutlass.const_expr(l2norm):
+                        pcoef = pcoef * sRq[pi] * sRk[pj]
+                    pval = accP[map_p[f]] * pcoef
+                rP[f] = pval.to(dtype)
+            # ---- o = scale exp(gc_i) rq_i q S + P vn
+            cO = thr_o.partition_C(cute.make_identity_tensor((C, V)))
+            for e in cutlass.range_constexpr(cute.size(accO)):
+                oi, _ = cO[e]
+                ocoef = scale * cute.math.exp2(sGc[oi] * LOG2E, fastmath=True)
+                if cutlass.const_expr(l2norm):
+                    ocoef = ocoef * sRq[oi]
+                accO[e] = accO[e] * ocoef
+            gemm(mma_ov, accO, rP, mma_ov.make_fragment_B(thr_ov.partition_B(cm.transpose_view(sVn))), False)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            store_pairs(accO, cO, cute.domain_offset((t0, 0), mO[b, None, hv, None]), length)
+
+    @cute.jit
+    def host(mQ: cute.Tensor, mK: cute.Tensor, mHs: cute.Tensor, mVn: cute.Tensor, mGc: cute.Tensor,
+             mO: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, scale: Float32, T: Int32, NT: Int32,
+             nseq: Int32, group: Int32, nchunks_grid: Int32, stream):
+        _static_checks(dtype, K, V, 32)
+        HV = mO.shape[2]
+        kernel(mQ, mK, mHs, mVn, mGc, mO, mCu, mCuC, scale, T, NT, nseq, group).launch(
+            grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    f = F._fakes()
+    args = (
+        f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.rows4(dtype, V), f.any3(Float32),
+        f.rows4(dtype, V), f.vec(cutlass.Int32), f.vec(cutlass.Int32), Float32(1.0),
+        Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+    )
+    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
+
+
+# ------------------------------------------------------------------ compile (cached) and launch
+
+
+def get_chain_kernel(dtype, K, V, VB, l2norm, varlen, has_h0, out_final, state_vk):
+    if VB not in CHAIN_VBLOCKS or V % VB:
+        raise ValueError(f"VB={VB}: expected one of {CHAIN_VBLOCKS} dividing V={V}")
+    key = ("chain", str(dtype), K, V, VB, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk))
+
+    def build():
+        return _build_chain(F._dt(dtype), K, V, VB, l2norm, varlen, has_h0, out_final, state_vk)
+
+    return kc.get_kernel("gdn_fwd_chain", key, build, _SOURCES)
+
+
+def get_out_kernel(dtype, K, V, l2norm, varlen):
+    key = ("out", str(dtype), K, V, bool(l2norm), bool(varlen))
+
+    def build():
+        return _build_out(F._dt(dtype), K, V, l2norm, varlen)
+
+    return kc.get_kernel("gdn_fwd_out", key, build, _SOURCES)
+
+
+def serves(rows: int, HV: int, K: int, V: int) -> bool:
+    """Whether the split pass can take a forward: its ``hs`` rows must be int32-addressable."""
+    return rows * HV * K * V < 2**31
+
+
+def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, rows, NT, scale, l2norm, state_vk, group, nseq,
+               vb=None):
+    """Run ``chain`` then ``out``: fills ``o`` (and ``ht`` when given) from the WY factors of the
+    forward's first kernel. ``h0`` / ``ht``: float32 states or None."""
+    B, T, HV, V = u.shape
+    K = q.shape[-1]
+    varlen = NT == 0
+    vb = chain_vblock(nseq, HV, V, q.device) if vb is None else vb
+    chain = get_chain_kernel(q.dtype, K, V, vb, l2norm, varlen, h0 is not None, ht is not None, state_vk)
+    out = get_out_kernel(q.dtype, K, V, l2norm, varlen)
+    hs = F._empty(rows, HV, K, V, dtype=q.dtype, device=q.device)
+    vn = F._empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    f32_dummy, _, _ = F._dummies(q.device)
+    d4 = f32_dummy.view(1, 1, 1, 1)
+    chain(k, w, u, gc, d4 if h0 is None else h0, d4 if ht is None else ht, cu, cu_chunks, hs, vn, T, NT, group,
+          nseq)
+    out(q, k, hs, vn, gc, o, cu, cu_chunks, float(scale), T, NT, nseq, group, rows)
