@@ -354,10 +354,17 @@ def make_solve():
                 rg = t // S
                 acc = cute.make_rmem_tensor((RPT,), Float32)
                 acc.fill(0.0)
-                for m in cutlass.range(S, unroll=4):
-                    rv = sR[rr + m, rc + c]
+                gL = cute.domain_offset((lr, lc), sL)
+                for m4 in cutlass.range_constexpr(S // 4):
+                    # four terms at a time: one 16-byte (warp-broadcast) read of each L row
+                    rv = cute.make_rmem_tensor((4,), Float32)
+                    for j in cutlass.range_constexpr(4):
+                        rv[j] = sR[rr + 4 * m4 + j, rc + c]
                     for k in cutlass.range_constexpr(RPT):
-                        acc[k] = acc[k] + sL[lr + rg + RG * k, lc + m] * rv
+                        lv = cute.make_rmem_tensor((1, 4), Float32)
+                        cute.autovec_copy(cute.local_tile(gL, (1, 4), (rg + RG * k, m4)), lv)
+                        for j in cutlass.range_constexpr(4):
+                            acc[k] = acc[k] + lv[j] * rv[j]
                 for k in cutlass.range_constexpr(RPT):
                     val = acc[k]
                     if cutlass.const_expr(negate):

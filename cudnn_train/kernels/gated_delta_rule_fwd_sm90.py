@@ -39,8 +39,9 @@ Varlen needs no host read: kernel 1 is launched on an upper bound of the
 chunk count (``T_total // 64 + N``) and each CTA finds its sequence by
 bisection in a device-side cumulative chunk count; surplus CTAs exit.
 
-Loads: kernel 1 uses synchronous 16-byte vector copies, all of a group in flight
-before the first smem store. Kernel 2 (``STATE_PREFETCH``; by default at K = 128 and not
+Loads: kernel 1 uses synchronous 16-byte vector copies, all of a group (and the g, beta
+loads) in flight before the first smem store; it stages w and u through the k and v tiles and
+stores them as 16-byte rows. Kernel 2 (``STATE_PREFETCH``; by default at K = 128 and not
 for the training forward's ``store_states`` variant, the cases its GPU tier has covered)
 fetches chunk c + 1 by ``cp.async`` while
 it computes chunk c: k, u and gc have two buffers; q and w are refilled in place once
@@ -276,15 +277,26 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     wy_row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
 
     @cute.jit
-    def store_rows(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
+    def stage_pairs(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor):
         # accumulator element pairs (e, e+1) are columns (n, n+1) of one row (checked at trace time)
         for e in cutlass.range_constexpr(cute.size(acc) // 2):
             i, d = cAcc[2 * e]
-            if i < nvalid:
-                frag = cute.make_rmem_tensor((1, 2), gX.element_type)
-                frag[0] = acc[2 * e].to(gX.element_type)
-                frag[1] = acc[2 * e + 1].to(gX.element_type)
-                cute.autovec_copy(frag, cute.local_tile(gX, (1, 2), (i, d // 2)))
+            frag = cute.make_rmem_tensor((1, 2), sX.element_type)
+            frag[0] = acc[2 * e].to(sX.element_type)
+            frag[1] = acc[2 * e + 1].to(sX.element_type)
+            cute.autovec_copy(frag, cute.local_tile(sX, (1, 2), (i, d // 2)))
+
+    @cute.jit
+    def store_tile(sX: cute.Tensor, gX: cute.Tensor, cols: cutlass.Constexpr, nvalid: Int32, tidx: Int32):
+        # rows < nvalid of a C x cols smem tile to global, 16-byte vectors
+        VPR = cols // 8
+        RPP = THREADS // VPR
+        for p in cutlass.range_constexpr(C // RPP):
+            r = p * RPP + tidx // VPR
+            if r < nvalid:
+                vec = cute.make_rmem_tensor((1, 8), sX.element_type)
+                cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, tidx % VPR)), vec)
+                cute.autovec_copy(vec, cute.local_tile(gX, (1, 8), (r, tidx % VPR)))
 
     solve = cm.make_solve()
     locate = cm.make_chunk_locator(varlen)
@@ -332,13 +344,15 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
             gV = cute.domain_offset((t0, 0), mV[b, None, hv, None])
             gW = cute.domain_offset((t0, 0), mW[b, None, hv, None])
             gU = cute.domain_offset((t0, 0), mU[b, None, hv, None])
+            # g and beta first, so that their loads are in flight with the tiles'
+            gval = Float32(0.0)
+            bval = Float32(0.0)
+            if tidx < length:
+                gval = mG[b, t0 + tidx, hv].to(Float32)
+                bval = mBeta[b, t0 + tidx, hv].to(Float32)
             load_tiles(((gK, sK, K), (gV, sV, V)), length, tidx)
             if tidx < C:
-                gval = Float32(0.0)
-                bval = Float32(0.0)
                 if tidx < length:
-                    gval = mG[b, t0 + tidx, hv].to(Float32)
-                    bval = mBeta[b, t0 + tidx, hv].to(Float32)
                     if cutlass.const_expr(gate):
                         x = gval
                         if cutlass.const_expr(has_dt_bias):
@@ -397,18 +411,30 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
             solve(sA, sT, sM, tidx)
             pmark(prof, 3)
             # column-scaled copies of T in the input dtype: A operands of the w and u products
-            c = tidx % C
-            cw = sB[c] * cute.math.exp2(sGc[c] * LOG2E, fastmath=True)
-            if cutlass.const_expr(l2norm):
-                cw = cw * sRk[c]
-            cu = sB[c]
-            for q in cutlass.range_constexpr(C * C // THREADS):
-                i = tidx // C + (THREADS // C) * q
-                tv = Float32(0.0)
-                if i >= c:  # T is lower triangular; blocks above the diagonal are never written
-                    tv = sT[i, c]
-                sTw[i, c] = (tv * cw).to(dtype)
-                sTu[i, c] = (tv * cu).to(dtype)
+            # (a thread: 4 adjacent columns, 16-byte reads of T, 8-byte writes of each copy)
+            cg = tidx % (C // 4)
+            cw = cute.make_rmem_tensor((4,), Float32)
+            cu = cute.make_rmem_tensor((4,), Float32)
+            for j in cutlass.range_constexpr(4):
+                c = cg * 4 + j
+                cu[j] = sB[c]
+                cw[j] = sB[c] * cute.math.exp2(sGc[c] * LOG2E, fastmath=True)
+                if cutlass.const_expr(l2norm):
+                    cw[j] = cw[j] * sRk[c]
+            for q in cutlass.range_constexpr(C * C // (4 * THREADS)):
+                i = tidx // (C // 4) + (4 * THREADS // C) * q
+                tv = cute.make_rmem_tensor((1, 4), Float32)
+                cute.autovec_copy(cute.local_tile(sT, (1, 4), (i, cg)), tv)
+                tw = cute.make_rmem_tensor((1, 4), dtype)
+                tu = cute.make_rmem_tensor((1, 4), dtype)
+                for j in cutlass.range_constexpr(4):
+                    x = tv[j]
+                    if i < cg * 4 + j:  # T is lower triangular; blocks above the diagonal are never written
+                        x = Float32(0.0)
+                    tw[j] = (x * cw[j]).to(dtype)
+                    tu[j] = (x * cu[j]).to(dtype)
+                cute.autovec_copy(tw, cute.local_tile(sTw, (1, 4), (i, cg)))
+                cute.autovec_copy(tu, cute.local_tile(sTu, (1, 4), (i, cg)))
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             pmark(prof, 4)
@@ -425,8 +451,13 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             pmark(prof, 5)
-            store_rows(accW, thr_w.partition_C(cute.make_identity_tensor((C, K))), gW, length)
-            store_rows(accU, thr_u.partition_C(cute.make_identity_tensor((C, V))), gU, length)
+            # staged through the k and v tiles (the products are done with them), then 16-byte rows
+            cute.arch.sync_threads()
+            stage_pairs(accW, thr_w.partition_C(cute.make_identity_tensor((C, K))), sK)
+            stage_pairs(accU, thr_u.partition_C(cute.make_identity_tensor((C, V))), sV)
+            cute.arch.sync_threads()
+            store_tile(sK, gW, K, length, tidx)
+            store_tile(sV, gU, V, length, tidx)
             pmark(prof, 6)
         pfinish(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
 
