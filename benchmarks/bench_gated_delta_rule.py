@@ -15,7 +15,8 @@ Rows: ``cutedsl`` is the SM90 kernel forward called directly (no dispatch);
 reported with ``last_path``; forward+backward of the op (gradients to q, k, v, g, beta)
 runs whatever backend serves a differentiable call. ``sm90-train`` is the op with the
 opt-in SM90 training path switched on (``CUDNN_TRAIN_GDN_SM90_TRAIN=1`` around each call),
-its stage 3 in torch; ``sm90-train-k3`` the same with the stage-3 kernel. ``fla`` is FLA's
+its stage 3 on the kernel (the default; ``--torch-stage3`` adds ``sm90-train-t3``, stage 3 in
+torch, for comparison). ``fla`` is FLA's
 ``chunk_gated_delta_rule`` and ``flashqla`` FlashQLA's (``flash-qla``), when they import.
 A peer that fails to run is reported once with its error and left out.
 """
@@ -33,7 +34,7 @@ from benchmarks.common import bench, ceilings, parser, report
 C = 64
 TRAIN_ENV = "CUDNN_TRAIN_GDN_SM90_TRAIN"
 STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"
-TRAIN_ROWS = {"sm90-train": "torch", "sm90-train-k3": "kernel"}  # row -> its stage 3
+TRAIN_ROWS = {"sm90-train": "kernel"}  # row -> its stage 3 (main() adds "sm90-train-t3": "torch" on request)
 
 
 def with_train_path(f, stage3):
@@ -97,7 +98,10 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--shapes", type=int, default=None, help="time only the first N shapes")
     ap.add_argument("--skip", default="", help="comma-separated rows to leave out (e.g. flashqla,sm90-train)")
+    ap.add_argument("--torch-stage3", action="store_true", help="also time the training path with stage 3 in torch")
     args = ap.parse_args()
+    if args.torch_stage3:
+        TRAIN_ROWS["sm90-train-t3"] = "torch"
     if not torch.cuda.is_available():
         print("bench_gated_delta_rule: needs a CUDA GPU; nothing to time here")
         return

@@ -11,6 +11,8 @@
 #   bash tools/gpu_next.sh gdn_fwd  # the GDN forward tier, then tools/time_gdn_fwd.py (each kernel alone, FLA's
 #                                   # forward, per-phase cycles; GDN_TIER=0 skips the tier; GDN_S / TIME_S
 #                                   # limits, SHAPES=N)
+#   bash tools/gpu_next.sh gdn_bwd  # the backward kernel tiers + the forward's chunk-state cases, then gdn_prof
+#   bash tools/gpu_next.sh gdn_prof # the opt-in training path's kernels under torch.profiler, then vs FLA
 #   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call (bench_rms: ROUNDS=N, after
 #                                   # tools/diag_autograd.py; bench_gdn: SHAPES=N, SKIP=rows,
 #                                   # BENCH_S=limit)
@@ -80,6 +82,19 @@ gdn_fwd)
   fi
   timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} --profile > $OUT/time_gdn_fwd.log 2>&1
   echo "time_gdn_fwd rc=$?"; tail -n 30 $OUT/time_gdn_fwd.log | cut -c1-200 ;;
+gdn_bwd)
+  # the backward kernels' tiers (reverse sweep, stage 3) and the forward's chunk-state cases, then gdn_prof
+  timeout -k 10 ${GDN_S:-300} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py "tests/kernels/test_gated_delta_rule_sm90.py" \
+    -k "not test_gated_delta_rule_sm90.py or prefetch or split or graph or bitwise" > $OUT/gdn_bwd.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn_bwd.log | tail -12
+  timeout -k 10 ${PROF_S:-200} python3 tools/prof_gdn_train.py --shapes ${SHAPES:-2} > $OUT/prof_gdn_train.log 2>&1
+  echo "prof rc=$?"; grep -E "B[0-9]|kernel time|cutedsl|whole" $OUT/prof_gdn_train.log | cut -c1-120 ;;
+gdn_prof)
+  # where the opt-in training path's time goes: kernels under torch.profiler, then the whole call vs FLA
+  timeout -k 10 ${PROF_S:-300} python3 tools/prof_gdn_train.py --shapes ${SHAPES:-2} > $OUT/prof_gdn_train.log 2>&1
+  echo "prof rc=$?"; cut -c1-200 $OUT/prof_gdn_train.log | tail -n 70 ;;
 save_caches)
   cd "$HOME" || exit 1
   list=$(find .triton/cache -name "*.autotune.json" 2>/dev/null; [ -d .tilelang ] && echo .tilelang)
@@ -89,5 +104,5 @@ save_caches)
     tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
   fi
   ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|bench_rms|bench_gdn|save_caches"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
 esac

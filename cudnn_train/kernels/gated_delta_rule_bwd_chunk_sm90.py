@@ -2,9 +2,10 @@
 
 ``fused/delta_rule_bwd.py:chunk_grads`` is this kernel's oracle. Grid: chunk x HV, one
 warpgroup per CTA, every chunk independent. Inputs are the op's *prepared* tensors (q, k
-l2-normalized and expanded to the value heads, the effective log decay's in-chunk cumulative
-sum gc, the effective beta), the state entering the chunk (``Sc``, from the forward) and the
-reverse sweep's ``dH`` (gradient of the state leaving the chunk) and ``dvn``. With
+l2-normalized, in the input dtype, at their own heads: value head hv reads head hv // group;
+the effective log decay's in-chunk cumulative sum gc, the effective beta), the state entering
+the chunk (``Sc``, from the forward) and the reverse sweep's ``dH`` (gradient of the state
+leaving the chunk) and ``dvn``, all three in the input dtype. With
 ``E_ij = exp(gc_i - gc_j)`` (j <= i), ``Es`` its strictly lower part, ``eg = exp(gc)``,
 ``kd = k exp(gc_C - gc)``, per chunk::
 
@@ -22,15 +23,17 @@ reverse sweep's ``dH`` (gradient of the state leaving the chunk) and ``dvn``. Wi
           (+ sum(kdt) + exp(gc_C) sum(Sc * dH) on the last row),  dg = reverse cumsum of dgc
 
 (``dqg = do Sc^T``, ``kdt = rowsum(kd * (vn dH^T))``, ``pairs(t)_i = sum_j t_ij - sum_j t_ji``).
-Seventeen 64-row WGMMAs; operands in shared memory in the input dtype (the float32 inputs
-Sc, dH, dvn are rounded to it on load, as FLA's backward holds them); the triangular inverse
+Seventeen 64-row WGMMAs; operands in shared memory in the input dtype (Sc, dH and dvn come
+rounded to it once, as FLA's backward holds them; the tail's ``sum(Sc * dH)`` is summed in
+float32 from those values while dH replaces Sc in its tile); the triangular inverse
 in float32 on CUDA cores (the forward's ``solve``); row sums by quad shuffles
 (:func:`common.quad_row_groups`); no atomics (deterministic). Writes float32 dq, dk
 ``[B, T, HV, K]``, dv ``[B, T, HV, V]``, dg, dbeta ``[B, T, HV]``; the caller reduces dq/dk
 over a GVA group and runs the preprocessing's backward.
 
-Status: compiles for sm_90a (compile tier); **not yet run on a GPU**; not used by the
-training path yet (which runs ``chunk_grads`` in torch) until its GPU test passes.
+Status: compiles for sm_90a (compile tier); its GPU test
+(``tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py``, against the float32 torch stage) and the
+training path's tier run it; the training path's default stage 3.
 """
 
 
@@ -54,29 +57,32 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
     C = CHUNK
     LOG2E = cm.LOG2E
     load_tiles = fwd._make_load_tiles(C)
+    load_rows = fwd._make_load_tiles(K)  # [K, V] state tiles
     gemm = cm.make_gemm()
     solve = cm.make_solve()
     locate = cm.make_chunk_locator(varlen)
 
     @cute.jit
-    def load_cvt(gX: cute.Tensor, sX: cute.Tensor, rows: cutlass.Constexpr, cols: cutlass.Constexpr, nvalid: Int32,
-                 tidx: Int32):
-        # float32 global [rows, cols] -> input-dtype smem tile, rows >= nvalid as zeros; 4 floats a load
-        VPR = cols // 4
+    def swap_in_dot(gX: cute.Tensor, sX: cute.Tensor, tidx: Int32):
+        # global [K, V] -> the smem tile sX in place of what it holds; returns this thread's part of
+        # sum(old * new) in float32 (16-byte vectors; every thread rewrites only what it read)
+        VPR = V // 8
         RPP = THREADS // VPR
         frags = []
-        for p in cutlass.range_constexpr(rows // RPP):
+        for p in cutlass.range_constexpr(K // RPP):
             r = p * RPP + tidx // VPR
-            frag = cute.make_rmem_tensor((1, 4), Float32)
-            frag.fill(0.0)
-            if r < nvalid:
-                cute.autovec_copy(cute.local_tile(gX, (1, 4), (r, tidx % VPR)), frag)
+            frag = cute.make_rmem_tensor((1, 8), dtype)
+            cute.autovec_copy(cute.local_tile(gX, (1, 8), (r, tidx % VPR)), frag)
             frags.append(frag)
-        for p in cutlass.range_constexpr(rows // RPP):
+        parts = [Float32(0.0), Float32(0.0)]
+        for p in cutlass.range_constexpr(K // RPP):
             r = p * RPP + tidx // VPR
-            half = cute.make_rmem_tensor((1, 4), dtype)
-            half.store(frags[p].load().to(dtype))
-            cute.autovec_copy(half, cute.local_tile(sX, (1, 4), (r, tidx % VPR)))
+            old = cute.make_rmem_tensor((1, 8), dtype)
+            cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, tidx % VPR)), old)
+            for e in cutlass.range_constexpr(8):
+                parts[p % 2] = parts[p % 2] + old[e].to(Float32) * frags[p][e].to(Float32)
+            cute.autovec_copy(frags[p], cute.local_tile(sX, (1, 8), (r, tidx % VPR)))
+        return parts[0] + parts[1]
 
     @cute.jit
     def row_sums(vals: cute.Tensor, cAcc: cute.Tensor, sOut: cute.Tensor, groups: cutlass.Constexpr, tidx: Int32,
@@ -121,10 +127,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
         mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
         mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, nseq: Int32,
+        scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cid, hv, _ = cute.arch.block_idx()
+        h = hv // group
 
         # ---- the MMAs: name = (N, A MN-major, B MN-major); accumulators of one N share a layout
         def mma(n, a_mn, b_mn):
@@ -194,15 +201,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         # surplus CTAs of a varlen grid (past the last chunk) have length 0: their token loads are zeros,
         # their chunk rows (never written by the forward or the sweep) are read but only into
         # values that are never stored, since every store is predicated on length
-        gQ = cute.domain_offset((t0, 0), mQ[b, None, hv, None])
-        gK = cute.domain_offset((t0, 0), mK[b, None, hv, None])
+        gQ = cute.domain_offset((t0, 0), mQ[b, None, h, None])
+        gK = cute.domain_offset((t0, 0), mK[b, None, h, None])
         gV = cute.domain_offset((t0, 0), mV[b, None, hv, None])
         gDo = cute.domain_offset((t0, 0), mDo[b, None, hv, None])
         gDvn = cute.domain_offset((t0, 0), mDvn[b, None, hv, None])
         load_tiles(((gQ, sQ, K), (gK, sK, K)), length, tidx)
-        load_tiles(((gV, sV, V), (gDo, sDo, V)), length, tidx)
-        load_cvt(gDvn, sDvn, C, V, length, tidx)
-        load_cvt(mHs[cid, hv, None, None], sS, K, V, K, tidx)
+        load_tiles(((gV, sV, V), (gDo, sDo, V), (gDvn, sDvn, V)), length, tidx)
+        load_rows(((mHs[cid, hv, None, None], sS, V),), K, tidx)
         if tidx < C:
             sGc[tidx] = mGc[b, t0 + cutlass.max(cutlass.min(tidx, length - 1), 0), hv]
             bval = Float32(0.0)
@@ -298,16 +304,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         done()
         cute.arch.sync_threads()  # every warp is done with do and Sc
         acc_to_tile(accDw, cCK, sDw, True)
-        # the tail's exp(gc_C) sum(Sc * dH) from the float32 rows; dH -> sS
-        part = Float32(0.0)
-        for p in cutlass.range_constexpr(K * V // THREADS):
-            idx = p * THREADS + tidx
-            part = part + mHs[cid, hv, idx // V, idx % V] * mDH[cid, hv, idx // V, idx % V]
+        # dH -> sS over Sc, and the tail's sum(Sc * dH) on the way
+        part = swap_in_dot(mDH[cid, hv, None, None], sS, tidx)
         for off in cutlass.range_constexpr(5):
             part = part + cute.arch.shuffle_sync_bfly(part, offset=1 << off)
         if tidx % 32 == 0:
             sRed[tidx // 32] = part
-        load_cvt(mDH[cid, hv, None, None], sS, K, V, K, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
@@ -431,20 +433,21 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
         mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
         mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, nseq: Int32, nchunks_grid: Int32, stream,
+        scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32, stream,
     ):
         _static_checks(dtype, K, V)
         HV = mV.shape[2]
-        kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T, NT, nseq).launch(
+        kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T, NT, nseq,
+               group).launch(
             grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream
         )
 
     f = fwd._fakes()
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.rows4(dtype, V),
-        f.rows4(Float32, V), f.rows4(Float32, V), f.rows4(Float32, V), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
+        f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
         f.rows4(Float32, K), f.rows4(Float32, K), f.rows4(Float32, V), f.any3(Float32), f.any3(Float32),
-        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
@@ -481,22 +484,27 @@ def get_dchunk_kernel(dtype, K, V, varlen):
 
 
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None):
-    """Launch stage 3. q, k ``[B, T, HV, K]`` (prepared: normalized, expanded to the value
-    heads), v and do ``[B, T, HV, V]`` (input dtype), gc and beta ``[B, T, HV]`` float32 (the
-    in-chunk cumulative log decay and the effective beta), dvn float32 ``[B, T, HV, V]``, hs and
-    dH float32 chunk rows ``[rows, HV, K, V]`` (as the forward and the reverse sweep write them).
-    Returns float32 ``(dq, dk, dv, dg, dbeta)``."""
+    """Launch stage 3. q, k ``[B, T, H, K]`` (prepared: normalized, in the input dtype; value head
+    hv reads head ``hv // (HV // H)``), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
+    ``[B, T, HV]`` float32 (the in-chunk cumulative log decay and the effective beta), hs and dH
+    chunk rows ``[rows, HV, K, V]`` in the input dtype (as the training forward and the reverse
+    sweep write them). Returns float32 ``(dq, dk, dv, dg, dbeta)``, dq and dk per value head
+    ``[B, T, HV, K]`` (the caller sums them over a GVA group)."""
     cm.check_device(q)
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype or do.dtype != q.dtype:
-        raise Unsupported(f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}, do {do.dtype}")
-    B, T, HV, K = q.shape
-    V = v.shape[-1]
+    dt = q.dtype
+    if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
+        raise Unsupported(f"dtypes q {dt}, k {k.dtype}, v {v.dtype}, do {do.dtype}, dvn {dvn.dtype}, hs {hs.dtype}, "
+                          f"dH {dH.dtype} (all one half-precision dtype)")
+    if q.dim() != 4 or v.dim() != 4:
+        raise Unsupported(f"shapes q {tuple(q.shape)}, v {tuple(v.shape)}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
     if K not in fwd.HEAD_DIMS or V != K:
         raise Unsupported(f"head dims K={K}, V={V} (K == V in {fwd.HEAD_DIMS})")
-    if gc.dtype != torch.float32 or beta.dtype != torch.float32 or dvn.dtype != torch.float32:
-        raise Unsupported("gc, beta and dvn must be float32")
-    if q.dim() != 4 or tuple(k.shape) != tuple(q.shape) or tuple(v.shape[:3]) != (B, T, HV):
-        raise Unsupported(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (q, k expanded to HV)")
+    if gc.dtype != torch.float32 or beta.dtype != torch.float32:
+        raise Unsupported("gc and beta must be float32")
+    if tuple(k.shape) != tuple(q.shape) or tuple(v.shape[:2]) != (B, T) or H == 0 or HV % H:
+        raise Unsupported(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (HV a multiple of H)")
     if tuple(do.shape) != tuple(v.shape) or tuple(dvn.shape) != tuple(v.shape):
         raise Unsupported("do and dvn must have v's shape")
     if tuple(gc.shape) != (B, T, HV) or tuple(beta.shape) != (B, T, HV):
@@ -510,22 +518,24 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     dev = q.device
     cu, cu_chunks, grid, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     for name, t in (("hs", hs), ("dH", dH)):
-        if not t.is_contiguous() or t.dtype != torch.float32 or t.dim() != 4 or tuple(t.shape[1:]) != (HV, K, V):
-            raise Unsupported(f"{name}: contiguous float32 rows [rows, HV, K, V]")
+        if not t.is_contiguous() or t.dim() != 4 or tuple(t.shape[1:]) != (HV, K, V):
+            raise Unsupported(f"{name}: contiguous rows [rows, HV, K, V]")
         if t.shape[0] < grid:
             raise Unsupported(f"{name}: {t.shape[0]} chunk rows, {grid} needed")
     for name, t in (("q", q), ("k", k), ("v", v), ("gc", gc), ("beta", beta), ("do", do), ("dvn", dvn), ("hs", hs),
                     ("dH", dH)):
         if t.device != q.device:
             raise Unsupported(f"{name} on {t.device}")
-        cm.check_index_range(name, t)  # every offset in int32 (the outputs have the inputs' shapes)
-    dq = torch.zeros(B, T, HV, K, dtype=torch.float32, device=dev)
-    dk = torch.zeros_like(dq)
-    dv = torch.zeros(B, T, HV, V, dtype=torch.float32, device=dev)
-    dg = torch.zeros(B, T, HV, dtype=torch.float32, device=dev)
-    db = torch.zeros_like(dg)
+        cm.check_index_range(name, t)  # every offset in int32 (dq and dk have v's size: K == V)
+    # every token row is written, except with varlen those past the last sequence: zeros there
+    new = torch.zeros if varlen else torch.empty
+    dq = new(B, T, HV, K, dtype=torch.float32, device=dev)
+    dk = new(B, T, HV, K, dtype=torch.float32, device=dev)
+    dv = new(B, T, HV, V, dtype=torch.float32, device=dev)
+    dg = new(B, T, HV, dtype=torch.float32, device=dev)
+    db = new(B, T, HV, dtype=torch.float32, device=dev)
     if T == 0 or nseq == 0:
         return dq, dk, dv, dg, db
-    fn = get_dchunk_kernel(q.dtype, K, V, varlen)
-    fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, grid)
+    fn = get_dchunk_kernel(dt, K, V, varlen)
+    fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid)
     return dq, dk, dv, dg, db

@@ -14,9 +14,10 @@ forward's WY output and cumulative gate, ``rq``/``rk`` the l2norm row factors::
 ``do^T P`` and ``do_s^T q`` read do (and its row-scaled copy) as MN-major A operands from
 shared memory; ``-dvn^T`` goes back into registers as the A operand of the last product.
 
-Writes dvn (float32 ``[B, T, HV, V]``), the dH of every chunk before its update (float32
-``[chunks, HV, K, V]``; chunk index ``b * NT + c``, or ``cu_chunks[n] + c`` with varlen) for
-the per-chunk gradient stage, and the initial state's gradient (float32, either layout).
+Writes dvn (``[B, T, HV, V]``) and the dH of every chunk before its update (``[chunks, HV, K, V]``;
+chunk index ``b * NT + c``, or ``cu_chunks[n] + c`` with varlen), both float32 or, for the
+training path, rounded once to the input dtype (the precision the per-chunk gradient stage reads
+them in), and the initial state's gradient (float32, either layout).
 
 Status: compiled by the compile tier; its GPU test
 (``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, against ``reverse_sweep_ref``: odd T, GVA,
@@ -38,7 +39,7 @@ VBLOCK = fwd.VBLOCK
 _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
-def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool):
+def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -50,6 +51,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
+    odt = cutlass.Float32 if odt is None else odt  # the dtype of dvn and the dH rows
+    store_rows = cm.make_state_store_as(odt)
     store_p = cm.make_store_p(dtype, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
 
@@ -149,7 +152,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             warpgroup.wait_group(0)
 
             # this chunk's dH (before the update), for the per-chunk gradient stage
-            store_state(accD, cS, mDH, cbase + ci, hv, v0, False)
+            store_rows(accD, cS, mDH, cbase + ci, hv, v0)
             glast = sGc[C - 1]
             for e in cutlass.range_constexpr(cute.size(accX)):
                 _, xi = cX[e]
@@ -169,7 +172,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             for e in cutlass.range_constexpr(cute.size(accX)):
                 xv, xi = cX[e]
                 if xi < length:
-                    mDVN[b, t0 + xi, hv, v0 + xv] = accX[e]
+                    mDVN[b, t0 + xi, hv, v0 + xv] = accX[e].to(odt)
             for f in cutlass.range_constexpr(cute.size(rVd)):
                 rVd[f] = (-accX[map_vd[f]]).to(dtype)
             decay = cute.math.exp2(glast * LOG2E, fastmath=True)
@@ -197,7 +200,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     f = fwd._fakes()
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.any3(Float32), f.rows4(dtype, V), f.state(),
-        f.rows4(Float32, V), f.state(), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
+        f.rows4(odt, V), f.state(odt), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
         Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
@@ -213,21 +216,23 @@ def _static_checks(dtype, K: int) -> None:
     cm.check_same_acc_layout(cm.make_mma(dtype, K, True, True), cm.make_mma(dtype, K, False, True, True), (64, K))
 
 
-def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk):
-    key = ("dstate", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk))
+def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32):
+    key = ("dstate", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk)) + (
+        () if out_dtype == torch.float32 else (str(out_dtype),))
 
     def build():
-        return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk)
+        return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype))
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 
 
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
-                  cu_seqlens=None, state_v_first: bool = False):
+                  cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
-    (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: float32
-    ``[B, T, HV, V]``, ``[chunks, HV, K, V]`` and ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+    (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
+    ``[chunks, HV, K, V]`` in ``out_dtype`` (float32, or the input dtype that the per-chunk
+    gradient kernel reads them in), and float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
     ``state_v_first``)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
@@ -243,10 +248,13 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     dev = q.device
     f32_dummy, _, _ = fwd._dummies(dev)
     cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
-    dvn = torch.zeros(B, T, HV, V, dtype=torch.float32, device=dev)
-    dH = torch.empty(total_chunks, HV, K, V, dtype=torch.float32, device=dev)
+    if out_dtype not in (torch.float32, q.dtype):
+        raise Unsupported(f"out_dtype {out_dtype} (float32 or q's dtype)")
+    dvn = torch.zeros(B, T, HV, V, dtype=out_dtype, device=dev)
+    dH = torch.empty(total_chunks, HV, K, V, dtype=out_dtype, device=dev)
     dh0 = torch.empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
-    fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first)
+    fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
+                           out_dtype)
     if T == 0 or nseq == 0:
         if dht is None:
             dh0.zero_()

@@ -273,6 +273,21 @@ def make_state_io():
     return load_state, store_state
 
 
+def make_state_store_as(dtype):
+    """``store_state_as(acc, cS, mH, n, hv, v0)``: :func:`make_state_io`'s ``store_state`` into a
+    ``[K, V]``-first state of ``dtype`` (each float32 accumulator rounded once)."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    @cute.jit
+    def store_state_as(acc: cute.Tensor, cS: cute.Tensor, mH: cute.Tensor, n: Int32, hv: Int32, v0: Int32):
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            sv, sd = cS[e]
+            mH[n, hv, sd, v0 + sv] = acc[e].to(dtype)
+
+    return store_state_as
+
+
 def make_store_p(dtype, l2norm: bool):
     """``store_p(accP, cP, sP, sGc, sRq, sRk, scale)``: ``P = scale tril(q k^T exp(gc_i - gc_j))
     rq_i rk_j`` (diagonal kept) from the ``q k^T`` accumulator into the smem tile ``sP [i, j]``."""

@@ -48,10 +48,11 @@ it computes chunk c: k, u and gc have two buffers; q and w are refilled in place
 chunk c's first three products are done (~90 KiB of smem, two CTAs per SM). With
 ``CUDNN_TRAIN_GDN_FWD_PREFETCH=0`` it loads every chunk synchronously at its start.
 
-Where N x HV x V/64 (kernel 2's grid) leaves SMs idle, the inference forward replaces kernel 2
+Where N x HV x V/64 (kernel 2's grid) leaves SMs idle, the forward replaces kernel 2
 by the split pass of ``gated_delta_rule_fwd_split_sm90`` (a chain over the chunks that only
 carries the state, V split into blocks of 32, then the outputs of all chunks in parallel); the
-training forward (``store_states``) always runs kernel 2. Not yet: splitting one sequence across
+training forward (``store_states``) too, since both passes store the chunk-start states in the
+input dtype (the precision the backward reads them in). Not yet: splitting one sequence across
 CTAs; TMA and warp specialization. The backward lives in
 ``gated_delta_rule_bwd_sm90.py`` / ``gated_delta_rule_bwd_chunk_sm90.py`` and the
 opt-in training path in ``gated_delta_rule_train_sm90.py``.
@@ -502,6 +503,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
+    store_state_as = cm.make_state_store_as(dtype)
     store_p = cm.make_store_p(dtype, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
 
@@ -591,7 +593,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                     pmark(prof, 0)
 
                     if cutlass.const_expr(store_states):  # the chunk-start state, for the backward
-                        store_state(accS, cS, mHs, cbase + ci, hv, v0, False)  # rows are [K, V]
+                        store_state_as(accS, cS, mHs, cbase + ci, hv, v0)  # input-dtype rows [K, V]
                     # ---- S^T in the input dtype as a register A operand
                     for f in cutlass.range_constexpr(cute.size(rS)):
                         rS[f] = accS[map_s[f]].to(dtype)
@@ -679,7 +681,8 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     f = _fakes()
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
-        f.state(), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32), f.state(),
+        f.state(), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
+        f.state(dtype if store_states else Float32),
         Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
@@ -717,12 +720,14 @@ class _fakes:
         cute = self.cute
         return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), (cute.sym_int(),), assumed_align=dtype.width // 8)
 
-    def state(self):
+    def state(self, dtype=None):
         cute = self.cute
         from cutlass import Float32
 
+        dtype = Float32 if dtype is None else dtype
         return cute.runtime.make_fake_tensor(
-            Float32, tuple(cute.sym_int() for _ in range(4)), tuple(cute.sym_int() for _ in range(4)), assumed_align=4
+            dtype, tuple(cute.sym_int() for _ in range(4)), tuple(cute.sym_int() for _ in range(4)),
+            assumed_align=dtype.width // 8,
         )
 
     def stream(self):
@@ -867,7 +872,7 @@ def forward(
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None. With
     ``return_intermediates`` the value is ``(o, final_state, (w, u, gc))``: the
     WY factors and the in-chunk cumulative gate (natural log, float32,
-    ``[B, T, HV]``); ``store_states`` adds the state entering every chunk (float32
+    ``[B, T, HV]``); ``store_states`` adds the state entering every chunk (input dtype
     ``[chunks, HV, K, V]``, chunk ``b * NT + c``, with varlen ``cu_chunks[n] + c`` on the upper
     bound ``T // 64 + N`` of the chunk count; surplus rows are not written) as a fourth
     intermediate, for the backward. Arguments follow ``fused.chunk_gated_delta_rule``; they
@@ -900,9 +905,9 @@ def forward(
     )
     cu, cu_chunks, grid_chunks, NT = chunk_map(cu_seqlens, B, T, dev)
     # the state pass: chain + out kernels (gated_delta_rule_fwd_split_sm90) where the fused kernel's
-    # grid leaves SMs idle (CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0: never), unless the training forward
-    # asks for float32 chunk states or the split's chunk states would not be int32-addressable
-    split = not store_states and grid_chunks * HV * K * V < 2**31
+    # grid leaves SMs idle (CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0: never), unless the split's chunk
+    # states would not be int32-addressable
+    split = grid_chunks * HV * K * V < 2**31
     if split and SPLIT is None:
         from . import gated_delta_rule_fwd_split_sm90 as sp
 
@@ -925,7 +930,7 @@ def forward(
     f32_dummy, _, i64_dummy = _dummies(dev)
     state_dummy = f32_dummy.view(1, 1, 1, 1)
     # chunk-start states [chunks, HV, K, V] (chunk b * NT + c, or cu_chunks[n] + c with varlen)
-    hs = _empty(grid_chunks, HV, K, V, dtype=torch.float32, device=dev) if store_states else None
+    hs = _empty(grid_chunks, HV, K, V, dtype=q.dtype, device=dev) if store_states else None
     alog = A_log.reshape(HV) if use_gate_in_kernel else f32_dummy
     dtb = dt_bias.reshape(HV) if (use_gate_in_kernel and dt_bias is not None) else f32_dummy
     group = HV // H
@@ -942,7 +947,7 @@ def forward(
             from . import gated_delta_rule_fwd_split_sm90 as sp
 
             sp.state_pass(q, k, w, u, gc, o, initial_state, ht, cu, cu_chunks, grid_chunks, NT, scale,
-                          use_qk_l2norm_in_kernel, state_v_first, group, nseq)
+                          use_qk_l2norm_in_kernel, state_v_first, group, nseq, hs=hs)
         else:
             st(q, k, w, u, gc, state_dummy if initial_state is None else initial_state, o,
                state_dummy if ht is None else ht, cu, cu_chunks, state_dummy if hs is None else hs, float(scale),

@@ -456,16 +456,19 @@ def serves(rows: int, HV: int, K: int, V: int) -> bool:
 
 
 def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, rows, NT, scale, l2norm, state_vk, group, nseq,
-               vb=None):
+               vb=None, hs=None):
     """Run ``chain`` then ``out``: fills ``o`` (and ``ht`` when given) from the WY factors of the
-    forward's first kernel. ``h0`` / ``ht``: float32 states or None."""
+    forward's first kernel. ``h0`` / ``ht``: float32 states or None. ``hs``: where the chunk-start
+    states go (input dtype ``[rows, HV, K, V]``, kept for the backward), or None for a scratch
+    buffer."""
     B, T, HV, V = u.shape
     K = q.shape[-1]
     varlen = NT == 0
     vb = chain_vblock(nseq, HV, V, q.device) if vb is None else vb
     chain = get_chain_kernel(q.dtype, K, V, vb, l2norm, varlen, h0 is not None, ht is not None, state_vk)
     out = get_out_kernel(q.dtype, K, V, l2norm, varlen)
-    hs = F._empty(rows, HV, K, V, dtype=q.dtype, device=q.device)
+    if hs is None:
+        hs = F._empty(rows, HV, K, V, dtype=q.dtype, device=q.device)
     vn = F._empty(B, T, HV, V, dtype=q.dtype, device=q.device)
     f32_dummy, _, _ = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)

@@ -54,6 +54,7 @@ def test_chunk_layout_round_trip_and_zero_padding(lens):
 
 def _prep(q, k, v, g, beta, A_log, dt_bias, cu, cfg):
     qf, kf, vf, gf, bf = tr.prepared(q, k, v, g, beta, A_log, dt_bias, cfg)
+    qf, kf = (tr.expand_heads(x, v.shape[2]) for x in (qf, kf))
     lay = db.ChunkLayout(q.shape[0], q.shape[1], C, cu)
     r = db._recompute(*(lay.to_chunks(x) for x in (qf, kf, vf, gf)), lay.to_chunks(bf.unsqueeze(-1)), cfg.scale, C)
     return lay, r

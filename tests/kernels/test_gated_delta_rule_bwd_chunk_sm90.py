@@ -34,21 +34,22 @@ def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
         pytest.skip("this checks the CPU decline")
     x = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16)
     s = torch.zeros(1, 8, 1)
-    rows = torch.zeros(1, 1, 64, 64)
+    rows = torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16)
     with pytest.raises(Unsupported):
-        B3.chunk_grads(x, x, x, s, s, x, x.float(), rows, rows, scale=0.125)
+        B3.chunk_grads(x, x, x, s, s, x, x, rows, rows, scale=0.125)
 
 
 # ------------------------------------------------------------------ GPU tier
 
 
-def _case(B, T, HV, K, V, dtype, lens=None):
+def _case(B, T, HV, K, V, dtype, lens=None, H=None):
     from cudnn_train.fused import delta_rule_bwd as db
     from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
 
     dev = "cuda"
-    qn = F.normalize(torch.randn(B, T, HV, K, device=dev), dim=-1).to(dtype)
-    kn = F.normalize(torch.randn(B, T, HV, K, device=dev), dim=-1).to(dtype)
+    H = HV if H is None else H
+    qn = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(dtype)
+    kn = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(dtype)
     v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     do = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
@@ -60,13 +61,16 @@ def _case(B, T, HV, K, V, dtype, lens=None):
     scale = K**-0.5
     outs = (qn.float(), kn.float(), v.float(), g.unsqueeze(-1), beta)
     lay = db.ChunkLayout(B, T, 64, cu)
-    r = db._recompute(*(lay.to_chunks(x) for x in outs[:4]), lay.to_chunks(beta.unsqueeze(-1)), scale, 64)
+    r = db._recompute(*(lay.to_chunks(tr.expand_heads(x, HV)) for x in outs[:2]), *(lay.to_chunks(x) for x in outs[2:4]),
+                      lay.to_chunks(beta.unsqueeze(-1)), scale, 64)
     Sc, _, dHc, dvn, _ = db.sweeps_ref(r, lay, h0, dht, lay.to_chunks(do.float()))
     hs, dH, dvn = lay.chunks_to_rows(Sc).contiguous(), lay.chunks_to_rows(dHc).contiguous(), lay.from_chunks(dvn)
     gc = lay.from_chunks(lay.to_chunks(g.unsqueeze(-1)).cumsum(-2)).squeeze(-1).contiguous()  # in-chunk cumsum
     cfg = tr.Config(scale, True, False, False, False, False, False)
     want = tr.stage3_torch(outs, None, (hs,), dH, dvn, do, cu, cfg)
-    return (qn, kn, v, gc, beta, do, dvn.contiguous(), hs, dH, scale, cu), want
+    # the kernel reads the states and dvn in the input dtype (as the forward and the sweep store them)
+    hs, dH, dvn = (x.to(dtype).contiguous() for x in (hs, dH, dvn))
+    return (qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu), want
 
 
 def _run(args, want):
@@ -93,6 +97,13 @@ def test_chunk_gradients_match_the_torch_stage(T, dtype):
 @pytest.mark.parametrize("K", [64, 128])
 def test_chunk_gradients_varlen(K):
     _run(*_case(1, 1 + 63 + 130 + 64 + 0 + 7, 2, K, K, torch.bfloat16, lens=[1, 63, 130, 64, 0, 7]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [1, 2])
+def test_chunk_gradients_gva(H):
+    """q and k at their own heads: value head hv reads head hv // (HV // H); dq, dk per value head."""
+    _run(*_case(2, 200, 4, 128, 128, torch.bfloat16, H=H))
 
 
 @pytest.mark.gpu

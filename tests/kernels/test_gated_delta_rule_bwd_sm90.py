@@ -13,6 +13,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 VARIANTS = [
     (torch.bfloat16, 128, 128, True, False, True, False),
     (torch.float16, 64, 64, False, True, False, True),
+    (torch.bfloat16, 128, 128, True, True, False, False, torch.bfloat16),  # the training path: dvn, dH in bf16
 ]
 
 

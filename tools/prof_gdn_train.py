@@ -1,0 +1,75 @@
+"""Where the opt-in SM90 GDN training path's time goes (GPU machine): the forward+backward through
+the op with the stage-3 kernel, under ``torch.profiler``, every kernel of one call in launch
+order with its CUDA time, then the whole call timed next to FLA's forward+backward in the same run.
+
+    python3 tools/prof_gdn_train.py [--shapes N] [--stage3 kernel|torch]
+
+K = V = 128, bf16, ``use_qk_l2norm_in_kernel=True`` (the benchmark's setting). The total is the
+mean over ``--iters`` profiled calls; each line is one launch of the last call, with its share.
+"""
+
+import argparse
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.bench_gated_delta_rule import load_peers, make_inputs
+from benchmarks.common import bench
+from cudnn_train import last_path
+from cudnn_train.fused.gated_delta_rule import chunk_gated_delta_rule
+
+SHAPES = [(4, 4096, 16, 32), (1, 16384, 16, 32), (8, 2048, 32, 32)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", type=int, default=1)
+    ap.add_argument("--stage3", default="kernel")
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args()
+    os.environ["CUDNN_TRAIN_GDN_SM90_TRAIN"] = "1"
+    os.environ["CUDNN_TRAIN_GDN_SM90_STAGE3"] = args.stage3
+    peers = load_peers()
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    for B, T, H, HV in SHAPES[: args.shapes]:
+        q, k, v, g, beta = make_inputs(B, T, H, HV, 128, 128, requires_grad=True)
+        leaves = (q, k, v, g, beta)
+        do = torch.randn(B, T, HV, 128, device="cuda", dtype=torch.bfloat16)
+
+        def ours():
+            return torch.autograd.grad(chunk_gated_delta_rule(*leaves, **kw)[0], leaves, do)
+
+        for _ in range(2):
+            ours()
+        torch.cuda.synchronize()
+        print(f"B{B} T{T} H{H} HV{HV}: path {last_path('chunk_gated_delta_rule')}", flush=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                ours()
+            torch.cuda.synchronize()
+        kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kern.sort(key=lambda e: e.time_range.start)
+        dur = [getattr(e, "device_time_total", None) or e.cuda_time_total for e in kern]
+        total = sum(dur)
+        per = len(kern) // args.iters
+        print(f"  kernel time per fwd+bwd {total / args.iters / 1e3:.3f} ms, {per} launches; the last call in order:")
+        for e, d in zip(kern[-per:], dur[-per:]):
+            name = e.name
+            if name.startswith("kernel_cutlass_kernel"):  # ours: the module's kernel name follows the prefix
+                name = "cutedsl " + name[len("kernel_cutlass_kernel"):][:40] + " ... " + name[-40:]
+            print(f"  {d / 1e3:8.3f} ms {100 * d * args.iters / total:5.1f}%  {name[:110]}")
+        t_ours = bench(ours, 5, 20)
+        line = f"  whole fwd+bwd: ours {t_ours:.3f} ms"
+        for pname, fn in peers.items():
+            pl = tuple(t.detach().clone().requires_grad_() for t in leaves)
+            try:
+                tp = bench(lambda: torch.autograd.grad(fn(*pl, **kw)[0], pl, do), 5, 20)
+                line += f", {pname} {tp:.3f} ms ({tp / t_ours:.2f}x)"
+            except Exception as e:  # noqa: BLE001
+                line += f", {pname} failed: {type(e).__name__}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
