@@ -226,6 +226,14 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """The gradient of :func:`l2norm` at ``x`` for ``dy``: with ``r = 1 / sqrt(sum(x**2) + eps)`` and
+    ``y = x r``, ``dx = r (dy - y sum(y * dy))`` (row-wise over the last dim; linear in ``dy``)."""
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    y = x * r
+    return r * (dy - y * (y * dy).sum(-1, keepdim=True))
+
+
 def beta_in_kernel(beta: torch.Tensor, ct: torch.dtype, sigmoid: bool, neg_eigval: bool) -> torch.Tensor:
     """beta as the recurrence uses it: as given, or ``sigmoid`` (doubled with allow_neg_eigval)."""
     b = beta.to(ct)

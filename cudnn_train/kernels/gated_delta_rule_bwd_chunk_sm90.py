@@ -27,9 +27,12 @@ Seventeen 64-row WGMMAs; operands in shared memory in the input dtype (Sc, dH an
 rounded to it once, as FLA's backward holds them; the tail's ``sum(Sc * dH)`` is summed in
 float32 from those values while dH replaces Sc in its tile); the triangular inverse
 in float32 on CUDA cores (the forward's ``solve``); row sums by quad shuffles
-(:func:`common.quad_row_groups`); no atomics (deterministic). Writes float32 dq, dk
-``[B, T, HV, K]``, dv ``[B, T, HV, V]``, dg, dbeta ``[B, T, HV]``; the caller reduces dq/dk
-over a GVA group and runs the preprocessing's backward.
+(:func:`common.quad_row_groups`); no atomics (deterministic). With ``l2norm`` q and k arrive as
+the op got them: their rows are normalized in shared memory (factors ``r``, rounded once to the
+input dtype, as the operands) and dq, dk leave as the gradients before the l2norm,
+``r (dy - y rowsum(y * dy))``. Writes float32 dq, dk ``[B, T, HV, K]`` (per value head), dv
+``[B, T, HV, V]`` in the input dtype, float32 dg, dbeta ``[B, T, HV]``; the caller sums dq/dk over
+a GVA group and runs the rest of the preprocessing's backward (gate, beta sigmoid).
 
 Status: compiles for sm_90a (compile tier); its GPU test
 (``tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py``, against the float32 torch stage) and the
@@ -49,7 +52,7 @@ THREADS = cm.THREADS
 _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
-def _build_dchunk(dtype, K: int, V: int, varlen: bool):
+def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -60,6 +63,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
     load_rows = fwd._make_load_tiles(K)  # [K, V] state tiles
     gemm = cm.make_gemm()
     solve = cm.make_solve()
+    row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     locate = cm.make_chunk_locator(varlen)
 
     @cute.jit
@@ -112,15 +116,30 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
             sX[i, j] = val.to(dtype)
 
     @cute.jit
-    def store_rows_f32(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
-        # accumulator element pairs (e, e+1) are columns (n, n+1) of one row (checked at trace time)
+    def store_rows(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
+        # rows < nvalid of a float32 accumulator into gX (its element type); accumulator element
+        # pairs (e, e+1) are columns (n, n+1) of one row (checked at trace time)
         for e in cutlass.range_constexpr(cute.size(acc) // 2):
             i, d = cAcc[2 * e]
             if i < nvalid:
-                frag = cute.make_rmem_tensor((1, 2), Float32)
-                frag[0] = acc[2 * e]
-                frag[1] = acc[2 * e + 1]
+                frag = cute.make_rmem_tensor((1, 2), gX.element_type)
+                frag[0] = acc[2 * e].to(gX.element_type)
+                frag[1] = acc[2 * e + 1].to(gX.element_type)
                 cute.autovec_copy(frag, cute.local_tile(gX, (1, 2), (i, d // 2)))
+
+    @cute.jit
+    def l2norm_bwd(acc: cute.Tensor, cAcc: cute.Tensor, sY: cute.Tensor, sR: cute.Tensor, sRow: cute.Tensor,
+                   tmp: cute.Tensor, groups: cutlass.Constexpr, tidx: Int32):
+        # acc: the gradient of the normalized rows y (sY); becomes that of the rows before the
+        # l2norm, r (dy - y sum(y * dy)) with r the rows' factors (sR); sRow: row-sum scratch
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, d = cAcc[e]
+            tmp[e] = acc[e] * sY[i, d].to(Float32)
+        row_sums(tmp, cAcc, sRow, groups, tidx, False)
+        cute.arch.sync_threads()
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, d = cAcc[e]
+            acc[e] = sR[i] * (acc[e] - sY[i, d].to(Float32) * sRow[i])
 
     @cute.kernel
     def kernel(
@@ -167,6 +186,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         sDb = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # row terms of dbeta
         sKdt = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRed = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), 16)
+        sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # l2norm row factors of q, k
+        sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRow = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # the l2norm backward's row sums
         sDw = sDo
 
         thr_cc = mma_cc.get_slice(tidx)
@@ -220,6 +242,24 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         glast = sGc[C - 1]
+        if cutlass.const_expr(l2norm):  # q, k -> their l2-normalized rows, in place (input dtype)
+            if tidx < C:
+                sRq[tidx] = row_inv_norm(sQ, tidx)
+            else:
+                sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+            cute.arch.sync_threads()
+            nr = tidx // 2  # two threads a row, half a row each
+            tiles = ((sQ, sRq), (sK, sRk))
+            for vc in cutlass.range_constexpr(K // 16):
+                c = (tidx % 2) * (K // 16) + vc
+                for w_ in cutlass.range_constexpr(2):
+                    sX, sR = tiles[w_]
+                    frag = cute.make_rmem_tensor((1, 8), dtype)
+                    cute.autovec_copy(cute.local_tile(sX, (1, 8), (nr, c)), frag)
+                    frag.store((frag.load().to(Float32) * sR[nr]).to(dtype))
+                    cute.autovec_copy(frag, cute.local_tile(sX, (1, 8), (nr, c)))
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
 
         # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc
         accKK = acc_cc()
@@ -296,7 +336,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         cute.arch.sync_threads()
         mm(accDq, K, sX1, False, tv(sK), True, False)  # B [N = d, K = j]: k [j, d] MN-major
         done()
-        store_rows_f32(accDq, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
+        if cutlass.const_expr(l2norm):
+            l2norm_bwd(accDq, cCK, sQ, sRq, sRow, tmp, grp_ck, tidx)
+        store_rows(accDq, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
 
         # ---- dw = -dvn Sc^T -> sDw (over do, which is no longer read)
         accDw = acc_ck()
@@ -348,7 +390,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
             tmp[e] = accDvb[e] * sV[i, n].to(Float32)
             accDvb[e] = accDvb[e] * sB[i]
         row_sums(tmp, cCV, sDb, grp_cv, tidx, True)
-        store_rows_f32(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
+        store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
 
         # ---- dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2
         accX1 = acc_cc()
@@ -398,7 +440,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
         cute.arch.sync_threads()
         mm(accDk, K, sX1, False, tv(sK), True, False)  # dk += (dKK + dKK^T) k
         done()
-        store_rows_f32(accDk, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
+        if cutlass.const_expr(l2norm):
+            l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx)
+        store_rows(accDk, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
 
         # ---- dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
         if tidx < C:
@@ -446,7 +490,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool):
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.rows4(dtype, V),
         f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
-        f.rows4(Float32, K), f.rows4(Float32, K), f.rows4(Float32, V), f.any3(Float32), f.any3(Float32),
+        f.rows4(Float32, K), f.rows4(Float32, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32),
         Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
@@ -474,22 +518,23 @@ def _static_checks(dtype, K: int, V: int) -> None:
             raise AssertionError(f"thread {t} holds different rows in the [64, N] accumulators")
 
 
-def get_dchunk_kernel(dtype, K, V, varlen):
-    key = ("dchunk", str(dtype), K, V, bool(varlen))
+def get_dchunk_kernel(dtype, K, V, varlen, l2norm):
+    key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm))
 
     def build():
-        return _build_dchunk(fwd._dt(dtype), K, V, varlen)
+        return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm)
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
 
-def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None):
-    """Launch stage 3. q, k ``[B, T, H, K]`` (prepared: normalized, in the input dtype; value head
-    hv reads head ``hv // (HV // H)``), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
+def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False):
+    """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
+    ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
+    l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
     ``[B, T, HV]`` float32 (the in-chunk cumulative log decay and the effective beta), hs and dH
     chunk rows ``[rows, HV, K, V]`` in the input dtype (as the training forward and the reverse
-    sweep write them). Returns float32 ``(dq, dk, dv, dg, dbeta)``, dq and dk per value head
-    ``[B, T, HV, K]`` (the caller sums them over a GVA group)."""
+    sweep write them). Returns ``(dq, dk, dv, dg, dbeta)``, float32 but dv (input dtype); dq and dk
+    per value head ``[B, T, HV, K]`` (the caller sums them over a GVA group)."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -531,11 +576,11 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     new = torch.zeros if varlen else torch.empty
     dq = new(B, T, HV, K, dtype=torch.float32, device=dev)
     dk = new(B, T, HV, K, dtype=torch.float32, device=dev)
-    dv = new(B, T, HV, V, dtype=torch.float32, device=dev)
+    dv = new(B, T, HV, V, dtype=dt, device=dev)
     dg = new(B, T, HV, dtype=torch.float32, device=dev)
     db = new(B, T, HV, dtype=torch.float32, device=dev)
     if T == 0 or nseq == 0:
         return dq, dk, dv, dg, db
-    fn = get_dchunk_kernel(dt, K, V, varlen)
+    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm)
     fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid)
     return dq, dk, dv, dg, db

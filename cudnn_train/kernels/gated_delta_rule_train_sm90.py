@@ -9,9 +9,9 @@ writing the state entering every chunk. Backward, the three stages of
    gradient of the state leaving every chunk, and the initial state's gradient;
 3. the per-chunk gradients on the stage-3 kernel (``gated_delta_rule_bwd_chunk_sm90``; with
    ``CUDNN_TRAIN_GDN_SM90_STAGE3=torch`` in torch, ``delta_rule_bwd.chunk_grads``: batched matrix
-   products over every chunk at once, float32), dq and dk summed over each GVA group, then
-   autograd through the op's own preprocessing (l2norm, the in-kernel gate, the beta sigmoid)
-   at the q/k heads, recomputed from the inputs.
+   products over every chunk at once, float32), the l2norm's backward included; dq and dk
+   summed over each GVA group, then autograd through the rest of the op's preprocessing (the
+   in-kernel gate, the beta sigmoid), recomputed from the inputs.
 
 The chunk-start states (forward), dvn and dH (sweep) are kept in the input dtype: the stage-3
 kernel reads them in that precision, as FLA's backward does.
@@ -36,7 +36,7 @@ import torch
 from .._validate import compute_dtype
 from ..backend import Unsupported, env_flag
 from ..fused import delta_rule_bwd as db
-from ..fused.gated_delta_rule import _gdn_log_decay, beta_in_kernel, l2norm
+from ..fused.gated_delta_rule import _gdn_log_decay, beta_in_kernel, l2norm, l2norm_bwd
 
 OPT_IN = "CUDNN_TRAIN_GDN_SM90_TRAIN"
 STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"  # "kernel" (default) or "torch"
@@ -88,17 +88,13 @@ def kernel_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg: Conf
 IMPL = {"forward": kernel_forward, "sweep": kernel_sweep, "stage3": None}  # stage3 None: chosen by STAGE3_ENV
 
 
-def prepared(q, k, v, g, beta, A_log, dt_bias, cfg: Config):
-    """The op's preprocessing in float32 (float64 for float64 inputs), differentiable:
-    ``(qf, kf, vf, gf [B, T, HV, 1], bf)`` with q, k at their own heads (l2-normalized when asked;
-    value head hv reads head ``hv // (HV // H)``, see :func:`expand_heads`)."""
-    ct = compute_dtype(q)
-    qf, kf = q.to(ct), k.to(ct)
-    if cfg.l2norm:
-        qf, kf = l2norm(qf), l2norm(kf)
-    bf = beta_in_kernel(beta, ct, cfg.beta_sigmoid, cfg.neg_eigval)
-    gf = _gdn_log_decay(g, A_log, dt_bias, cfg.gate, ct)
-    return qf, kf, v.to(ct), gf, bf
+def prepared(g, beta, A_log, dt_bias, cfg: Config, ct):
+    """The op's preprocessing that stage 3 leaves to autograd, in ``ct`` (float32, float64 for
+    float64 inputs), differentiable: ``(gf [B, T, HV, 1], bf)``, the effective log decay and beta.
+    q, k and v need none: the l2norm (when asked) and the GVA head expansion
+    (:func:`expand_heads`) are stage 3's, whose dq, dk (summed over each group) and dv are their
+    gradients as they are."""
+    return _gdn_log_decay(g, A_log, dt_bias, cfg.gate, ct), beta_in_kernel(beta, ct, cfg.beta_sigmoid, cfg.neg_eigval)
 
 
 def expand_heads(x, HV: int):
@@ -108,31 +104,35 @@ def expand_heads(x, HV: int):
 
 
 def stage3_torch(outs, inputs, saved, dH, dvn, do, cu, cfg: Config):
-    """Stage 3 in torch over every chunk at once: gradients of the prepared ``outs``, dq and dk
-    per value head."""
-    B, T, HV = outs[2].shape[:3]
+    """Stage 3 in torch over every chunk at once: ``(dq, dk, dv, dg, dbeta)``, dq and dk the
+    gradients of q and k before the l2norm, per value head (the caller sums each GVA group)."""
+    v = inputs[2]
+    B, T, HV = v.shape[:3]
     ct = outs[0].dtype
     lay = db.ChunkLayout(B, T, CHUNK, cu)
-    qf, kf = (expand_heads(x, HV) for x in outs[:2])
-    qc, kc, vc, gc, doc = (lay.to_chunks(x) for x in (qf, kf, *outs[2:4], do.to(ct)))
-    bc = lay.to_chunks(outs[4].unsqueeze(-1))
+    qx, kx = (expand_heads(x.to(ct), HV) for x in inputs[:2])
+    qf, kf = (l2norm(qx), l2norm(kx)) if cfg.l2norm else (qx, kx)
+    qc, kc, vc, gc, doc = (lay.to_chunks(x) for x in (qf, kf, v.to(ct), outs[0], do.to(ct)))
+    bc = lay.to_chunks(outs[1].unsqueeze(-1))
     r = db._recompute(qc, kc, vc, gc, bc, cfg.scale, CHUNK)
     Sc, dHc = lay.rows_to_chunks(saved[-1].to(ct)), lay.rows_to_chunks(dH.to(ct))
     dq, dk, dv, dg, dbeta = db.chunk_grads(qc, kc, vc, bc, Sc, dHc, lay.to_chunks(dvn.to(ct)), doc, r)
-    return [lay.from_chunks(x) for x in (dq, dk, dv, dg)] + [lay.from_chunks(dbeta.unsqueeze(-1)).squeeze(-1)]
+    dq, dk, dv, dg = (lay.from_chunks(x) for x in (dq, dk, dv, dg))
+    if cfg.l2norm:
+        dq, dk = l2norm_bwd(qx, dq), l2norm_bwd(kx, dk)
+    return [dq, dk, dv, dg, lay.from_chunks(dbeta.unsqueeze(-1)).squeeze(-1)]
 
 
 def stage3_kernel(outs, inputs, saved, dH, dvn, do, cu, cfg: Config):
-    """Stage 3 on the SM90 kernel (``gated_delta_rule_bwd_chunk_sm90``): the prepared q, k in the
-    input dtype at their own heads, the forward's in-chunk cumulative gate and chunk-start states,
-    the sweep's dvn and dH."""
+    """Stage 3 on the SM90 kernel (``gated_delta_rule_bwd_chunk_sm90``): q and k as the op got them
+    (the kernel applies the l2norm and its backward), the forward's in-chunk cumulative gate and
+    chunk-start states, the sweep's dvn and dH."""
     from . import gated_delta_rule_bwd_chunk_sm90 as b3
 
-    dt = inputs[0].dtype
-    qn, kn = (x.to(dt).contiguous() for x in outs[:2])
+    q, k, v = (x.contiguous() for x in inputs[:3])
     _w, gc, hs = saved
-    dq, dk, dv, dg, dbeta = b3.chunk_grads(qn, kn, inputs[2], gc, outs[4].float().contiguous(), do.contiguous(), dvn,
-                                           hs, dH, scale=cfg.scale, cu_seqlens=cu)
+    dq, dk, dv, dg, dbeta = b3.chunk_grads(q, k, v, gc, outs[1].float().contiguous(), do.contiguous(), dvn, hs, dH,
+                                           scale=cfg.scale, cu_seqlens=cu, l2norm=cfg.l2norm)
     return [dq, dk, dv, dg.unsqueeze(-1), dbeta]
 
 
@@ -145,16 +145,19 @@ def input_grads(inputs, saved, dH, dvn, do, cu, cfg: Config):
     A_log, dt_bias)`` (None where an input is absent or needs none)."""
     leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs]
     with torch.enable_grad():
-        outs = prepared(*leaves, cfg)
+        outs = prepared(*leaves[3:], cfg, compute_dtype(inputs[0]))
     with torch.no_grad():
         stage3 = IMPL.get("stage3") or _stage3()
-        grads = stage3([o.detach() for o in outs], inputs, saved, dH, dvn, do, cu, cfg)
-        H, HV = outs[0].shape[2], outs[2].shape[2]
+        dq, dk, dv, dg, dbeta = stage3([o.detach() for o in outs], inputs, saved, dH, dvn, do, cu, cfg)
+        H, HV = inputs[0].shape[2], inputs[2].shape[2]
         if HV != H:  # per value head -> per q/k head: the sum over each GVA group
-            grads[:2] = [x.unflatten(2, (H, HV // H)).sum(3) for x in grads[:2]]
-    pairs = [(o, d) for o, d in zip(outs, grads) if o.requires_grad]
-    need = [i for i, t in enumerate(leaves) if t is not None and t.requires_grad]
+            dq, dk = (x.unflatten(2, (H, HV // H)).sum(3) for x in (dq, dk))
     res = [None] * len(inputs)
+    for i, d in enumerate((dq, dk, dv)):
+        if inputs[i].requires_grad:
+            res[i] = d.to(inputs[i].dtype)
+    pairs = [(o, d) for o, d in zip(outs, (dg, dbeta)) if o.requires_grad]
+    need = [i for i, t in enumerate(leaves) if t is not None and t.requires_grad and i > 2]
     if pairs and need:
         got = torch.autograd.grad([o for o, _ in pairs], [leaves[i] for i in need], [d for _, d in pairs],
                                   allow_unused=True)

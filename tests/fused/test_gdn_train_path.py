@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from cudnn_train.fused import delta_rule_bwd as db
-from cudnn_train.fused.gated_delta_rule import _gdn_torch_math
+from cudnn_train.fused.gated_delta_rule import _gdn_torch_math, l2norm
 from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
 from tests.utils import rel_l2
 
@@ -53,8 +53,12 @@ def test_chunk_layout_round_trip_and_zero_padding(lens):
 
 
 def _prep(q, k, v, g, beta, A_log, dt_bias, cu, cfg):
-    qf, kf, vf, gf, bf = tr.prepared(q, k, v, g, beta, A_log, dt_bias, cfg)
+    gf, bf = tr.prepared(g, beta, A_log, dt_bias, cfg, q.dtype)
+    qf, kf = q, k
+    if cfg.l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
     qf, kf = (tr.expand_heads(x, v.shape[2]) for x in (qf, kf))
+    vf = v.to(qf.dtype)
     lay = db.ChunkLayout(q.shape[0], q.shape[1], C, cu)
     r = db._recompute(*(lay.to_chunks(x) for x in (qf, kf, vf, gf)), lay.to_chunks(bf.unsqueeze(-1)), cfg.scale, C)
     return lay, r

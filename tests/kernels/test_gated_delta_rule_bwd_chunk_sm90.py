@@ -10,8 +10,8 @@ from tests.utils import rel_l2
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-# (dtype, K, V, varlen)
-VARIANTS = [(torch.bfloat16, 128, 128, False), (torch.float16, 64, 64, True)]
+# (dtype, K, V, varlen, l2norm)
+VARIANTS = [(torch.bfloat16, 128, 128, False, True), (torch.float16, 64, 64, True, False)]
 
 
 @pytest.mark.compile
@@ -42,14 +42,19 @@ def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
 # ------------------------------------------------------------------ GPU tier
 
 
-def _case(B, T, HV, K, V, dtype, lens=None, H=None):
+def _case(B, T, HV, K, V, dtype, lens=None, H=None, l2norm=False):
     from cudnn_train.fused import delta_rule_bwd as db
+    from cudnn_train.fused.gated_delta_rule import l2norm as l2n
     from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
 
     dev = "cuda"
     H = HV if H is None else H
-    qn = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(dtype)
-    kn = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(dtype)
+    # q, k as the op gets them: unit rows, or (l2norm) any rows that the kernel normalizes
+    qx, kx = (torch.randn(B, T, H, K, device=dev) for _ in range(2))
+    if not l2norm:
+        qx, kx = F.normalize(qx, dim=-1), F.normalize(kx, dim=-1)
+    qx, kx = qx.to(dtype), kx.to(dtype)
+    qn, kn = (l2n(x.float()) if l2norm else x.float() for x in (qx, kx))
     v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     do = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
@@ -59,25 +64,25 @@ def _case(B, T, HV, K, V, dtype, lens=None, H=None):
     h0 = torch.randn(N, HV, K, V, device=dev) * 0.5
     dht = torch.randn(N, HV, K, V, device=dev)
     scale = K**-0.5
-    outs = (qn.float(), kn.float(), v.float(), g.unsqueeze(-1), beta)
+    outs = (g.unsqueeze(-1), beta)  # as gated_delta_rule_train_sm90.prepared gives them
     lay = db.ChunkLayout(B, T, 64, cu)
-    r = db._recompute(*(lay.to_chunks(tr.expand_heads(x, HV)) for x in outs[:2]), *(lay.to_chunks(x) for x in outs[2:4]),
-                      lay.to_chunks(beta.unsqueeze(-1)), scale, 64)
+    r = db._recompute(*(lay.to_chunks(tr.expand_heads(x, HV)) for x in (qn, kn)), lay.to_chunks(v.float()),
+                      lay.to_chunks(g.unsqueeze(-1)), lay.to_chunks(beta.unsqueeze(-1)), scale, 64)
     Sc, _, dHc, dvn, _ = db.sweeps_ref(r, lay, h0, dht, lay.to_chunks(do.float()))
     hs, dH, dvn = lay.chunks_to_rows(Sc).contiguous(), lay.chunks_to_rows(dHc).contiguous(), lay.from_chunks(dvn)
     gc = lay.from_chunks(lay.to_chunks(g.unsqueeze(-1)).cumsum(-2)).squeeze(-1).contiguous()  # in-chunk cumsum
-    cfg = tr.Config(scale, True, False, False, False, False, False)
-    want = tr.stage3_torch(outs, None, (hs,), dH, dvn, do, cu, cfg)
+    cfg = tr.Config(scale, True, l2norm, False, False, False, False)
+    want = tr.stage3_torch(outs, (qx, kx, v), (hs,), dH, dvn, do, cu, cfg)
     # the kernel reads the states and dvn in the input dtype (as the forward and the sweep store them)
     hs, dH, dvn = (x.to(dtype).contiguous() for x in (hs, dH, dvn))
-    return (qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu), want
+    return (qx, kx, v, gc, beta, do, dvn, hs, dH, scale, cu, l2norm), want
 
 
 def _run(args, want):
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
-    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu = args
-    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, cu_seqlens=cu)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, cu_seqlens=cu, l2norm=l2)
     got = list(got)
     got[3] = got[3].unsqueeze(-1)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
@@ -107,12 +112,19 @@ def test_chunk_gradients_gva(H):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("K, H, dtype", [(128, 2, torch.bfloat16), (64, 4, torch.float16)])
+def test_chunk_gradients_with_the_l2norm_in_kernel(K, H, dtype):
+    """Rows normalized in the kernel; dq and dk through the l2norm's backward."""
+    _run(*_case(2, 130, 4, K, K, dtype, H=H, l2norm=True))
+
+
+@pytest.mark.gpu
 def test_chunk_gradients_are_bitwise_reproducible():
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
     args, _ = _case(2, 300, 4, 128, 128, torch.bfloat16)
-    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu = args
-    first = [t.clone() for t in B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale)]
-    second = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, _ = args
+    first = [t.clone() for t in B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, l2norm=True)]
+    second = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, l2norm=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
