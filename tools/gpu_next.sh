@@ -8,6 +8,7 @@
 #                                   # (FLA_N workers, FLA_DIST pytest-xdist mode, FLA_S limit)
 #   bash tools/gpu_next.sh gdn      # GDN kernel tiers (forward, reverse sweep, stage-3 kernel); GDN_S=limit
 #   bash tools/gpu_next.sh gdn_train  # the opt-in GDN training path through the op, vs oracle and FLA
+#                                   # (TRAIN_K=1: the stage-3 kernel's half only; TRAIN_S, TRAIN_N)
 #   bash tools/gpu_next.sh gdn_fwd  # the GDN forward tier, then tools/time_gdn_fwd.py (each kernel alone, FLA's
 #                                   # forward, per-phase cycles; GDN_TIER=0 skips the tier; GDN_S / TIME_S
 #                                   # limits, SHAPES=N)
@@ -64,7 +65,10 @@ bench_gdn)
   echo "bench_gdn rc=$?"; grep -vE "^\s*$" $OUT/bench_gdn.log | tail -n 40 | cut -c1-300 ;;
 gdn_train)
   # the opt-in training path through the op vs the oracle and FLA (FLA's backward JIT-compiles per shape)
-  timeout -k 10 560 $P -n 6 tests/kernels/test_gated_delta_rule_train_sm90.py > $OUT/gdn_train.log 2>&1
+  # TRAIN_K=1: only the stage-3 kernel's half (each test runs with both stage 3s); TRAIN_S: limit
+  sel=(); [ -n "$TRAIN_K" ] && sel=(-k "not torch")
+  timeout -k 10 ${TRAIN_S:-560} $P -n ${TRAIN_N:-6} tests/kernels/test_gated_delta_rule_train_sm90.py "${sel[@]}" \
+    > $OUT/gdn_train.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -cE " PASSED " $OUT/gdn_train.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn_train.log | tail -16 ;;
 gdn)

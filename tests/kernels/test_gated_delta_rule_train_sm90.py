@@ -1,5 +1,5 @@
-"""The SM90 GDN training path (forward kernels, reverse-sweep kernel, stage 3 in torch) through the
-op, on the H200: output, final state and every gradient against FLA's float32 naive recurrence
+"""The SM90 GDN training path (forward kernels, reverse-sweep kernel, stage 3 on its kernel and in
+torch) through the op, on the H200: output, final state and every gradient against FLA's float32 naive recurrence
 (the oracle, differentiated by autograd) under the FLA-compat rule, FLA's chunk kernels as the
 peer. The composition itself is checked on the CPU in tests/fused/test_gdn_train_path.py."""
 
