@@ -76,6 +76,9 @@ def make_inputs(B, T, H, HV, K, V, requires_grad=False):
 
 def load_peers():
     peers = {}
+    # FLA 0.6 routes chunk_gated_delta_rule to FlashQLA whenever flash_qla imports (SM90, K = V = 128)
+    # unless FLA_FLASH_QLA=0: keep the fla row FLA's own kernels (set before fla is imported)
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
 
