@@ -52,7 +52,6 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
     odt = cutlass.Float32 if odt is None else odt  # the dtype of dvn and the dH rows
-    store_rows = cm.make_state_store_as(odt)
     store_p = cm.make_store_p(dtype, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
 
@@ -152,7 +151,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             warpgroup.wait_group(0)
 
             # this chunk's dH (before the update), for the per-chunk gradient stage
-            store_rows(accD, cS, mDH, cbase + ci, hv, v0)
+            store_state(accD, cS, mDH, cbase + ci, hv, v0, False)
             glast = sGc[C - 1]
             for e in cutlass.range_constexpr(cute.size(accX)):
                 _, xi = cX[e]

@@ -244,9 +244,10 @@ def check_same_acc_layout(mma_a, mma_b, shape_mn, threads=SAMPLE_THREADS) -> Non
 
 
 def make_state_io():
-    """``load_state(acc, cS, mH, n, hv, v0, state_vk)`` / ``store_state(...)``: a float32 state
-    block ``[v0 : v0 + 64, :]`` of ``mH[n, hv]`` (``[K, V]``, or ``[V, K]`` with ``state_vk``)
-    to and from the accumulator ``acc`` whose coordinates ``cS`` are ``(v, d)``."""
+    """``load_state(acc, cS, mH, n, hv, v0, state_vk)`` / ``store_state(...)``: a state block
+    ``[v0 : v0 + 64, :]`` of ``mH[n, hv]`` (``[K, V]``, or ``[V, K]`` with ``state_vk``) to and
+    from the float32 accumulator ``acc`` whose coordinates ``cS`` are ``(v, d)``; a store rounds
+    once to ``mH``'s element type (float32 states, or input-dtype chunk rows)."""
     cutlass, cute = kc.import_cute()
     from cutlass import Int32
 
@@ -265,27 +266,13 @@ def make_state_io():
                     state_vk: cutlass.Constexpr):
         for e in cutlass.range_constexpr(cute.size(acc)):
             sv, sd = cS[e]
+            val = acc[e].to(mH.element_type)
             if cutlass.const_expr(state_vk):
-                mH[n, hv, v0 + sv, sd] = acc[e]
+                mH[n, hv, v0 + sv, sd] = val
             else:
-                mH[n, hv, sd, v0 + sv] = acc[e]
+                mH[n, hv, sd, v0 + sv] = val
 
     return load_state, store_state
-
-
-def make_state_store_as(dtype):
-    """``store_state_as(acc, cS, mH, n, hv, v0)``: :func:`make_state_io`'s ``store_state`` into a
-    ``[K, V]``-first state of ``dtype`` (each float32 accumulator rounded once)."""
-    cutlass, cute = kc.import_cute()
-    from cutlass import Int32
-
-    @cute.jit
-    def store_state_as(acc: cute.Tensor, cS: cute.Tensor, mH: cute.Tensor, n: Int32, hv: Int32, v0: Int32):
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            sv, sd = cS[e]
-            mH[n, hv, sd, v0 + sv] = acc[e].to(dtype)
-
-    return store_state_as
 
 
 def make_store_p(dtype, l2norm: bool):

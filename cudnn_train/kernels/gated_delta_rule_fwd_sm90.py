@@ -503,7 +503,6 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
-    store_state_as = cm.make_state_store_as(dtype)
     store_p = cm.make_store_p(dtype, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
 
@@ -593,7 +592,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                     pmark(prof, 0)
 
                     if cutlass.const_expr(store_states):  # the chunk-start state, for the backward
-                        store_state_as(accS, cS, mHs, cbase + ci, hv, v0)  # input-dtype rows [K, V]
+                        store_state(accS, cS, mHs, cbase + ci, hv, v0, False)  # input-dtype rows [K, V]
                     # ---- S^T in the input dtype as a register A operand
                     for f in cutlass.range_constexpr(cute.size(rS)):
                         rS[f] = accS[map_s[f]].to(dtype)
