@@ -151,22 +151,30 @@ def test_plan_layouts_need_no_copies(case, a_major, b_major):
 
 def test_choose_config_documented_heuristic():
     sms = 132
+    # dense 16-bit outputs that are only written take the TMA-store epilogue (its 32 KB subtile ring
+    # beside the stages); everything else the register-to-global one
+    t = dict(tma_store=True)
     # 8192^3 and the MLP down GEMM: 128x256 tiles, 2-CTA cluster, 4 stages
-    assert gk.choose_config(8192, 8192, "none", False, False, sms) == (256, 2, 4)
-    assert gk.choose_config(16384, 4096, "none", False, False, sms) == (256, 2, 4)
+    assert gk.choose_config(8192, 8192, "none", False, False, sms, **t) == (256, 2, 4)
+    assert gk.choose_config(16384, 4096, "none", False, False, sms, **t) == (256, 2, 4)
     # SwiGLU gate/up: 128 columns of each operand per tile (256 MMA columns), 4 stages
-    assert gk.choose_config(16384, 12288, "swiglu", False, False, sms) == (128, 2, 4)
-    assert gk.choose_config(8192, 17408, "dswiglu", False, False, sms) == (128, 2, 7)
+    assert gk.choose_config(16384, 12288, "swiglu", False, False, sms, **t) == (128, 2, 4)
+    # dSwiGLU: 128x256 with the TMA-store epilogue (gate / up read subtile by subtile), 128x128 without
+    assert gk.choose_config(8192, 17408, "dswiglu", False, False, sms, **t) == (256, 2, 4)
+    assert gk.choose_config(8192, 17408, "dswiglu", True, False, sms, groups=8) == (128, 1, 7)
     # float32 / accumulating epilogues use 128-wide tiles
     assert gk.choose_config(4096, 4096, "none", False, True, sms)[0] == 128
     # small problems: narrower tiles, no cluster
-    assert gk.choose_config(1, 256, "none", False, False, sms) == (64, 1, 8)
+    assert gk.choose_config(1, 256, "none", False, False, sms, **t) == (64, 1, 8)
+    assert gk.choose_config(1000, 4096, "none", False, False, sms, **t) == (128, 1, 6)
     assert gk.choose_config(1000, 4096, "none", False, False, sms) == (128, 1, 7)
     # grouped: never clustered
     assert gk.choose_config(8 * 4096, 4096, "none", True, False, sms, groups=8)[1] == 1
     for bn, nb in ((64, 1), (128, 1), (256, 1), (128, 2)):
-        stages = min(gk.MAX_STAGES, (gk.SMEM_BYTES - gk.SMEM_RESERVE) // gk._stage_bytes(bn, nb))
-        assert stages >= 4 and stages * gk._stage_bytes(bn, nb) + gk.SMEM_RESERVE <= gk.SMEM_BYTES
+        for tma in (False, True):
+            stages = gk._max_stages(bn, "swiglu" if nb == 2 else "none", tma)
+            used = stages * gk._stage_bytes(bn, nb) + gk._epi_bytes(tma) + gk.SMEM_RESERVE
+            assert stages >= 4 and used <= gk.SMEM_BYTES
 
 
 def test_unit_dims_get_aligned_strides():
@@ -797,6 +805,62 @@ def test_grouped_epilogues_with_column_major_a(epilogue):
     for o, w in zip(got, want):
         assert torch.isnan(o[~inside].float()).all(), "rows outside every group were written"
         assert rel_l2(o[inside], w[inside]) <= TOL16
+
+
+@gpu
+@pytest.mark.parametrize("m,n", [(1000, 2056), (4200, 4096)])
+@pytest.mark.parametrize("epilogue", ["none", "swiglu", "dswiglu"])
+def test_tma_store_epilogue_against_direct_stores(epilogue, m, n, monkeypatch):
+    # Dense 16-bit outputs leave through shared memory and TMA stores (spec.tma_store); the
+    # register-to-global epilogue (grouped GEMMs, float32 or accumulated outputs) computes the same
+    # float32 values and rounds them once. With the same tile both give bitwise-equal outputs, tile
+    # edges (M and N tails, TMA-clipped) and several tiles per CTA included; dSwiGLU's TMA-store
+    # kernel takes 128 x 256 tiles where the direct one keeps 128 x 128 (4200 x 4096, 2-CTA
+    # clusters): there both are held to the float32 reference.
+    k = 320
+    a = make_a(m, k, "k", device=DEV)
+    rs = torch.rand(m, device=DEV)
+    if epilogue == "none":
+        b = make_b(k, n, "n", device=DEV)
+        kw = dict(bias=torch.randn(n, device=DEV), row_scale=rs, alpha=0.5)
+
+        def run():
+            return (gk.gemm(a, b, **kw),)
+
+        refs = (ref_gemm(a, b, **kw),)
+    elif epilogue == "swiglu":
+        bg, bu = make_b(k, n, "k", device=DEV), make_b(k, n, "k", device=DEV)
+
+        def run():
+            return gk.gemm_swiglu(a, bg, bu, store_preact=True)
+
+        refs = ref_swiglu(a, bg, bu)
+    else:
+        b = make_b(k, n, "n", device=DEV)
+        gate = torch.randn(m, n, device=DEV).bfloat16() * 3
+        up = torch.randn(m, n, device=DEV).bfloat16()
+
+        def run():
+            return gk.gemm_dswiglu(a, b, gate, up)
+
+        refs = ref_dswiglu(a, b, gate, up)
+    args = (a, bg, bu) if epilogue == "swiglu" else (a, b, None)
+    extra = dict(gate=gate, up=up) if epilogue == "dswiglu" else {}
+    spec_tma = gk._plan(*args, epilogue=epilogue, **extra).spec
+    assert spec_tma.tma_store
+    via_tma = run()
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", {"tma_store": False})
+    spec_direct = gk._plan(*args, epilogue=epilogue, **extra).spec
+    assert not spec_direct.tma_store
+    direct = run()
+    if epilogue == "dswiglu" and (m, n) == (4200, 4096):
+        assert (spec_tma.bn, spec_direct.bn) == (256, 128)
+    for t, d, r in zip(via_tma, direct, refs):
+        assert rel_l2(t, r) <= TOL16
+        if spec_tma.bn == spec_direct.bn:
+            assert torch.equal(t, d)
+        else:
+            assert rel_l2(d, r) <= TOL16
 
 
 @gpu
