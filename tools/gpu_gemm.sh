@@ -5,6 +5,8 @@
 #   bash tools/gpu_gemm.sh test    # the GEMM and swiglu GPU tiers
 #   bash tools/gpu_gemm.sh bench   # bench_swiglu_mlp (ROUNDS) then bench_gemm
 #   bash tools/gpu_gemm.sh final   # the tiers, then bench_swiglu_mlp: one call
+#   bash tools/gpu_gemm.sh prof    # tools/prof_swiglu_mlp.py: the MLP's kernels, each epilogue vs eager (ROUNDS)
+#   bash tools/gpu_gemm.sh epi     # the tiers, then prof: one call
 source /tmp/gpu-bundle/device.sh || exit 3
 export PYTHONPATH=$(pwd):$PYTHONPATH CUDNN_TRAIN_CACHE_DIR=/tmp/ctc
 case "$1" in
@@ -36,5 +38,13 @@ final)  # one call: the GEMM and swiglu tiers, then bench_swiglu_mlp alone (ROUN
   timeout -k 5 ${MLP_S:-320} python3 -m benchmarks.bench_swiglu_mlp --warmup 10 --rep 40 --rounds ${ROUNDS:-2} \
     --json $OUT/bench_mlp.json > $OUT/bench_mlp.log 2>&1
   echo "bench_mlp rc=$?"; tail -n 25 $OUT/bench_mlp.log | cut -c1-260 ;;
-*) echo "usage: bash tools/gpu_gemm.sh sweep|ncu|test|bench|final"; exit 2 ;;
+prof)
+  timeout -k 5 ${PROF_S:-300} python3 tools/prof_swiglu_mlp.py --rounds ${ROUNDS:-3} > $OUT/prof.log 2>&1
+  echo "prof rc=$?"; grep -E "^(##|\||ours|torch)" $OUT/prof.log | cut -c1-200 ;;
+epi)  # one call: the GEMM and swiglu tiers, then prof
+  timeout -k 10 ${TEST_S:-200} python3 -m pytest -p no:cacheprovider -m gpu -q -rfE -n 8 tests/kernels/test_gemm_sm90.py \
+    tests/fused/test_swiglu_mlp.py > $OUT/test.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f pytest 2>/dev/null; grep -E " (FAILED|ERROR) |passed|failed" $OUT/test.log | tail -15
+  bash "$0" prof ;;
+*) echo "usage: bash tools/gpu_gemm.sh sweep|ncu|test|bench|final|prof|epi"; exit 2 ;;
 esac
