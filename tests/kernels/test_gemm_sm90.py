@@ -673,11 +673,16 @@ def test_gemm_float32_out_and_accumulate(m):
 @gpu
 @pytest.mark.parametrize("m", [1, 1000])
 @pytest.mark.parametrize("store_preact,with_bias,with_rs", [(False, False, False), (True, True, True), (True, False, False)])
-def test_swiglu(m, store_preact, with_bias, with_rs):
+@pytest.mark.parametrize("b_major", ["k", "n"])
+def test_swiglu(m, store_preact, with_bias, with_rs, b_major):
+    # K-major B (a stacked [gate; up] nn.Linear weight, what swiglu_mlp passes) and N-major B
     k, i = 512, 1032
     x = make_a(m, k, "k", device=DEV)
-    w = (torch.randn(2 * i, k, device=DEV) / k**0.5).bfloat16()  # stacked [gate; up]
-    bg, bu = w[:i].t(), w[i:].t()
+    if b_major == "k":
+        w = (torch.randn(2 * i, k, device=DEV) / k**0.5).bfloat16()  # stacked [gate; up]
+        bg, bu = w[:i].t(), w[i:].t()
+    else:
+        bg, bu = make_b(k, i, "n", device=DEV), make_b(k, i, "n", device=DEV)
     biases = (torch.randn(i, device=DEV).bfloat16(), torch.randn(i, device=DEV).bfloat16()) if with_bias else (None, None)
     rs = torch.rand(m, device=DEV) if with_rs else None
     out = poison_(torch.empty(m, i, device=DEV, dtype=torch.bfloat16))
