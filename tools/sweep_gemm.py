@@ -6,8 +6,9 @@ several tile configurations: where the MLP's time goes and which configuration e
 
 The MLP sizes are those of the issue (0: M=16384 H=4096 I=12288, 1: M=8192 H=5120 I=17408) and
 8192^3 (size 2, the plain GEMM alone). A configuration is ``default`` (choose_config) or
-``bn<BN>_cm<C>_s<S>_g<G>_t<0|1>`` with any part left out keeping the default (``bn128``, ``cm1_g16``;
-``t0`` is the register-to-global epilogue, ``t1`` the TMA-store one where the call allows it);
+``bn<BN>_cm<C>_s<S>_g<G>_t<0|1>_l<0|1>`` with any part left out keeping the default (``bn128``,
+``cm1_g16``; ``t0`` is the register-to-global epilogue, ``t1`` the TMA-store one where the call allows
+it; ``l1`` has dSwiGLU read gate / up by TMA into the store ring);
 it is applied through ``gemm_sm90._CONFIG_OVERRIDE``. Each line prints ms, TFLOP/s and ours /
 torch (torch time over ours: above 1 is faster). Needs an SM90 GPU.
 """
@@ -29,7 +30,8 @@ from cudnn_train.kernels import gemm_sm90 as gk  # noqa: E402
 SIZES = [(16384, 4096, 12288), (8192, 5120, 17408), (8192, 8192, 8192)]
 CASES = ["fwd_swiglu", "fwd_gateup", "fwd_down", "bwd_dswiglu", "bwd_dx", "bwd_dx_acc", "bwd_dx_tail", "bwd_wgrad_gu",
          "bwd_wgrad_stacked", "bwd_wgrad_down", "dense"]
-FIELDS = {"bn": "bn", "cm": "cluster_m", "s": "stages", "g": "group_m", "t": "tma_store"}
+FIELDS = {"bn": "bn", "cm": "cluster_m", "s": "stages", "g": "group_m", "t": "tma_store", "l": "epi_tma_load"}
+FLAGS = ("tma_store", "epi_tma_load")
 
 
 def parse_config(name: str) -> dict | None:
@@ -37,11 +39,11 @@ def parse_config(name: str) -> dict | None:
         return None
     out = {}
     for part in name.split("_"):
-        m = re.fullmatch(r"(bn|cm|s|g|t)(\d+)", part)
+        m = re.fullmatch(r"(bn|cm|s|g|t|l)(\d+)", part)
         if not m:
-            raise SystemExit(f"bad config {name!r}: parts are bn<N>, cm<N>, s<N>, g<N>, t<0|1>")
+            raise SystemExit(f"bad config {name!r}: parts are bn<N>, cm<N>, s<N>, g<N>, t<0|1>, l<0|1>")
         field = FIELDS[m.group(1)]
-        out[field] = bool(int(m.group(2))) if field == "tma_store" else int(m.group(2))
+        out[field] = bool(int(m.group(2))) if field in FLAGS else int(m.group(2))
     return out
 
 
@@ -148,7 +150,7 @@ def main() -> int:
                     gk._CONFIG_OVERRIDE = None
                 tf = lambda ms: flops / ms / 1e9  # noqa: E731
                 print(f"{str(SIZES[si]):>22} {case:>15} {cname:>18} {ot:8.3f} {tf(ot):8.1f} {tt:8.3f} {tf(tt):8.1f} {tt / ot:6.3f} rel {rel:.1e} "
-                      + " ".join(f"[bn{u.bn} cm{u.cluster_m} s{u.stages} g{u.group_m} t{int(u.tma_store)}]" for u in used), flush=True)
+                      + " ".join(f"[bn{u.bn} cm{u.cluster_m} s{u.stages} g{u.group_m} t{int(u.tma_store)} l{int(u.epi_tma_load)}]" for u in used), flush=True)
             del ref
             torch.cuda.empty_cache()
     return 0

@@ -14,6 +14,7 @@ synchronizes after each test, so an asynchronous fault is charged to the test th
 kernel. ``CUDNN_TRAIN_GPU_TESTS_INPROCESS=1`` runs them in the pytest process instead.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -159,7 +160,7 @@ def test_choose_config_documented_heuristic():
     assert gk.choose_config(16384, 4096, "none", False, False, sms, **t) == (256, 2, 4)
     # SwiGLU gate/up: 128 columns of each operand per tile (256 MMA columns), 4 stages
     assert gk.choose_config(16384, 12288, "swiglu", False, False, sms, **t) == (128, 2, 4)
-    # dSwiGLU: 128x256 with the TMA-store epilogue (gate / up read subtile by subtile), 128x128 without
+    # dSwiGLU: 128x256 with the TMA-store epilogue (gate / up by TMA into its ring), 128x128 without
     assert gk.choose_config(8192, 17408, "dswiglu", False, False, sms, **t) == (256, 2, 4)
     assert gk.choose_config(8192, 17408, "dswiglu", True, False, sms, groups=8) == (128, 1, 7)
     # float32 / accumulating epilogues use 128-wide tiles
@@ -325,6 +326,11 @@ def _compile_cases():
         g = torch.empty(8192, 17408, dtype=bf)
         return (dout, wd, None), dict(epilogue="dswiglu", gate=g, up=torch.empty_like(g), row_scale=torch.empty(8192))
 
+    def dswiglu_global_loads():  # gate / up read from global memory one subtile ahead (before epi_tma_load)
+        args, kw = dswiglu()
+        kw.pop("row_scale")
+        return args, dict(kw, _spec=dict(epi_tma_load=False))
+
     def grouped():
         h, w = torch.empty(8 * 4096, 7168, dtype=bf), torch.empty(8, 4096, 7168, dtype=bf)
         return (h, w.transpose(1, 2), None), dict(
@@ -350,7 +356,9 @@ def _compile_cases():
         ("dx_b_tail", dx_stacked, dict(b_major="n", b_tail=True, bn=256, cluster_m=2)),
         ("swiglu_preact_bias", swiglu, dict(epilogue="swiglu", store_preact=True, bias_dtype="bfloat16", bn=128, cluster_m=2)),
         ("swiglu_mlp_forward", swiglu_mlp_forward, dict(epilogue="swiglu", store_preact=True, bias_dtype="", bn=128)),
-        ("dswiglu_rowscale", dswiglu, dict(epilogue="dswiglu", b_major="n", rs_dtype="float32")),
+        ("dswiglu_rowscale", dswiglu, dict(epilogue="dswiglu", b_major="n", rs_dtype="float32", bn=256, tma_store=True,
+                                           epi_tma_load=True)),
+        ("dswiglu_global_loads", dswiglu_global_loads, dict(epilogue="dswiglu", bn=256, epi_tma_load=False)),
         ("grouped_rowscale", grouped, dict(grouped=True, cluster_m=1, b_major="k", rs_dtype="float32")),
         ("grouped_swiglu", grouped_swiglu, dict(grouped=True, epilogue="swiglu", b_major="n")),
         ("grouped_dswiglu_m_major", grouped_dswiglu, dict(grouped=True, epilogue="dswiglu", a_major="m", b_major="k")),
@@ -396,7 +404,8 @@ def test_compiles_for_sm90a_and_caches_on_disk(name, build, expect, tmp_path, mo
     monkeypatch.setenv("CUDNN_TRAIN_ARCH", "sm_90a")
     args, kw = build()
     kw.setdefault("epilogue", "none")
-    spec = plan_cpu(*args, **kw).spec
+    over = kw.pop("_spec", {})
+    spec = dataclasses.replace(plan_cpu(*args, **kw).spec, **over)
     for field, value in expect.items():
         assert getattr(spec, field) == value, (field, spec)
     kc.clear_memory_cache()
@@ -469,7 +478,8 @@ def test_wgmmas_are_not_serialized(name, build, expect, tmp_path, monkeypatch):
     monkeypatch.setenv("CUDNN_TRAIN_ARCH", "sm_90a")
     args, kw = build()
     kw.setdefault("epilogue", "none")
-    spec = plan_cpu(*args, **kw).spec
+    over = kw.pop("_spec", {})
+    spec = dataclasses.replace(plan_cpu(*args, **kw).spec, **over)
     monkeypatch.setattr(gk, "_EXTRA_COMPILE_OPTIONS", f" --keep-ptx --dump-dir {tmp_path}")
     gk._build(spec)
     (ptx,) = list(tmp_path.glob("*.ptx"))
@@ -860,6 +870,13 @@ def test_tma_store_epilogue_against_direct_stores(epilogue, m, n, monkeypatch):
     direct = run()
     if epilogue == "dswiglu" and (m, n) == (4200, 4096):
         assert (spec_tma.bn, spec_direct.bn) == (256, 128)
+    if epilogue == "dswiglu":  # gate / up by TMA into the store ring (the default) or from global memory
+        assert spec_tma.epi_tma_load and not spec_direct.epi_tma_load
+        monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", {"epi_tma_load": False})
+        spec_global = gk._plan(*args, epilogue=epilogue, **extra).spec
+        assert spec_global.tma_store and not spec_global.epi_tma_load
+        for t, d in zip(via_tma, run()):
+            assert torch.equal(t, d)
     for t, d, r in zip(via_tma, direct, refs):
         assert rel_l2(t, r) <= TOL16
         if spec_tma.bn == spec_direct.bn:
