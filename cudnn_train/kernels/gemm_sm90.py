@@ -745,18 +745,9 @@ def _build(spec: KernelSpec):
                     tB2sB2 = tBsB
                     tB2gB2 = tBgB
                     tGg = tUg = None
-                    if const_expr(EPI_LD):  # the load atoms' (BM, EPI_N) boxes of the tile's gate / up
+                    if const_expr(EPI == "dswiglu" and TMA_EPI):  # the (BM, EPI_N) boxes of the tile's gate / up
                         _, tGg = epi_partition(tma_atom_g, mG_tma, row0, nt * BN, sC)
                         _, tUg = epi_partition(tma_atom_u, mU_tma, row0, nt * BN, sC)
-                    elif const_expr(EPI == "dswiglu" and TMA_EPI):  # (BM, BK) boxes of the tile's gate / up
-                        _, tGg = cpasync.tma_partition(
-                            tma_atom_g, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                            cute.group_modes(cute.local_tile(cute.domain_offset((row0, nt * BN), mG_tma), (BM, BK), (0, None)), 0, 2),
-                        )
-                        _, tUg = cpasync.tma_partition(
-                            tma_atom_u, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                            cute.group_modes(cute.local_tile(cute.domain_offset((row0, nt * BN), mU_tma), (BM, BK), (0, None)), 0, 2),
-                        )
                     if const_expr(TAIL):  # the tail's k-blocks land in B's stage buffers
                         gB2 = cute.local_tile(mB2_g, (BN, BK), (nt, None))
                         _, tB2gB2 = cpasync.tma_partition(
@@ -771,7 +762,7 @@ def _build(spec: KernelSpec):
                     for kt in cutlass.range(k_tiles, unroll=1):
                         if const_expr(EPI == "dswiglu" and TMA_EPI):
                             if kt == pf_kt:  # gate / up of this tile into L2 for the epilogue
-                                for j in cutlass.range_constexpr((BN // EPI_N) if EPI_LD else (BN // BK)):
+                                for j in cutlass.range_constexpr(BN // EPI_N):
                                     cute.prefetch(tma_atom_g, tGg[(None, j)])
                                     cute.prefetch(tma_atom_u, tUg[(None, j)])
                         ab_pipe.producer_acquire(prod_state)
@@ -1008,16 +999,10 @@ def _build(spec: KernelSpec):
                 tma_atom_e2, tma_e2 = cpasync.make_tiled_tma_atom(s2g, mE2, epi_smem, EPI_TILE)
         tma_atom_g, tma_g = tma_atom_a, tma_a
         tma_atom_u, tma_u = tma_atom_a, tma_a
-        if const_expr(EPI_LD):  # gate / up subtiles into the store ring (and their L2 prefetch)
+        if const_expr(EPI == "dswiglu" and TMA_EPI):  # gate / up subtiles: their L2 prefetch, and with EPI_LD their loads
             g2s = cpasync.CopyBulkTensorTileG2SOp()
-            epi_smem = cute.slice_(epi_smem_staged, (None, None, 0))
             tma_atom_g, tma_g = cpasync.make_tiled_tma_atom(g2s, mG, epi_smem, EPI_TILE)
             tma_atom_u, tma_u = cpasync.make_tiled_tma_atom(g2s, mU, epi_smem, EPI_TILE)
-        elif const_expr(EPI == "dswiglu" and TMA_EPI):  # L2 prefetch of gate / up (row-major, like a K-major A)
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            g_smem = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BM, BN, BK), AB, 1), (None, None, 0))
-            tma_atom_g, tma_g = cpasync.make_tiled_tma_atom(g2s, mG, g_smem, (BM, BK))
-            tma_atom_u, tma_u = cpasync.make_tiled_tma_atom(g2s, mU, g_smem, (BM, BK))
 
         if const_expr(NB == 2):
 
