@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["parser", "bench", "bench_graphed", "ceilings", "report", "device", "fmt"]
+__all__ = ["parser", "bench", "bench_graphed", "ceilings", "report", "device", "fmt", "kernels_of_last_call"]
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -98,6 +98,22 @@ def bench_graphed(fn: Callable[[], Any], warmup: float = 25.0, rep: float = 100.
     t = bench(graph.replay, warmup, rep)
     del graph
     return t
+
+
+def kernels_of_last_call(fn: Callable[[], Any], iters: int = 2) -> tuple[list[tuple[str, float]], float]:
+    """``fn()`` run ``iters`` times under ``torch.profiler``: ``([(kernel name, ms)] of the last call
+    in launch order, mean kernel ms per call)``. For the tools that say where an op's GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kern.sort(key=lambda e: e.time_range.start)
+    dur = [(getattr(e, "device_time_total", None) or e.cuda_time_total) / 1e3 for e in kern]
+    per = len(kern) // iters
+    return [(e.name, d) for e, d in zip(kern[-per:], dur[-per:])], sum(dur) / iters
 
 
 def ceilings(quick: bool = False) -> dict[str, float]:

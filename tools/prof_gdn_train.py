@@ -12,10 +12,9 @@ import argparse
 import os
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_gated_delta_rule import load_peers, make_inputs
-from benchmarks.common import bench
+from benchmarks.common import bench, kernels_of_last_call
 from cudnn_train import last_path
 from cudnn_train.fused.gated_delta_rule import chunk_gated_delta_rule
 
@@ -44,21 +43,12 @@ def main():
             ours()
         torch.cuda.synchronize()
         print(f"B{B} T{T} H{H} HV{HV}: path {last_path('chunk_gated_delta_rule')}", flush=True)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
-                ours()
-            torch.cuda.synchronize()
-        kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        kern.sort(key=lambda e: e.time_range.start)
-        dur = [getattr(e, "device_time_total", None) or e.cuda_time_total for e in kern]
-        total = sum(dur)
-        per = len(kern) // args.iters
-        print(f"  kernel time per fwd+bwd {total / args.iters / 1e3:.3f} ms, {per} launches; the last call in order:")
-        for e, d in zip(kern[-per:], dur[-per:]):
-            name = e.name
+        rows, per_call = kernels_of_last_call(ours, args.iters)
+        print(f"  kernel time per fwd+bwd {per_call:.3f} ms, {len(rows)} launches; the last call in order:")
+        for name, d in rows:
             if name.startswith("kernel_cutlass_kernel"):  # ours: the module's kernel name follows the prefix
                 name = "cutedsl " + name[len("kernel_cutlass_kernel"):][:40] + " ... " + name[-40:]
-            print(f"  {d / 1e3:8.3f} ms {100 * d * args.iters / total:5.1f}%  {name[:110]}")
+            print(f"  {d:8.3f} ms {100 * d / per_call:5.1f}%  {name[:110]}")
         t_ours = bench(ours, 5, 20)
         line = f"  whole fwd+bwd: ours {t_ours:.3f} ms"
         for pname, fn in peers.items():

@@ -17,36 +17,16 @@ import statistics
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
 from benchmarks.bench_swiglu_mlp import eager  # noqa: E402
-from benchmarks.common import bench  # noqa: E402
+from benchmarks.common import bench, kernels_of_last_call  # noqa: E402
 from cudnn_train import last_path  # noqa: E402
 from cudnn_train.fused.swiglu_mlp import swiglu_mlp  # noqa: E402
 from cudnn_train.kernels import gemm_sm90 as gk  # noqa: E402
 
 SHAPES = [(16384, 4096, 12288), (8192, 5120, 17408)]
 EPILOGUES = {"tma": None, "direct": {"tma_store": False}}
-
-
-def kernels_of_one_call(fn, iters: int = 2):
-    """[(name, ms)] of the last of ``iters`` profiled calls, and the mean kernel time per call."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kern.sort(key=lambda e: e.time_range.start)
-    dur = [(getattr(e, "device_time_total", None) or e.cuda_time_total) / 1e3 for e in kern]
-    per = len(kern) // iters
-    names = []
-    for e in kern[-per:]:
-        n = e.name
-        if n.startswith("kernel_cutlass_kernel"):
-            n = "cutedsl gemm_sm90"
-        names.append(n[:90])
-    return list(zip(names, dur[-per:])), sum(dur) / iters
 
 
 def clocks() -> str:
@@ -89,12 +69,12 @@ def main() -> int:
             try:
                 fn()
                 torch.cuda.synchronize()
-                rows, ksum[name] = kernels_of_one_call(fn)
+                rows, ksum[name] = kernels_of_last_call(fn)
                 if name.startswith("ours"):
                     print(f"{name}: {last_path('swiglu_mlp')} / {last_path('swiglu_mlp_bwd')}")
                 print(f"{name}: {len(rows)} kernels, {ksum[name]:.3f} ms of kernel time per call")
                 for kn, d in rows:
-                    print(f"   {d:8.3f} ms  {kn}")
+                    print(f"   {d:8.3f} ms  {'cutedsl gemm_sm90' if kn.startswith('kernel_cutlass_kernel') else kn[:90]}")
             finally:
                 gk._CONFIG_OVERRIDE = None
         for _ in range(max(1, args.rounds)):  # interleaved: drift of the machine hits every implementation alike
