@@ -13,6 +13,7 @@
 #                                   # forward, per-phase cycles; GDN_TIER=0 skips the tier; GDN_S / TIME_S
 #                                   # limits, SHAPES=N)
 #   bash tools/gpu_next.sh gdn_bwd  # the backward kernel tiers + the forward's chunk-state cases, then gdn_prof
+#   bash tools/gpu_next.sh dchunk   # the stage-3 kernel's tier, then tools/time_gdn_dchunk.py (one vs two warpgroups)
 #   bash tools/gpu_next.sh gdn_prof # the opt-in training path's kernels under torch.profiler, then vs FLA
 #   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call (bench_rms: ROUNDS=N, after
 #                                   # tools/diag_autograd.py; bench_gdn: SHAPES=N, SKIP=rows,
@@ -95,6 +96,13 @@ gdn_bwd)
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/gdn_bwd.log | tail -12
   timeout -k 10 ${PROF_S:-200} python3 tools/prof_gdn_train.py --shapes ${SHAPES:-2} > $OUT/prof_gdn_train.log 2>&1
   echo "prof rc=$?"; grep -E "B[0-9]|kernel time|cutedsl|whole" $OUT/prof_gdn_train.log | cut -c1-120 ;;
+dchunk)
+  # the stage-3 kernel: its tier (both warpgroup counts at K = 128), then alone, one vs two warpgroups
+  timeout -k 10 ${GDN_S:-200} $P -n 8 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py > $OUT/dchunk.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -E " (FAILED|ERROR) |passed|failed" $OUT/dchunk.log | tail -12
+  timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes ${SHAPES:-2} > $OUT/time_dchunk.log 2>&1
+  echo "time rc=$?"; cut -c1-200 $OUT/time_dchunk.log ;;
 gdn_prof)
   # where the opt-in training path's time goes: kernels under torch.profiler, then the whole call vs FLA
   timeout -k 10 ${PROF_S:-300} python3 tools/prof_gdn_train.py --shapes ${SHAPES:-2} > $OUT/prof_gdn_train.log 2>&1
@@ -108,5 +116,5 @@ save_caches)
     tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
   fi
   ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
 esac

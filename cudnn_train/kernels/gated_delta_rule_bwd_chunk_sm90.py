@@ -48,21 +48,27 @@ from . import gated_delta_rule_common_sm90 as cm
 from . import gated_delta_rule_fwd_sm90 as fwd
 
 CHUNK = cm.CHUNK
-THREADS = cm.THREADS
 _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
-def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
+def warpgroups(K: int) -> int:
+    """Warpgroups per CTA: two split every product's N at K = V = 128; at 64 a half of N (32) would
+    cut an MN-major operand inside its 128-byte swizzle atom, so one warpgroup works alone."""
+    return 2 if K == 128 else 1
+
+
+def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
 
     C = CHUNK
+    THREADS = 128 * WGS
     LOG2E = cm.LOG2E
-    load_tiles = fwd._make_load_tiles(C)
-    load_rows = fwd._make_load_tiles(K)  # [K, V] state tiles
+    load_tiles = fwd._make_load_tiles(C, THREADS)
+    load_rows = fwd._make_load_tiles(K, THREADS)  # [K, V] state tiles
     gemm = cm.make_gemm()
-    solve = cm.make_solve()
+    solve = cm.make_solve(THREADS)
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     locate = cm.make_chunk_locator(varlen)
 
@@ -91,7 +97,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
     @cute.jit
     def row_sums(vals: cute.Tensor, cAcc: cute.Tensor, sOut: cute.Tensor, groups: cutlass.Constexpr, tidx: Int32,
                  accumulate: cutlass.Constexpr):
-        # sOut[row] (+)= sum over the row of vals (a float32 tensor in an accumulator layout)
+        # sOut[wg, row] (+)= this warpgroup's part of the sum over the row of vals (a float32 tensor in
+        # an accumulator layout: the warpgroup's columns); one thread per (wg, row) writes it
+        wg = tidx // 128
         for gi in cutlass.range_constexpr(len(groups)):
             s = Float32(0.0)
             for e in cutlass.range_constexpr(len(groups[gi])):
@@ -101,9 +109,17 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
             if tidx % 4 == 0:
                 r, _ = cAcc[groups[gi][0]]
                 if cutlass.const_expr(accumulate):
-                    sOut[r] = sOut[r] + s
+                    sOut[wg, r] = sOut[wg, r] + s
                 else:
-                    sOut[r] = s
+                    sOut[wg, r] = s
+
+    @cute.jit
+    def wg_sum(sX: cute.Tensor, r: Int32):
+        # the warpgroups' parts of row r of a per-warpgroup buffer, summed in a fixed order
+        s = sX[0, r]
+        for w_ in cutlass.range_constexpr(1, WGS):
+            s = s + sX[w_, r]
+        return s
 
     @cute.jit
     def acc_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor, negate: cutlass.Constexpr):
@@ -139,7 +155,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
         cute.arch.sync_threads()
         for e in cutlass.range_constexpr(cute.size(acc)):
             i, d = cAcc[e]
-            acc[e] = sR[i] * (acc[e] - sY[i, d].to(Float32) * sRow[i])
+            acc[e] = sR[i] * (acc[e] - sY[i, d].to(Float32) * wg_sum(sRow, i))
 
     @cute.kernel
     def kernel(
@@ -154,16 +170,17 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
 
         # ---- the MMAs: name = (N, A MN-major, B MN-major); accumulators of one N share a layout
         def mma(n, a_mn, b_mn):
-            return cm.make_mma(dtype, n, a_regs=False, b_mn_major=b_mn, a_mn_major=a_mn)
+            return cm.make_mma(dtype, n, a_regs=False, b_mn_major=b_mn, a_mn_major=a_mn, wgs=WGS)
 
         mma_cc = mma(C, False, False)  # canonical [C, C] accumulator
         mma_ck = mma(K, False, False)  # canonical [C, K]
         mma_cv = mma(V, False, False)  # canonical [C, V]
-        grp_cc = cm.quad_row_groups(mma_cc, (C, C))
-        grp_ck = cm.quad_row_groups(mma_ck, (C, K))
-        grp_cv = cm.quad_row_groups(mma_cv, (C, V))
-        cm.check_acc_pairs(mma_ck, (C, K))
-        cm.check_acc_pairs(mma_cv, (C, V))
+        threads = cm.sample_threads(WGS)
+        grp_cc = cm.quad_row_groups(mma_cc, (C, C), threads, WGS)
+        grp_ck = cm.quad_row_groups(mma_ck, (C, K), threads, WGS)
+        grp_cv = cm.quad_row_groups(mma_cv, (C, V), threads, WGS)
+        cm.check_acc_pairs(mma_ck, (C, K), threads)
+        cm.check_acc_pairs(mma_cv, (C, V), threads)
 
         smem = cutlass.utils.SmemAllocator()
         sQ = cm.alloc_tile(smem, dtype, C, K)
@@ -175,20 +192,21 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
         sS = cm.alloc_tile(smem, dtype, K, V)  # Sc, then dH
         sTm = cm.alloc_tile(smem, dtype, C, C)
         sX1 = cm.alloc_tile(smem, dtype, C, C)  # dQK, then dKK + dKK^T
-        sX2 = cm.alloc_tile(smem, dtype, C, C)  # dTm, then Tm^T dTm
+        sX2 = cm.alloc_tile(smem, dtype, C, C)  # dTm^T, then Tm^T dTm
         lf = cute.make_layout((C, C), stride=(cm.A_STRIDE, 1))
         sA = smem.allocate_tensor(Float32, lf, 16)  # A, then the pair-sum terms
         sT = smem.allocate_tensor(Float32, lf, 16)  # T, then dKK
         sM = smem.allocate_tensor(Float32, lf, 16)  # solve scratch, then Ae
         sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sB = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
-        sDgc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # row terms of dgc
-        sDb = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # row terms of dbeta
-        sKdt = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        lw = cute.make_layout((WGS, C), stride=(C, 1))  # one row of C per warpgroup: its part of a row sum
+        sDgc = smem.allocate_tensor(Float32, lw, 16)  # row terms of dgc
+        sDb = smem.allocate_tensor(Float32, lw, 16)  # row terms of dbeta
+        sKdt = smem.allocate_tensor(Float32, lw, 16)
         sRed = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), 16)
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # l2norm row factors of q, k
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
-        sRow = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # the l2norm backward's row sums
+        sRow = smem.allocate_tensor(Float32, lw, 16)  # the l2norm backward's row sums
         sDw = sDo
 
         thr_cc = mma_cc.get_slice(tidx)
@@ -208,7 +226,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
             return cute.make_rmem_tensor(thr_cv.partition_shape_C((C, V)), Float32)
 
         def mm(acc, n, a_tile, a_mn, b_tile, b_mn, zero):
-            # acc (+)= A B on one warpgroup; A [64, k] / B [n, k] as views of smem tiles
+            # acc (+)= A B, each warpgroup its columns; A [64, k] / B [n, k] as views of smem tiles
             m = mma(n, a_mn, b_mn)
             thr = m.get_slice(tidx)
             gemm(m, acc, m.make_fragment_A(thr.partition_A(a_tile)), m.make_fragment_B(thr.partition_B(b_tile)), zero)
@@ -237,21 +255,23 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
             if tidx < length:
                 bval = mB[b, t0 + tidx, hv]
             sB[tidx] = bval
-            sDgc[tidx] = Float32(0.0)
-            sDb[tidx] = Float32(0.0)
+            for w_ in cutlass.range_constexpr(WGS):
+                sDgc[w_, tidx] = Float32(0.0)
+                sDb[w_, tidx] = Float32(0.0)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         glast = sGc[C - 1]
         if cutlass.const_expr(l2norm):  # q, k -> their l2-normalized rows, in place (input dtype)
             if tidx < C:
                 sRq[tidx] = row_inv_norm(sQ, tidx)
-            else:
+            elif tidx < 2 * C:
                 sRk[tidx - C] = row_inv_norm(sK, tidx - C)
             cute.arch.sync_threads()
-            nr = tidx // 2  # two threads a row, half a row each
+            TPR = THREADS // C  # threads a row, 1 / TPR of a row each
+            nr = tidx // TPR
             tiles = ((sQ, sRq), (sK, sRk))
-            for vc in cutlass.range_constexpr(K // 16):
-                c = (tidx % 2) * (K // 16) + vc
+            for vc in cutlass.range_constexpr(K // 8 // TPR):
+                c = (tidx % TPR) * (K // 8 // TPR) + vc
                 for w_ in cutlass.range_constexpr(2):
                     sX, sR = tiles[w_]
                     frag = cute.make_rmem_tensor((1, 8), dtype)
@@ -401,12 +421,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
         for e in cutlass.range_constexpr(cute.size(accX1)):
             i, j = cCC[e]
             bj = sB[j]
-            sX2[i, j] = (accX1[e] * bj * cute.math.exp2(sGc[j] * LOG2E, fastmath=True) + accX2[e] * bj).to(dtype)
+            sX2[j, i] = (accX1[e] * bj * cute.math.exp2(sGc[j] * LOG2E, fastmath=True) + accX2[e] * bj).to(dtype)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         # ---- M1 = Tm^T dTm -> sX2 ; dA = -strictly_lower(M1 Tm^T)
         accM1 = acc_cc()
-        mm(accM1, C, tv(sTm), True, tv(sX2), True, True)  # B [N = c, K = j]: dTm [j, c] MN-major
+        mm(accM1, C, tv(sTm), True, sX2, False, True)  # B [N = c, K = j]: dTm^T [c, j] K-major
         done()
         cute.arch.sync_threads()
         acc_to_tile(accM1, cCC, sX2, False)
@@ -450,27 +470,27 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
             ps = Float32(0.0)
             for j in cutlass.range_constexpr(C):
                 ps = ps + sA[i, j] - sA[j, i]
-            sDgc[i] = sDgc[i] + ps - sKdt[i]
+            sDgc[0, i] = wg_sum(sDgc, i) + ps - wg_sum(sKdt, i)
         cute.arch.sync_threads()
         if tidx == 0:
             tail = Float32(0.0)
             for i in cutlass.range_constexpr(C):
-                tail = tail + sKdt[i]
+                tail = tail + wg_sum(sKdt, i)
             sc_dh = Float32(0.0)
             for w_ in cutlass.range_constexpr(THREADS // 32):
                 sc_dh = sc_dh + sRed[w_]
             run = Float32(0.0)
             for r in cutlass.range_constexpr(C):
                 i = C - 1 - r
-                x = sDgc[i]
+                x = sDgc[0, i]
                 if cutlass.const_expr(r == 0):
                     x = x + tail + sc_dh * cute.math.exp2(glast * LOG2E, fastmath=True)
                 run = run + x
-                sDgc[i] = run
+                sDgc[0, i] = run
         cute.arch.sync_threads()
         if tidx < length:
-            mDg[b, t0 + tidx, hv] = sDgc[tidx]
-            mDb[b, t0 + tidx, hv] = sDb[tidx]
+            mDg[b, t0 + tidx, hv] = sDgc[0, tidx]
+            mDb[b, t0 + tidx, hv] = wg_sum(sDb, tidx)
 
     @cute.jit
     def host(
@@ -479,7 +499,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
         mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
         scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32, stream,
     ):
-        _static_checks(dtype, K, V)
+        _static_checks(dtype, K, V, WGS)
         HV = mV.shape[2]
         kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T, NT, nseq,
                group).launch(
@@ -496,45 +516,50 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool):
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
 
-def _static_checks(dtype, K: int, V: int) -> None:
+def _static_checks(dtype, K: int, V: int, wgs: int) -> None:
     """Layout facts the kernel relies on, asserted while tracing (no GPU needed)."""
     if K != V:
         raise AssertionError("the dw tile reuses the do tile: K == V")
     for rows, cols in ((CHUNK, K), (CHUNK, V), (CHUNK, CHUNK), (K, V)):
         cm.check_mn_major_view(dtype, rows, cols)
+    threads = cm.sample_threads(wgs)
     for n in (CHUNK, K, V):
-        base = cm.make_mma(dtype, n, False, False)
+        base = cm.make_mma(dtype, n, False, False, wgs=wgs)
         for a_mn in (False, True):
             for b_mn in (False, True):
-                cm.check_same_acc_layout(base, cm.make_mma(dtype, n, False, b_mn, a_mn), (64, n))
+                cm.check_same_acc_layout(base, cm.make_mma(dtype, n, False, b_mn, a_mn, wgs), (64, n), threads)
     # the row sums of every layout update a row from one and the same thread (lane 0 of its quad)
     _, cute = kc.import_cute()
-    for t in cm.SAMPLE_THREADS:
+    for t in threads:
         rows = set()
         for n in (CHUNK, K, V):
-            c = cm.make_mma(dtype, n, False, False).get_slice(t).partition_C(cute.make_identity_tensor((64, n)))
+            mma = cm.make_mma(dtype, n, False, False, wgs=wgs)
+            c = mma.get_slice(t).partition_C(cute.make_identity_tensor((64, n)))
             rows.add(frozenset(tuple(c[e])[0] for e in range(cute.size(c))))
         if len(rows) != 1:
             raise AssertionError(f"thread {t} holds different rows in the [64, N] accumulators")
 
 
-def get_dchunk_kernel(dtype, K, V, varlen, l2norm):
-    key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm))
+def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None):
+    wgs = warpgroups(K) if wgs is None else wgs
+    key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs)
 
     def build():
-        return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm)
+        return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs)
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
 
-def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False):
+def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
+                wgs: int | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
     ``[B, T, HV]`` float32 (the in-chunk cumulative log decay and the effective beta), hs and dH
     chunk rows ``[rows, HV, K, V]`` in the input dtype (as the training forward and the reverse
     sweep write them). Returns ``(dq, dk, dv, dg, dbeta)``, float32 but dv (input dtype); dq and dk
-    per value head ``[B, T, HV, K]`` (the caller sums them over a GVA group)."""
+    per value head ``[B, T, HV, K]`` (the caller sums them over a GVA group). ``wgs``: warpgroups
+    per CTA (default :func:`warpgroups`; 1 at K = 128 is the one-warpgroup kernel, for comparison)."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -581,6 +606,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     db = new(B, T, HV, dtype=torch.float32, device=dev)
     if T == 0 or nseq == 0:
         return dq, dk, dv, dg, db
-    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm)
+    if wgs not in (None, 1, warpgroups(K)):
+        raise Unsupported(f"wgs={wgs} at K={K}")
+    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs)
     fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid)
     return dq, dk, dv, dg, db

@@ -135,6 +135,11 @@ def check_mn_major_view(dtype, rows: int, cols: int) -> None:
 SAMPLE_THREADS = (0, 1, 2, 3, 4, 7, 8, 16, 31, 32, 45, 63, 64, 97, 127)
 
 
+def sample_threads(wgs: int = 1):
+    """The sampled threads of every warpgroup of a ``wgs``-warpgroup CTA (the layout checks' threads)."""
+    return tuple(128 * w + t for w in range(wgs) for t in SAMPLE_THREADS)
+
+
 def check_acc_pairs(mma, shape_mn, threads=SAMPLE_THREADS) -> None:
     """Assert that accumulator elements (2e, 2e+1) are columns (n, n+1), n even, of one row:
     the stores of paired elements rely on it."""
@@ -172,9 +177,11 @@ def acc_to_frag_map(mma_c, shape_mn, mma_a, shape_mk, threads=SAMPLE_THREADS):
     return tuple(ref)
 
 
-def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool, a_mn_major: bool = False):
-    """WGMMA tiled MMA, M = 64 (one warpgroup), N = ``n``, fp32 accumulators; A K-major (MN-major
-    with ``a_mn_major``, only from shared memory: the transposed view of a row-major tile)."""
+def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool, a_mn_major: bool = False, wgs: int = 1):
+    """WGMMA tiled MMA, M = 64, N = ``n``, fp32 accumulators; A K-major (MN-major with
+    ``a_mn_major``, only from shared memory: the transposed view of a row-major tile). With
+    ``wgs`` warpgroups they split N: warpgroup w computes columns ``[w n / wgs, (w + 1) n / wgs)``
+    from the whole A and its slice of B (a thread's slice of the MMA follows from its index)."""
     _, cute = kc.import_cute()
     from cutlass import Float32
     from cutlass.cute.nvgpu import warpgroup
@@ -190,8 +197,8 @@ def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool, a_mn_major: bool 
         MN if a_mn_major else K,
         MN if b_mn_major else K,
         Float32,
-        (1, 1, 1),
-        tiler_mn=(64, n),
+        (1, wgs, 1),
+        tiler_mn=(64, n // wgs),
         a_source=warpgroup.OperandSource.RMEM if a_regs else warpgroup.OperandSource.SMEM,
     )
 
@@ -300,9 +307,10 @@ def make_store_p(dtype, l2norm: bool):
 A_STRIDE = CHUNK + 4  # float32 row stride of C x C tiles: 16-byte rows, broadcast reads
 
 
-def make_solve():
+def make_solve(threads: int = THREADS):
     """``solve(sA, sT, sM, tidx)``: ``T = (I + A)^-1`` of a strictly lower 64 x 64 float32 smem
-    tile (row stride ``A_STRIDE``) into the lower blocks of ``sT`` (``sM``: scratch), on CUDA cores."""
+    tile (row stride ``A_STRIDE``) into the lower blocks of ``sT`` (``sM``: scratch), on CUDA cores,
+    by the CTA's ``threads`` threads (128 or 256; it synchronizes the whole CTA)."""
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
 
@@ -330,7 +338,7 @@ def make_solve():
                 x.append(s)
             for i in cutlass.range_constexpr(16):
                 sT[o + i, o + c] = x[i]
-        else:
+        elif tidx < 2 * C:
             # the zero blocks above the diagonal inside each 32-block, read by the 32 -> 64 merge
             t = tidx - C
             c = t % 16
@@ -345,7 +353,7 @@ def make_solve():
         # for each (dr, dc, lr, lc, rr, rc) in blocks: D[dr:+S, dc:+S] = (-1 if negate) L[lr:+S, lc:+S] @ R[rr:+S, rc:+S]
         # threads split evenly over the blocks; a thread owns one column and S / row_groups rows
         NB = len(blocks)
-        TPB = THREADS // NB
+        TPB = threads // NB
         RG = TPB // S
         RPT = S // RG
         for bi in cutlass.range_constexpr(NB):
@@ -460,11 +468,12 @@ def make_seq_locator(varlen: bool):
     return locate_seq
 
 
-def quad_row_groups(mma, shape_mn, threads=SAMPLE_THREADS):
+def quad_row_groups(mma, shape_mn, threads=SAMPLE_THREADS, wgs: int = 1):
     """The accumulator elements of one thread grouped by row: ``((e, ...), ...)``, the same for
     every thread. Asserts that the four lanes ``t ^ 0..3`` of a quad hold the same rows with
-    disjoint columns covering the row, so a row sum is the group's sum plus two butterfly
-    shuffles (offsets 1 and 2), after which every lane of the quad holds it."""
+    disjoint columns covering the row (its warpgroup's ``1 / wgs`` of the row when ``wgs``
+    warpgroups split N), so a row sum is the group's sum plus two butterfly shuffles (offsets 1
+    and 2), after which every lane of the quad holds it."""
     _, cute = kc.import_cute()
     ref = None
     for t in threads:
@@ -488,6 +497,6 @@ def quad_row_groups(mma, shape_mn, threads=SAMPLE_THREADS):
                     raise AssertionError(f"row {r} column {n} held twice in the quad of thread {t}")
                 cols[r].add(n)
         for r, cs in cols.items():
-            if len(cs) != shape_mn[1]:
+            if len(cs) != shape_mn[1] // wgs:
                 raise AssertionError(f"the quad of thread {t} holds {len(cs)} of {shape_mn[1]} columns of row {r}")
     return ref

@@ -142,10 +142,10 @@ def make_profile(on: bool, nphase: int):
     return start, mark, finish
 
 
-def _make_load_tiles(rows: int):
+def _make_load_tiles(rows: int, threads: int = THREADS):
     """``load_tiles(((gX, sX, cols), ...), nvalid, tidx)``: copy ``rows x cols`` tiles global -> shared.
 
-    128 threads move 16-byte vectors; rows >= nvalid are zero-filled and never read from
+    ``threads`` threads (the CTA) move 16-byte vectors; rows >= nvalid are zero-filled and never read from
     memory. Every load of the group is issued before the first shared-memory store, so the
     loads are in flight together."""
     cutlass, cute = kc.import_cute()
@@ -157,7 +157,7 @@ def _make_load_tiles(rows: int):
         for ti in cutlass.range_constexpr(len(tiles)):
             gX, sX, cols = tiles[ti]
             VPR = cols // 8
-            RPP = THREADS // VPR
+            RPP = threads // VPR
             for p in cutlass.range_constexpr(rows // RPP):
                 r = p * RPP + tidx // VPR
                 frag = cute.make_rmem_tensor((1, 8), gX.element_type)
@@ -169,7 +169,7 @@ def _make_load_tiles(rows: int):
         for ti in cutlass.range_constexpr(len(tiles)):
             gX, sX, cols = tiles[ti]
             VPR = cols // 8
-            RPP = THREADS // VPR
+            RPP = threads // VPR
             for p in cutlass.range_constexpr(rows // RPP):
                 r = p * RPP + tidx // VPR
                 cute.autovec_copy(frags[f], cute.local_tile(sX, (1, 8), (r, tidx % VPR)))

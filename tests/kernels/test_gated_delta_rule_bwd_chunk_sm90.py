@@ -78,11 +78,11 @@ def _case(B, T, HV, K, V, dtype, lens=None, H=None, l2norm=False):
     return (qx, kx, v, gc, beta, do, dvn, hs, dH, scale, cu, l2norm), want
 
 
-def _run(args, want):
+def _run(args, want, wgs=None):
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
-    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, cu_seqlens=cu, l2norm=l2)
+    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, cu_seqlens=cu, l2norm=l2, wgs=wgs)
     got = list(got)
     got[3] = got[3].unsqueeze(-1)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
@@ -96,6 +96,13 @@ def _run(args, want):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunk_gradients_match_the_torch_stage(T, dtype):
     _run(*_case(2, T, 4, 128, 128, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [65, 300])
+def test_chunk_gradients_one_warpgroup_at_128(T):
+    """The one-warpgroup kernel (the default at K = 64) at K = 128, where two warpgroups are the default."""
+    _run(*_case(2, T, 4, 128, 128, torch.bfloat16, l2norm=True), wgs=1)
 
 
 @pytest.mark.gpu

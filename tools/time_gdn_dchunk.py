@@ -1,0 +1,71 @@
+"""The GDN backward's stage-3 kernel alone (GPU machine): one warpgroup per CTA against two
+warpgroups splitting every product's N, on the same inputs.
+
+    python3 tools/time_gdn_dchunk.py [--shapes N]
+
+K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
+them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
+the two variants' outputs are compared (relative L2; they sum rows in different orders, so they are
+close, not bitwise equal). Each line: median ms of ``benchmarks.common.bench`` (L2 cleared before
+every call) and the issue's backward FLOP model (3x the forward's) per second.
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import bench
+from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+SHAPES = [(4, 4096, 16, 32), (1, 16384, 16, 32), (8, 2048, 32, 32)]
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def bwd_flops(B, T, HV, K=128, V=128, C=64):
+    return 3 * 2 * (3 * C * C * K + 2 * C * C * V + 2 * C * K * V) * B * (-(-T // C)) * HV
+
+
+def inputs(B, T, H, HV, K=128, V=128, C=64, dtype=torch.bfloat16):
+    dev = "cuda"
+    NT = -(-T // C)
+    q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    do = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    dvn = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
+    gp = F.pad(g, (0, 0, 0, NT * C - T)).view(B, NT, C, HV).cumsum(2).view(B, NT * C, HV)[:, :T]
+    beta = torch.rand(B, T, HV, device=dev)
+    hs = (torch.randn(B * NT, HV, K, V, device=dev) * 0.3).to(dtype)
+    dH = (torch.randn(B * NT, HV, K, V, device=dev) * 0.3).to(dtype)
+    return q, k, v, gp.contiguous(), beta, do, dvn, hs, dH
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", type=int, default=2)
+    args = ap.parse_args()
+    for B, T, H, HV in SHAPES[: args.shapes]:
+        x = inputs(B, T, H, HV)
+        scale = 128**-0.5
+
+        def run(wgs):
+            return B3.chunk_grads(*x, scale=scale, l2norm=True, wgs=wgs)
+
+        one, two = run(1), run(None)
+        torch.cuda.synchronize()
+        diffs = ", ".join(f"{n} {rel_l2(b, a):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), one, two))
+        print(f"B{B} T{T} H{H} HV{HV}: two warpgroups vs one: {diffs}")
+        fl = bwd_flops(B, T, HV)
+        for name, wgs in (("one warpgroup", 1), ("two warpgroups", None)):
+            ms = bench(lambda: run(wgs), warmup=10, rep=50)
+            print(f"  {name:16s} {ms:.3f} ms  {fl / ms / 1e9:.1f} TFLOP/s (backward model)")
+
+
+if __name__ == "__main__":
+    main()
