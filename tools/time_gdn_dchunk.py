@@ -1,11 +1,11 @@
-"""The GDN backward's stage-3 kernel alone (GPU machine): one warpgroup per CTA against two
-warpgroups splitting every product's N, on the same inputs.
+"""The GDN backward's stage-3 kernel alone (GPU machine): one warpgroup per CTA against two and
+four warpgroups splitting every product's N, on the same inputs.
 
     python3 tools/time_gdn_dchunk.py [--shapes N]
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
-the two variants' outputs are compared (relative L2; they sum rows in different orders, so they are
+the variants' outputs are compared with the one-warpgroup kernel's (relative L2; they sum rows in different orders, so they are
 close, not bitwise equal). Each line: median ms of ``benchmarks.common.bench`` (L2 cleared before
 every call) and the issue's backward FLOP model (3x the forward's) per second.
 """
@@ -57,12 +57,14 @@ def main():
         def run(wgs):
             return B3.chunk_grads(*x, scale=scale, l2norm=True, wgs=wgs)
 
-        one, two = run(1), run(None)
-        torch.cuda.synchronize()
-        diffs = ", ".join(f"{n} {rel_l2(b, a):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), one, two))
-        print(f"B{B} T{T} H{H} HV{HV}: two warpgroups vs one: {diffs}")
+        one = run(1)
+        for wgs in (2, 4):
+            other = run(wgs)
+            torch.cuda.synchronize()
+            diffs = ", ".join(f"{n} {rel_l2(b, a):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), one, other))
+            print(f"B{B} T{T} H{H} HV{HV}: {wgs} warpgroups vs one: {diffs}")
         fl = bwd_flops(B, T, HV)
-        for name, wgs in (("one warpgroup", 1), ("two warpgroups", None)):
+        for name, wgs in (("one warpgroup", 1), ("two warpgroups", 2), ("four warpgroups", 4)):
             ms = bench(lambda: run(wgs), warmup=10, rep=50)
             print(f"  {name:16s} {ms:.3f} ms  {fl / ms / 1e9:.1f} TFLOP/s (backward model)")
 

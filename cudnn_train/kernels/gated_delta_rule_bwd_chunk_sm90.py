@@ -1,7 +1,14 @@
 """Chunked Gated DeltaNet backward for SM90 (CuTeDSL, WGMMA): the per-chunk gradients (stage 3).
 
-``fused/delta_rule_bwd.py:chunk_grads`` is this kernel's oracle. Grid: chunk x HV, one
-warpgroup per CTA, every chunk independent. Inputs are the op's *prepared* tensors (q, k
+``fused/delta_rule_bwd.py:chunk_grads`` is this kernel's oracle. Grid: chunk x HV, every chunk
+independent; at K = V = 128 four warpgroups per CTA (:func:`warpgroups`) split the N of every
+product (each computes its columns from the whole A and its slice of B, the [C, 128] and
+[128, 128] tiles swizzled in 64-byte atoms so that a 32-column slice of an MN-major view starts
+on one), and the row sums go through one buffer per warpgroup, summed in a fixed order; at
+K = 64 one warpgroup. The kernel is latency-bound (a long chain of dependent MMA, CUDA-core and
+barrier steps for each chunk, one CTA per SM for its 204 KB of shared memory): more warps on
+the same chain is what made it faster (H200, B4 T4096 H16 HV32: 4.62 / 2.14 / 1.69 ms with one,
+two, four warpgroups). Inputs are the op's *prepared* tensors (q, k
 l2-normalized, in the input dtype, at their own heads: value head hv reads head hv // group;
 the effective log decay's in-chunk cumulative sum gc, the effective beta), the state entering
 the chunk (``Sc``, from the forward) and the reverse sweep's ``dH`` (gradient of the state
@@ -39,6 +46,7 @@ Status: compiles for sm_90a (compile tier); its GPU test
 training path's tier run it; the training path's default stage 3.
 """
 
+import os
 
 import torch
 
@@ -52,9 +60,24 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
 def warpgroups(K: int) -> int:
-    """Warpgroups per CTA: two split every product's N at K = V = 128; at 64 a half of N (32) would
-    cut an MN-major operand inside its 128-byte swizzle atom, so one warpgroup works alone."""
-    return 2 if K == 128 else 1
+    """Warpgroups per CTA: at K = V = 128 four split every product's N (``CUDNN_TRAIN_GDN_DCHUNK_WGS``
+    = 1, 2 or 4 overrides it there, for measurements; H200, B4 T4096 H16 HV32: 4.62, 2.14 and 1.69
+    ms); at K = 64 one warpgroup (more would serve it with narrower swizzles, :func:`_swizzle`, but
+    have not been measured or GPU-tested there)."""
+    if K != 128:
+        return 1
+    env = os.environ.get("CUDNN_TRAIN_GDN_DCHUNK_WGS", "").strip()
+    if env:
+        if env not in ("1", "2", "4"):
+            raise ValueError(f"CUDNN_TRAIN_GDN_DCHUNK_WGS={env!r}: expected 1, 2 or 4")
+        return int(env)
+    return 4
+
+
+def _swizzle(K: int, wgs: int) -> int:
+    """The [C, K], [C, V] and [K, V] tiles' swizzle (bytes): a warpgroup's share of an MN-major
+    product's N (K / wgs elements) must start on a swizzle atom."""
+    return 128 if K // wgs >= 64 else 64
 
 
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
@@ -64,6 +87,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
 
     C = CHUNK
     THREADS = 128 * WGS
+    SW = _swizzle(K, WGS)
     LOG2E = cm.LOG2E
     load_tiles = fwd._make_load_tiles(C, THREADS)
     load_rows = fwd._make_load_tiles(K, THREADS)  # [K, V] state tiles
@@ -183,13 +207,13 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
         cm.check_acc_pairs(mma_cv, (C, V), threads)
 
         smem = cutlass.utils.SmemAllocator()
-        sQ = cm.alloc_tile(smem, dtype, C, K)
-        sK = cm.alloc_tile(smem, dtype, C, K)
-        sV = cm.alloc_tile(smem, dtype, C, V)
-        sDo = cm.alloc_tile(smem, dtype, C, V)  # do, later dw ([C, K]: K == V)
-        sDvn = cm.alloc_tile(smem, dtype, C, V)
-        sVn = cm.alloc_tile(smem, dtype, C, V)  # Z, then vn
-        sS = cm.alloc_tile(smem, dtype, K, V)  # Sc, then dH
+        sQ = cm.alloc_tile(smem, dtype, C, K, SW)
+        sK = cm.alloc_tile(smem, dtype, C, K, SW)
+        sV = cm.alloc_tile(smem, dtype, C, V, SW)
+        sDo = cm.alloc_tile(smem, dtype, C, V, SW)  # do, later dw ([C, K]: K == V)
+        sDvn = cm.alloc_tile(smem, dtype, C, V, SW)
+        sVn = cm.alloc_tile(smem, dtype, C, V, SW)  # Z, then vn
+        sS = cm.alloc_tile(smem, dtype, K, V, SW)  # Sc, then dH
         sTm = cm.alloc_tile(smem, dtype, C, C)
         sX1 = cm.alloc_tile(smem, dtype, C, C)  # dQK, then dKK + dKK^T
         sX2 = cm.alloc_tile(smem, dtype, C, C)  # dTm^T, then Tm^T dTm
@@ -520,8 +544,9 @@ def _static_checks(dtype, K: int, V: int, wgs: int) -> None:
     """Layout facts the kernel relies on, asserted while tracing (no GPU needed)."""
     if K != V:
         raise AssertionError("the dw tile reuses the do tile: K == V")
-    for rows, cols in ((CHUNK, K), (CHUNK, V), (CHUNK, CHUNK), (K, V)):
-        cm.check_mn_major_view(dtype, rows, cols)
+    for rows, cols in ((CHUNK, K), (CHUNK, V), (K, V)):
+        cm.check_mn_major_view(dtype, rows, cols, _swizzle(K, wgs))
+    cm.check_mn_major_view(dtype, CHUNK, CHUNK)
     threads = cm.sample_threads(wgs)
     for n in (CHUNK, K, V):
         base = cm.make_mma(dtype, n, False, False, wgs=wgs)
@@ -606,7 +631,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     db = new(B, T, HV, dtype=torch.float32, device=dev)
     if T == 0 or nseq == 0:
         return dq, dk, dv, dg, db
-    if wgs not in (None, 1, warpgroups(K)):
+    if wgs not in (None, 1) and not (K == 128 and wgs in (2, 4)):
         raise Unsupported(f"wgs={wgs} at K={K}")
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs)
     fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid)

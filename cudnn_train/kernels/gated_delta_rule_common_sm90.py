@@ -78,13 +78,15 @@ def check_index_range(name: str, t: torch.Tensor) -> None:
 # (only call these while tracing a cute.jit / cute.kernel function)
 
 
-def smem_tile_layout(dtype, rows: int, cols: int):
-    """Swizzled ``[rows, cols]`` smem layout, ``cols`` contiguous: a K-major GMMA operand tile."""
+def smem_tile_layout(dtype, rows: int, cols: int, max_swizzle: int = 128):
+    """Swizzled ``[rows, cols]`` smem layout, ``cols`` contiguous: a K-major GMMA operand tile.
+    The swizzle spans ``max_swizzle`` bytes at most (64: an MN-major view can be cut into
+    32-element halves of 16-bit data without cutting a swizzle atom)."""
     _, cute = kc.import_cute()
     from cutlass.cute.nvgpu import warpgroup
 
     bits = cols * dtype.width
-    if bits % 1024 == 0:
+    if bits % 1024 == 0 and max_swizzle >= 128:
         kind = warpgroup.SmemLayoutAtomKind.K_SW128
     elif bits % 512 == 0:
         kind = warpgroup.SmemLayoutAtomKind.K_SW64
@@ -96,9 +98,9 @@ def smem_tile_layout(dtype, rows: int, cols: int):
     return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
 
 
-def alloc_tile(smem, dtype, rows: int, cols: int):
+def alloc_tile(smem, dtype, rows: int, cols: int, max_swizzle: int = 128):
     """A swizzled ``[rows, cols]`` operand tile (:func:`smem_tile_layout`) from an ``SmemAllocator``."""
-    lay = smem_tile_layout(dtype, rows, cols)
+    lay = smem_tile_layout(dtype, rows, cols, max_swizzle)
     return smem.allocate_tensor(dtype, lay.outer, 1024, lay.inner)
 
 
@@ -108,17 +110,18 @@ def transpose_view(t):
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
 
 
-def check_mn_major_view(dtype, rows: int, cols: int) -> None:
-    """Assert that the transposed view of ``smem_tile_layout(rows, cols)`` is the canonical
-    MN-major GMMA layout of a ``[cols (MN), rows (K)]`` operand, offset by offset."""
+def check_mn_major_view(dtype, rows: int, cols: int, max_swizzle: int = 128) -> None:
+    """Assert that the transposed view of ``smem_tile_layout(rows, cols, max_swizzle)`` is the
+    canonical MN-major GMMA layout of a ``[cols (MN), rows (K)]`` operand, offset by offset."""
     _, cute = kc.import_cute()
     from cutlass.cute.nvgpu import warpgroup
 
-    kmaj = smem_tile_layout(dtype, rows, cols)
+    kmaj = smem_tile_layout(dtype, rows, cols, max_swizzle)
     bits = cols * dtype.width
     kind = {1024: warpgroup.SmemLayoutAtomKind.MN_SW128, 512: warpgroup.SmemLayoutAtomKind.MN_SW64,
             256: warpgroup.SmemLayoutAtomKind.MN_SW32}
-    k = next((kind[b] for b in (1024, 512, 256) if bits % b == 0), warpgroup.SmemLayoutAtomKind.MN_INTER)
+    sizes = tuple(b for b in (1024, 512, 256) if b <= 8 * max_swizzle)
+    k = next((kind[b] for b in sizes if bits % b == 0), warpgroup.SmemLayoutAtomKind.MN_INTER)
     atom = warpgroup.make_smem_layout_atom(k, dtype)
     mn = cute.tile_to_shape(atom, (cols, rows), order=(1, 0))
     if str(kmaj.inner) != str(mn.inner):

@@ -99,10 +99,16 @@ def test_chunk_gradients_match_the_torch_stage(T, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("wgs", [1, 2, 4])
 @pytest.mark.parametrize("T", [65, 300])
-def test_chunk_gradients_one_warpgroup_at_128(T):
-    """The one-warpgroup kernel (the default at K = 64) at K = 128, where two warpgroups are the default."""
-    _run(*_case(2, T, 4, 128, 128, torch.bfloat16, l2norm=True), wgs=1)
+def test_chunk_gradients_every_warpgroup_count_at_128(T, wgs):
+    """One, two and four warpgroups splitting N at K = 128 (one is the default at K = 64)."""
+    _run(*_case(2, T, 4, 128, 128, torch.bfloat16, l2norm=True), wgs=wgs)
+
+
+@pytest.mark.gpu
+def test_chunk_gradients_four_warpgroups_varlen_gva():
+    _run(*_case(1, 1 + 63 + 130 + 64 + 0 + 7, 4, 128, 128, torch.float16, lens=[1, 63, 130, 64, 0, 7], H=2), wgs=4)
 
 
 @pytest.mark.gpu
