@@ -1,14 +1,16 @@
 """Chunked Gated DeltaNet backward for SM90 (CuTeDSL, WGMMA): the per-chunk gradients (stage 3).
 
 ``fused/delta_rule_bwd.py:chunk_grads`` is this kernel's oracle. Grid: chunk x HV, every chunk
-independent; at K = V = 128 four warpgroups per CTA (:func:`warpgroups`) split the N of every
-product (each computes its columns from the whole A and its slice of B, the [C, 128] and
-[128, 128] tiles swizzled in 64-byte atoms so that a 32-column slice of an MN-major view starts
-on one), and the row sums go through one buffer per warpgroup, summed in a fixed order; at
-K = 64 one warpgroup. The kernel is latency-bound (a long chain of dependent MMA, CUDA-core and
-barrier steps for each chunk, one CTA per SM for its 204 KB of shared memory): more warps on
-the same chain is what made it faster (H200, B4 T4096 H16 HV32: 4.62 / 2.14 / 1.69 ms with one,
-two, four warpgroups). Inputs are the op's *prepared* tensors (q, k
+independent; at K = V = 128 two warpgroups per CTA (:func:`warpgroups`; four can be asked for)
+split the N of every product (each computes its columns from the whole A and its slice of B; at
+four the [C, 128] and [128, 128] tiles are swizzled in 64-byte atoms so that a 32-column slice of
+an MN-major view starts on one), and the row sums go through one buffer per warpgroup, summed in
+a fixed order; at K = 64 one warpgroup. The kernel is latency-bound (a long chain of dependent
+MMA, CUDA-core and barrier steps for each chunk, one CTA per SM for its 204 KB of shared
+memory): more warps on the same chain, and the end's dg pair sums and reverse cumulative sum
+spread over every thread and one warp's shuffles instead of 64 threads and one, made it faster
+(H200, B4 T4096 H16 HV32: 4.62 ms on one warpgroup; 2.14 / 1.69 ms on two / four with the serial
+end; 1.60 / 1.73 ms with the parallel one). Inputs are the op's *prepared* tensors (q, k
 l2-normalized, in the input dtype, at their own heads: value head hv reads head hv // group;
 the effective log decay's in-chunk cumulative sum gc, the effective beta), the state entering
 the chunk (``Sc``, from the forward) and the reverse sweep's ``dH`` (gradient of the state
@@ -60,9 +62,9 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
 def warpgroups(K: int) -> int:
-    """Warpgroups per CTA: at K = V = 128 four split every product's N (``CUDNN_TRAIN_GDN_DCHUNK_WGS``
-    = 1, 2 or 4 overrides it there, for measurements; H200, B4 T4096 H16 HV32: 4.62, 2.14 and 1.69
-    ms); at K = 64 one warpgroup (more would serve it with narrower swizzles, :func:`_swizzle`, but
+    """Warpgroups per CTA: at K = V = 128 two split every product's N (``CUDNN_TRAIN_GDN_DCHUNK_WGS``
+    = 1, 2 or 4 overrides it there, for measurements; H200, B4 T4096 H16 HV32, with the parallel
+    dg tail: 4.43, 1.60 and 1.73 ms); at K = 64 one warpgroup (more would serve it with narrower swizzles, :func:`_swizzle`, but
     have not been measured or GPU-tested there)."""
     if K != 128:
         return 1
@@ -71,7 +73,7 @@ def warpgroups(K: int) -> int:
         if env not in ("1", "2", "4"):
             raise ValueError(f"CUDNN_TRAIN_GDN_DCHUNK_WGS={env!r}: expected 1, 2 or 4")
         return int(env)
-    return 4
+    return 2
 
 
 def _swizzle(K: int, wgs: int) -> int:
@@ -177,9 +179,13 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
             tmp[e] = acc[e] * sY[i, d].to(Float32)
         row_sums(tmp, cAcc, sRow, groups, tidx, False)
         cute.arch.sync_threads()
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, d = cAcc[e]
-            acc[e] = sR[i] * (acc[e] - sY[i, d].to(Float32) * wg_sum(sRow, i))
+        for gi in cutlass.range_constexpr(len(groups)):  # row by row: its factors read once
+            i, _ = cAcc[groups[gi][0]]
+            ri = sR[i]
+            si = wg_sum(sRow, i)
+            for e in groups[gi]:
+                _, d = cAcc[e]
+                acc[e] = ri * (acc[e] - sY[i, d].to(Float32) * si)
 
     @cute.kernel
     def kernel(
@@ -311,27 +317,39 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
         mm(accKK, C, sK, False, sK, False, True)
         mm(accY, V, sK, False, tv(sS), True, True)  # B [N = v, K = d]: Sc [d, v] MN-major
         done()
-        for e in cutlass.range_constexpr(cute.size(accKK)):
-            i, j = cCC[e]
-            a = Float32(0.0)
-            if i > j:
-                a = accKK[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
-            sA[i, j] = sB[i] * a
+        # (the elementwise loops below go row by row of the thread's accumulator elements, so that
+        # the per-row factors are read and exponentiated once a row)
+        for gi in cutlass.range_constexpr(len(grp_cc)):
+            i, _ = cCC[grp_cc[gi][0]]
+            gi_ = sGc[i]
+            bi = sB[i]
+            for e in grp_cc[gi]:
+                _, j = cCC[e]
+                a = Float32(0.0)
+                if i > j:
+                    a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
+                sA[i, j] = bi * a
         # Z = diag(beta) v - diag(beta eg) k Sc  -> sVn
-        for e in cutlass.range_constexpr(cute.size(accY)):
-            i, n = cCV[e]
+        for gi in cutlass.range_constexpr(len(grp_cv)):
+            i, _ = cCV[grp_cv[gi][0]]
             eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-            sVn[i, n] = (sB[i] * (sV[i, n].to(Float32) - eg * accY[e])).to(dtype)
+            bi = sB[i]
+            for e in grp_cv[gi]:
+                _, n = cCV[e]
+                sVn[i, n] = (bi * (sV[i, n].to(Float32) - eg * accY[e])).to(dtype)
         cute.arch.sync_threads()
 
         # ---- Tm = (I + A)^-1 ; Ae -> sM (after the solve is done with its scratch)
         solve(sA, sT, sM, tidx)
-        for e in cutlass.range_constexpr(cute.size(accKK)):
-            i, j = cCC[e]
-            a = Float32(0.0)
-            if i > j:
-                a = accKK[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
-            sM[i, j] = a
+        for gi in cutlass.range_constexpr(len(grp_cc)):
+            i, _ = cCC[grp_cc[gi][0]]
+            gi_ = sGc[i]
+            for e in grp_cc[gi]:
+                _, j = cCC[e]
+                a = Float32(0.0)
+                if i > j:
+                    a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
+                sM[i, j] = a
         for q in cutlass.range_constexpr(C * C // THREADS):
             idx = q * THREADS + tidx
             i = idx // C
@@ -368,13 +386,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
             sX1[i, j] = dqk.to(dtype)
             sA[i, j] = dqk * accQK[e]  # dP * P
         # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
-        for e in cutlass.range_constexpr(cute.size(accDq)):
-            i, d = cCK[e]
-            accDq[e] = accDq[e] * (scale * cute.math.exp2(sGc[i] * LOG2E, fastmath=True))
         tmp = acc_ck()  # one scratch array for every row-sum operand below
-        for e in cutlass.range_constexpr(cute.size(accDq)):
-            i, d = cCK[e]
-            tmp[e] = accDq[e] * sQ[i, d].to(Float32)
+        for gi in cutlass.range_constexpr(len(grp_ck)):
+            i, _ = cCK[grp_ck[gi][0]]
+            f = scale * cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+            for e in grp_ck[gi]:
+                _, d = cCK[e]
+                accDq[e] = accDq[e] * f
+                tmp[e] = accDq[e] * sQ[i, d].to(Float32)
         row_sums(tmp, cCK, sDgc, grp_ck, tidx, True)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
@@ -403,36 +422,45 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
         accDk = acc_ck()
         mm(accDk, K, sVn, False, sS, False, True)  # B [N = d, K = v]: dH [d, v] K-major
         done()
-        for e in cutlass.range_constexpr(cute.size(accDk)):
-            i, d = cCK[e]
-            accDk[e] = accDk[e] * cute.math.exp2((glast - sGc[i]) * LOG2E, fastmath=True)
-        for e in cutlass.range_constexpr(cute.size(accDk)):
-            i, d = cCK[e]
-            tmp[e] = accDk[e] * sK[i, d].to(Float32)
+        for gi in cutlass.range_constexpr(len(grp_ck)):
+            i, _ = cCK[grp_ck[gi][0]]
+            f = cute.math.exp2((glast - sGc[i]) * LOG2E, fastmath=True)
+            for e in grp_ck[gi]:
+                _, d = cCK[e]
+                accDk[e] = accDk[e] * f
+                tmp[e] = accDk[e] * sK[i, d].to(Float32)
         row_sums(tmp, cCK, sKdt, grp_ck, tidx, False)
         mm(accDk, K, tv(sX1), True, tv(sQ), True, False)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
         # ---- dkb = Tm^T dw: dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
         accDkb = acc_ck()
         mm(accDkb, K, tv(sTm), True, tv(sDw), True, True)
         done()
-        for e in cutlass.range_constexpr(cute.size(accDkb)):
-            i, d = cCK[e]
+        for gi in cutlass.range_constexpr(len(grp_ck)):
+            i, _ = cCK[grp_ck[gi][0]]
             eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-            accDk[e] = accDk[e] + sB[i] * eg * accDkb[e]
-            accDkb[e] = accDkb[e] * sK[i, d].to(Float32) * eg
+            beg = sB[i] * eg
+            for e in grp_ck[gi]:
+                _, d = cCK[e]
+                accDk[e] = accDk[e] + beg * accDkb[e]
+                accDkb[e] = accDkb[e] * sK[i, d].to(Float32) * eg
         row_sums(accDkb, cCK, sDb, grp_ck, tidx, True)
-        for e in cutlass.range_constexpr(cute.size(accDkb)):
-            i, d = cCK[e]
-            accDkb[e] = accDkb[e] * sB[i]
+        for gi in cutlass.range_constexpr(len(grp_ck)):
+            i, _ = cCK[grp_ck[gi][0]]
+            bi = sB[i]
+            for e in grp_ck[gi]:
+                accDkb[e] = accDkb[e] * bi
         row_sums(accDkb, cCK, sDgc, grp_ck, tidx, True)
         # ---- dvb = Tm^T dvn: dv = beta dvb ; dbeta += rowsum(v dvb)
         accDvb = acc_cv()
         mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
         done()
-        for e in cutlass.range_constexpr(cute.size(accDvb)):
-            i, n = cCV[e]
-            tmp[e] = accDvb[e] * sV[i, n].to(Float32)
-            accDvb[e] = accDvb[e] * sB[i]
+        for gi in cutlass.range_constexpr(len(grp_cv)):
+            i, _ = cCV[grp_cv[gi][0]]
+            bi = sB[i]
+            for e in grp_cv[gi]:
+                _, n = cCV[e]
+                tmp[e] = accDvb[e] * sV[i, n].to(Float32)
+                accDvb[e] = accDvb[e] * bi
         row_sums(tmp, cCV, sDb, grp_cv, tidx, True)
         store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
 
@@ -460,18 +488,22 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
         mm(accDA, C, sX2, False, sTm, False, True)  # B [N = n, K = c]: Tm [n, c] K-major
         done()
         tdb = acc_cc()
-        for e in cutlass.range_constexpr(cute.size(accDA)):
-            i, j = cCC[e]
-            da = Float32(0.0)
-            ae = Float32(0.0)
-            es = Float32(0.0)
-            if i > j:
-                da = -accDA[e]
-                ae = sM[i, j]
-                es = cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
-            tdb[e] = da * ae
-            sA[i, j] = sA[i, j] + sB[i] * da * ae  # + dA * A
-            sT[i, j] = sB[i] * da * es  # dKK
+        for gi in cutlass.range_constexpr(len(grp_cc)):
+            i, _ = cCC[grp_cc[gi][0]]
+            gi_ = sGc[i]
+            bi = sB[i]
+            for e in grp_cc[gi]:
+                _, j = cCC[e]
+                da = Float32(0.0)
+                ae = Float32(0.0)
+                es = Float32(0.0)
+                if i > j:
+                    da = -accDA[e]
+                    ae = sM[i, j]
+                    es = cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
+                tdb[e] = da * ae
+                sA[i, j] = sA[i, j] + bi * da * ae  # + dA * A
+                sT[i, j] = bi * da * es  # dKK
         row_sums(tdb, cCC, sDb, grp_cc, tidx, True)  # dbeta += rowsum(dA * Ae)
         cute.arch.sync_threads()
         # dKK + dKK^T -> sX1 (dQK is no longer read)
@@ -489,28 +521,44 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
         store_rows(accDk, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
 
         # ---- dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
-        if tidx < C:
-            i = tidx
-            ps = Float32(0.0)
-            for j in cutlass.range_constexpr(C):
-                ps = ps + sA[i, j] - sA[j, i]
-            sDgc[0, i] = wg_sum(sDgc, i) + ps - wg_sum(sKdt, i)
+        # the pair sums: R adjacent threads a row, each over C / R columns, then butterfly shuffles
+        R = THREADS // C
+        pi = tidx // R
+        ps = Float32(0.0)
+        for jj in cutlass.range_constexpr(C // R):
+            j = (tidx % R) * (C // R) + jj
+            ps = ps + (sA[pi, j] - sA[j, pi])
+        for o in cutlass.range_constexpr(R.bit_length() - 1):
+            ps = ps + cute.arch.shuffle_sync_bfly(ps, offset=1 << o)
+        if tidx % R == 0:
+            kt = wg_sum(sKdt, pi)
+            sKdt[0, pi] = kt  # the row's kdt, for the tail below (only this thread reads row pi of sKdt)
+            sDgc[0, pi] = wg_sum(sDgc, pi) + ps - kt
         cute.arch.sync_threads()
-        if tidx == 0:
-            tail = Float32(0.0)
-            for i in cutlass.range_constexpr(C):
-                tail = tail + wg_sum(sKdt, i)
+        # the tail and the reverse cumulative sum on warp 0: lane l holds rows 2l and 2l + 1
+        if tidx < 32:
+            x0 = sDgc[0, 2 * tidx]
+            x1 = sDgc[0, 2 * tidx + 1]
+            tail = sKdt[0, 2 * tidx] + sKdt[0, 2 * tidx + 1]
             sc_dh = Float32(0.0)
-            for w_ in cutlass.range_constexpr(THREADS // 32):
-                sc_dh = sc_dh + sRed[w_]
-            run = Float32(0.0)
-            for r in cutlass.range_constexpr(C):
-                i = C - 1 - r
-                x = sDgc[0, i]
-                if cutlass.const_expr(r == 0):
-                    x = x + tail + sc_dh * cute.math.exp2(glast * LOG2E, fastmath=True)
-                run = run + x
-                sDgc[0, i] = run
+            if tidx < THREADS // 32:
+                sc_dh = sRed[tidx]
+            for o in cutlass.range_constexpr(5):
+                tail = tail + cute.arch.shuffle_sync_bfly(tail, offset=1 << o)
+                sc_dh = sc_dh + cute.arch.shuffle_sync_bfly(sc_dh, offset=1 << o)
+            if tidx == 31:
+                x1 = x1 + tail + sc_dh * cute.math.exp2(glast * LOG2E, fastmath=True)
+            suf = x0 + x1  # -> the sum of the pairs of lanes >= this one
+            for o in cutlass.range_constexpr(5):
+                nxt = cute.arch.shuffle_sync_down(suf, offset=1 << o)
+                if tidx + (1 << o) < 32:
+                    suf = suf + nxt
+            after = cute.arch.shuffle_sync_down(suf, offset=1)  # the pairs of the lanes after this one
+            if tidx == 31:
+                after = Float32(0.0)
+            run1 = x1 + after
+            sDgc[0, 2 * tidx + 1] = run1
+            sDgc[0, 2 * tidx] = x0 + run1
         cute.arch.sync_threads()
         if tidx < length:
             mDg[b, t0 + tidx, hv] = sDgc[0, tidx]
@@ -544,6 +592,8 @@ def _static_checks(dtype, K: int, V: int, wgs: int) -> None:
     """Layout facts the kernel relies on, asserted while tracing (no GPU needed)."""
     if K != V:
         raise AssertionError("the dw tile reuses the do tile: K == V")
+    if CHUNK != 64 or (128 * wgs) % CHUNK or 128 * wgs // 32 > 32:
+        raise AssertionError("the dgc tail: two rows a lane of one warp, every row's threads in one warp")
     for rows, cols in ((CHUNK, K), (CHUNK, V), (K, V)):
         cm.check_mn_major_view(dtype, rows, cols, _swizzle(K, wgs))
     cm.check_mn_major_view(dtype, CHUNK, CHUNK)
