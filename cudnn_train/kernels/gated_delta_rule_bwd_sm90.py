@@ -1,7 +1,8 @@
 """Chunked Gated DeltaNet backward for SM90 (CuTeDSL, WGMMA): the reverse state sweep.
 
 Stage 2 of ``fused/delta_rule_bwd.py`` (its ``reverse_sweep_ref`` is this kernel's oracle).
-Kernel ``dstate`` (grid: N x HV x V/64, one warpgroup) walks the chunks of one sequence
+Kernel ``dstate`` (grid: N x HV x V/64, one warpgroup; or two splitting the N of every
+product, ``wgs=2`` at K = 128, see below) walks the chunks of one sequence
 from the last to the first with ``dH^T`` [64 (V block), K] in float32 WGMMA accumulators,
 dH being the gradient of the state leaving the chunk (at the start: the final state's
 gradient, or zero). Per chunk, with q, k the (row-factor normalized) inputs, w and gc the
@@ -12,7 +13,11 @@ forward's WY output and cumulative gate, ``rq``/``rk`` the l2norm row factors::
 
 ``dH^T k^T`` takes dH^T in the input dtype as a register A operand (like S^T in the forward);
 ``do^T P`` and ``do_s^T q`` read do (and its row-scaled copy) as MN-major A operands from
-shared memory; ``-dvn^T`` goes back into registers as the A operand of the last product.
+shared memory; ``-dvn^T`` goes back into registers as the A operand of the last product. With two
+warpgroups each holds only its columns of dH^T and dvn^T, so those two A operands go through
+shared memory instead (one store and one barrier more a chunk), and P's tile takes 64-byte
+swizzles so that a warpgroup's 32-column half of its MN-major view starts on an atom (223
+registers, 3.0K instructions a thread against 254 and 4.1K; compiled, not yet GPU-run).
 
 Writes dvn (``[B, T, HV, V]``) and the dH of every chunk before its update (``[chunks, HV, K, V]``;
 chunk index ``b * NT + c``, or ``cu_chunks[n] + c`` with varlen), both float32 or, for the
@@ -21,8 +26,9 @@ them in), and the initial state's gradient (float32, either layout).
 
 Status: compiled by the compile tier; its GPU test
 (``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, against ``reverse_sweep_ref``: odd T, GVA,
-varlen, both state layouts) passed on the H200 (12 tests). Not registered as a backend on its
-own: the per-chunk gradient stage (stage 3) is not a kernel yet.
+varlen, both state layouts) passed on the H200 (12 tests) with one warpgroup; the two-warpgroup
+cases have not run on a GPU yet. Stage 2 of the opt-in training path
+(``gated_delta_rule_train_sm90``; ``CUDNN_TRAIN_GDN_SWEEP_WGS=2`` picks two warpgroups there).
 """
 
 
@@ -34,20 +40,21 @@ from . import gated_delta_rule_common_sm90 as cm
 from . import gated_delta_rule_fwd_sm90 as fwd
 
 CHUNK = cm.CHUNK
-THREADS = cm.THREADS
 VBLOCK = fwd.VBLOCK
 _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
-def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None):
+def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None,
+                  WGS: int = 1):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
 
     C = CHUNK
     VB = VBLOCK
+    THREADS = 128 * WGS
     LOG2E = cm.LOG2E
-    load_chunk = fwd._make_load_chunk(K, VB)
+    load_chunk = fwd._make_load_chunk(K, VB, THREADS)
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
@@ -66,17 +73,22 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         h = hv // group
         v0 = vb * VB
 
-        mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)  # q k^T        [i, j]
-        mma_x = cm.make_mma(dtype, C, a_regs=True, b_mn_major=False)  # dH^T k^T     [v, i]
-        mma_t = cm.make_mma(dtype, C, a_regs=False, b_mn_major=True, a_mn_major=True)  # do^T P  [v, j]
-        mma_q = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True, a_mn_major=True)  # do_s^T q  [v, d]
-        mma_s = cm.make_mma(dtype, K, a_regs=True, b_mn_major=True)  # dvn^T w      [v, d]
-        map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
-        map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
+        # with WGS warpgroups every product's N is split between them (make_mma(wgs=)); the two
+        # products whose A is an accumulator of the previous step (dH^T, then -dvn^T) then take it
+        # from shared memory, since a warpgroup holds only its columns of it
+        regs_a = WGS == 1
+        mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False, wgs=WGS)  # q k^T        [i, j]
+        mma_x = cm.make_mma(dtype, C, a_regs=regs_a, b_mn_major=False, wgs=WGS)  # dH^T k^T     [v, i]
+        mma_t = cm.make_mma(dtype, C, a_regs=False, b_mn_major=True, a_mn_major=True, wgs=WGS)  # do^T P  [v, j]
+        mma_q = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True, a_mn_major=True, wgs=WGS)  # do_s^T q [v, d]
+        mma_s = cm.make_mma(dtype, K, a_regs=regs_a, b_mn_major=True, wgs=WGS)  # dvn^T w      [v, d]
+        if cutlass.const_expr(regs_a):
+            map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
+            map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
 
         smem = cutlass.utils.SmemAllocator()
         lqk = cm.smem_tile_layout(dtype, C, K)
-        lp = cm.smem_tile_layout(dtype, C, C)
+        lp = cm.smem_tile_layout(dtype, C, C, 128 if WGS == 1 else 64)  # a 32-column half of P^T: on an atom
         ldo = cm.smem_tile_layout(dtype, C, VB)
         sQ = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
         sK = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
@@ -87,6 +99,9 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        if cutlass.const_expr(not regs_a):
+            sDHt = cm.alloc_tile(smem, dtype, VB, K)  # dH^T [v, d], the A of dH^T k^T
+            sVd = cm.alloc_tile(smem, dtype, VB, C)  # -dvn^T [v, i], the A of the state update
 
         thr_p = mma_p.get_slice(tidx)
         thr_x = mma_x.get_slice(tidx)
@@ -101,8 +116,12 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         tAdos = mma_q.make_fragment_A(thr_q.partition_A(cm.transpose_view(sDoS)))  # [M = v, K = i]
         tBqt = mma_q.make_fragment_B(thr_q.partition_B(cm.transpose_view(sQ)))  # [N = d, K = i]
         tBwt = mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(sW)))  # [N = d, K = i]
-        rD = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
-        rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
+        if cutlass.const_expr(regs_a):
+            rD = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
+            rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
+        else:
+            rD = mma_x.make_fragment_A(thr_x.partition_A(sDHt))
+            rVd = mma_s.make_fragment_A(thr_s.partition_A(sVd))
         cS = thr_s.partition_C(cute.make_identity_tensor((VB, K)))  # (v, d)
         cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
         cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
@@ -125,7 +144,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             if cutlass.const_expr(l2norm):
                 if tidx < C:
                     sRq[tidx] = row_inv_norm(sQ, tidx)
-                else:
+                elif tidx < 2 * C:
                     sRk[tidx - C] = row_inv_norm(sK, tidx - C)
                 cute.arch.sync_threads()
             # do_s = do diag(scale e^gc rq): the A operand of the q term of the state update
@@ -137,12 +156,17 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                 if cutlass.const_expr(l2norm):
                     coef = coef * sRq[si]
                 sDoS[si, sv] = (sDo[si, sv].to(Float32) * coef).to(dtype)
+            if cutlass.const_expr(not regs_a):  # dH^T in the input dtype, each warpgroup its columns
+                for e in cutlass.range_constexpr(cute.size(accD)):
+                    sv, sd = cS[e]
+                    sDHt[sv, sd] = accD[e].to(dtype)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
 
             # ---- dH^T k^T and q k^T
-            for f in cutlass.range_constexpr(cute.size(rD)):
-                rD[f] = accD[map_s[f]].to(dtype)
+            if cutlass.const_expr(regs_a):
+                for f in cutlass.range_constexpr(cute.size(rD)):
+                    rD[f] = accD[map_s[f]].to(dtype)
             accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
             accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
             gemm(mma_x, accX, rD, tBkx, True)  # dH^T k^T  [v, i]
@@ -172,8 +196,15 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                 xv, xi = cX[e]
                 if xi < length:
                     mDVN[b, t0 + xi, hv, v0 + xv] = accX[e].to(odt)
-            for f in cutlass.range_constexpr(cute.size(rVd)):
-                rVd[f] = (-accX[map_vd[f]]).to(dtype)
+            if cutlass.const_expr(regs_a):
+                for f in cutlass.range_constexpr(cute.size(rVd)):
+                    rVd[f] = (-accX[map_vd[f]]).to(dtype)
+            else:  # -dvn^T into shared memory for every warpgroup (the previous chunk's reads are done)
+                for e in cutlass.range_constexpr(cute.size(accX)):
+                    xv, xi = cX[e]
+                    sVd[xv, xi] = (-accX[e]).to(dtype)
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
             decay = cute.math.exp2(glast * LOG2E, fastmath=True)
             for e in cutlass.range_constexpr(cute.size(accD)):
                 accD[e] = accD[e] * decay
@@ -190,7 +221,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
         scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, stream,
     ):
-        _static_checks(dtype, K)
+        _static_checks(dtype, K, WGS)
         HV = mW.shape[2]
         kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
@@ -205,34 +236,40 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
 
-def _static_checks(dtype, K: int) -> None:
+def _static_checks(dtype, K: int, wgs: int = 1) -> None:
     """Layout facts the kernel relies on, asserted while tracing (no GPU needed)."""
     cm.check_mn_major_view(dtype, CHUNK, K)
-    cm.check_mn_major_view(dtype, CHUNK, CHUNK)
+    cm.check_mn_major_view(dtype, CHUNK, CHUNK, 128 if wgs == 1 else 64)
     cm.check_mn_major_view(dtype, CHUNK, VBLOCK)
-    cm.check_same_acc_layout(cm.make_mma(dtype, CHUNK, True, False), cm.make_mma(dtype, CHUNK, False, True, True),
-                             (64, CHUNK))
-    cm.check_same_acc_layout(cm.make_mma(dtype, K, True, True), cm.make_mma(dtype, K, False, True, True), (64, K))
+    if wgs != 1 and K // wgs < 64:
+        raise AssertionError("a warpgroup's share of an MN-major q^T / w^T must span whole 128-byte atoms")
+    regs = wgs == 1
+    th = cm.sample_threads(wgs)
+    cm.check_same_acc_layout(cm.make_mma(dtype, CHUNK, regs, False, wgs=wgs),
+                             cm.make_mma(dtype, CHUNK, False, True, True, wgs), (64, CHUNK), th)
+    cm.check_same_acc_layout(cm.make_mma(dtype, K, regs, True, wgs=wgs), cm.make_mma(dtype, K, False, True, True, wgs),
+                             (64, K), th)
 
 
-def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32):
+def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1):
     key = ("dstate", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk)) + (
-        () if out_dtype == torch.float32 else (str(out_dtype),))
+        () if out_dtype == torch.float32 else (str(out_dtype),)) + (() if wgs == 1 else (("wgs", wgs),))
 
     def build():
-        return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype))
+        return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs)
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 
 
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
-                  cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32):
+                  cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int = 1):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
     ``[chunks, HV, K, V]`` in ``out_dtype`` (float32, or the input dtype that the per-chunk
     gradient kernel reads them in), and float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
-    ``state_v_first``)."""
+    ``state_v_first``). ``wgs``: warpgroups per CTA (1; 2 at K = 128 splits every product's N,
+    not yet GPU-tested or measured)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -252,8 +289,10 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     dvn = torch.zeros(B, T, HV, V, dtype=out_dtype, device=dev)
     dH = torch.empty(total_chunks, HV, K, V, dtype=out_dtype, device=dev)
     dh0 = torch.empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
+    if wgs not in (1, 2) or (wgs == 2 and K != 128):
+        raise Unsupported(f"wgs={wgs} at K={K} (1, or 2 at K = 128)")
     fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
-                           out_dtype)
+                           out_dtype, wgs)
     if T == 0 or nseq == 0:
         if dht is None:
             dh0.zero_()

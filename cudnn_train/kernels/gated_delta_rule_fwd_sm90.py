@@ -178,15 +178,16 @@ def _make_load_tiles(rows: int, threads: int = THREADS):
     return load_tiles
 
 
-def _make_load_chunk(K: int, VB: int):
+def _make_load_chunk(K: int, VB: int, threads: int = THREADS):
     """``load_chunk(mQ, mK, mW, mX, mGc, sQ, sK, sW, sX, sGc, b, h, hv, t0, v0, length, tidx)``:
     one chunk's q, k (head h), w (value head hv), the ``[t0:, v0 : v0 + VB]`` tile of mX (u in the
-    forward, do in the backward) and gc (last valid row repeated past the end) into smem."""
+    forward, do in the backward) and gc (last valid row repeated past the end) into smem, by the
+    CTA's ``threads`` threads."""
     cutlass, cute = kc.import_cute()
     from cutlass import Int32
 
     C = CHUNK
-    load_tiles = _make_load_tiles(C)
+    load_tiles = _make_load_tiles(C, threads)
 
     @cute.jit
     def load_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mX: cute.Tensor, mGc: cute.Tensor,

@@ -26,7 +26,9 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     kc.clear_memory_cache()
     for v in VARIANTS:
         assert callable(B90.get_dstate_kernel(*v))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS)
+    # two warpgroups splitting N (the training path's variant; not the default yet)
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], wgs=2))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 1
 
 
 def test_reverse_sweep_declines_without_gpu_before_touching_memory():
@@ -78,13 +80,23 @@ def _reference(q, k, g, beta, do, dht, scale, HV, l2norm):
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reverse_sweep_matches_reference(T, dtype):
+    _check_dense(T, dtype, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 65, 300])
+def test_reverse_sweep_two_warpgroups_matches_reference(T):
+    _check_dense(T, torch.bfloat16, 2)
+
+
+def _check_dense(T, dtype, wgs):
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
 
     Bn, H, HV, K, V = 2, 2, 4, 128, 128
     q, k, g, beta, w, gc, _, scale = _case(Bn, T, H, HV, K, V, dtype, l2norm=True)
     do = torch.randn(Bn, T, HV, V, device="cuda", dtype=dtype)
     dht = torch.randn(Bn, HV, K, V, device="cuda")
-    dvn, dH, dh0 = B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True)
+    dvn, dH, dh0 = B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, wgs=wgs)
     ref_dvn, ref_dH, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
     NC = ref_dH.shape[2]
     ref_dH = ref_dH.permute(0, 2, 1, 3, 4).reshape(Bn * NC, HV, K, V)  # chunk index b * NT + c
