@@ -14,7 +14,8 @@
 #                                   # limits, SHAPES=N)
 #   bash tools/gpu_next.sh gdn_bwd  # the backward kernel tiers + the forward's chunk-state cases, then gdn_prof
 #   bash tools/gpu_next.sh dchunk   # the stage-3 kernel's tier, then tools/time_gdn_dchunk.py (one vs two warpgroups)
-#   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), then gdn_prof with each
+#   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
+#                                   # then gdn_prof with each
 #   bash tools/gpu_next.sh gdn_prof # the opt-in training path's kernels under torch.profiler, then vs FLA
 #   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call (bench_rms: ROUNDS=N, after
 #                                   # tools/diag_autograd.py; bench_gdn: SHAPES=N, SKIP=rows,
@@ -109,6 +110,8 @@ sweep2)
   timeout -k 10 ${GDN_S:-150} $P -n 8 tests/kernels/test_gated_delta_rule_bwd_sm90.py > $OUT/sweep2.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/sweep2.log | tail -12
+  timeout -k 10 60 python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} > $OUT/time_sweep.log 2>&1
+  echo "time rc=$?"; cut -c1-160 $OUT/time_sweep.log
   for w in 1 2; do
     CUDNN_TRAIN_GDN_SWEEP_WGS=$w timeout -k 10 ${PROF_S:-120} python3 tools/prof_gdn_train.py --shapes ${SHAPES:-2} \
       > $OUT/prof_sweep$w.log 2>&1

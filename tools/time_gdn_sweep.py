@@ -1,0 +1,56 @@
+"""The GDN backward's reverse sweep (stage 2) alone (GPU machine): one warpgroup per CTA against two
+splitting every product's N, on the same inputs, as the training path calls it (bf16 dvn and dH
+rows, l2norm in kernel, no final-state gradient).
+
+    python3 tools/time_gdn_sweep.py [--shapes N]
+
+Before timing, the two variants' outputs are compared (relative L2). Each line: median ms of
+``benchmarks.common.bench`` (L2 cleared before every call).
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import bench
+from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+SHAPES = [(4, 4096, 16, 32), (1, 16384, 16, 32), (8, 2048, 32, 32)]
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", type=int, default=2)
+    args = ap.parse_args()
+    for B, T, H, HV in SHAPES[: args.shapes]:
+        K = V = 128
+        C = 64
+        NT = -(-T // C)
+        dev, dt = "cuda", torch.bfloat16
+        q = torch.randn(B, T, H, K, device=dev, dtype=dt)
+        k = torch.randn(B, T, H, K, device=dev, dtype=dt)
+        w = (torch.randn(B, T, HV, K, device=dev) * 0.1).to(dt)
+        do = torch.randn(B, T, HV, V, device=dev, dtype=dt)
+        g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
+        gc = F.pad(g, (0, 0, 0, NT * C - T)).view(B, NT, C, HV).cumsum(2).view(B, NT * C, HV)[:, :T].contiguous()
+
+        def run(wgs):
+            return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
+                                     out_dtype=dt, wgs=wgs)
+
+        one, two = run(1), run(2)
+        torch.cuda.synchronize()
+        diffs = ", ".join(f"{n} {rel_l2(b, a):.1e}" for n, a, b in zip(("dvn", "dH", "dh0"), one, two))
+        print(f"B{B} T{T} H{H} HV{HV}: two warpgroups vs one: {diffs}")
+        for name, wgs in (("one warpgroup", 1), ("two warpgroups", 2)):
+            print(f"  {name:16s} {bench(lambda: run(wgs), warmup=10, rep=50):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
