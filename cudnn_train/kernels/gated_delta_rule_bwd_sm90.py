@@ -17,7 +17,9 @@ shared memory; ``-dvn^T`` goes back into registers as the A operand of the last 
 warpgroups each holds only its columns of dH^T and dvn^T, so those two A operands go through
 shared memory instead (one store and one barrier more a chunk), and P's tile takes 64-byte
 swizzles so that a warpgroup's 32-column half of its MN-major view starts on an atom (223
-registers, 3.0K instructions a thread against 254 and 4.1K; compiled, not yet GPU-run).
+registers, 3.0K instructions a thread against 254 and 4.1K; compiled, not yet GPU-run). One
+such CTA fills an SM's registers where two one-warpgroup CTAs fit, so it is meant for grids that
+leave SMs with a single CTA (``gated_delta_rule_train_sm90``'s ``auto`` mode).
 
 Writes dvn (``[B, T, HV, V]``) and the dH of every chunk before its update (``[chunks, HV, K, V]``;
 chunk index ``b * NT + c``, or ``cu_chunks[n] + c`` with varlen), both float32 or, for the
