@@ -1,5 +1,5 @@
 """The GDN backward's stage-3 kernel alone (GPU machine): one warpgroup per CTA against two and
-four warpgroups splitting every product's N, on the same inputs.
+four warpgroups splitting every product's N, and the opt-in overlap variant, on the same inputs.
 
     python3 tools/time_gdn_dchunk.py [--shapes N]
 
@@ -54,18 +54,20 @@ def main():
         x = inputs(B, T, H, HV)
         scale = 128**-0.5
 
-        def run(wgs):
-            return B3.chunk_grads(*x, scale=scale, l2norm=True, wgs=wgs)
+        def run(wgs, overlap=False):
+            return B3.chunk_grads(*x, scale=scale, l2norm=True, wgs=wgs, overlap=overlap)
 
         one = run(1)
-        for wgs in (2, 4):
-            other = run(wgs)
+        variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
+                    ("two, overlap", 2, True), ("four, overlap", 4, True))
+        for name, wgs, ov in variants[1:]:
+            other = run(wgs, ov)
             torch.cuda.synchronize()
             diffs = ", ".join(f"{n} {rel_l2(b, a):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), one, other))
-            print(f"B{B} T{T} H{H} HV{HV}: {wgs} warpgroups vs one: {diffs}")
+            print(f"B{B} T{T} H{H} HV{HV}: {name} vs one: {diffs}")
         fl = bwd_flops(B, T, HV)
-        for name, wgs in (("one warpgroup", 1), ("two warpgroups", 2), ("four warpgroups", 4)):
-            ms = bench(lambda: run(wgs), warmup=10, rep=50)
+        for name, wgs, ov in variants:
+            ms = bench(lambda: run(wgs, ov), warmup=10, rep=50)
             print(f"  {name:16s} {ms:.3f} ms  {fl / ms / 1e9:.1f} TFLOP/s (backward model)")
 
 

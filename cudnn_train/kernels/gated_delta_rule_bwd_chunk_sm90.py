@@ -82,7 +82,7 @@ def _swizzle(K: int, wgs: int) -> int:
     return 128 if K // wgs >= 64 else 64
 
 
-def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
+def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -265,6 +265,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
+        def commit():
+            warpgroup.commit_group()
+
         tv = cm.transpose_view
         b, t0, tend, _ = locate(cid, mCu, mCuC, T, NT, nseq)
         length = cutlass.max(cutlass.min(tend - t0, C), 0)
@@ -279,6 +282,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
         load_tiles(((gQ, sQ, K), (gK, sK, K)), length, tidx)
         load_tiles(((gV, sV, V), (gDo, sDo, V), (gDvn, sDvn, V)), length, tidx)
         load_rows(((mHs[cid, hv, None, None], sS, V),), K, tidx)
+        if cutlass.const_expr(OVERLAP):  # dH, read halfway through, into L2 now (one 128-byte line a thread)
+            LPR = V * dtype.width // 1024  # lines a row
+            for p in cutlass.range_constexpr((K * LPR + THREADS - 1) // THREADS):
+                line = p * THREADS + tidx
+                if line < K * LPR:
+                    row = mDH[cid, hv, line // LPR, None]
+                    cute.arch.prefetch((row.iterator + (line % LPR) * (1024 // dtype.width)).llvm_ptr,
+                                       cache_level="L2")
         if tidx < C:
             sGc[tidx] = mGc[b, t0 + cutlass.max(cutlass.min(tidx, length - 1), 0), hv]
             bval = Float32(0.0)
@@ -315,8 +326,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
         accKK = acc_cc()
         accY = acc_cv()
         mm(accKK, C, sK, False, sK, False, True)
+        if cutlass.const_expr(OVERLAP):
+            commit()
         mm(accY, V, sK, False, tv(sS), True, True)  # B [N = v, K = d]: Sc [d, v] MN-major
-        done()
+        commit()
+        warpgroup.wait_group(1 if OVERLAP else 0)  # with OVERLAP: k Sc still runs during A's loop
         # (the elementwise loops below go row by row of the thread's accumulator elements, so that
         # the per-row factors are read and exponentiated once a row)
         for gi in cutlass.range_constexpr(len(grp_cc)):
@@ -329,6 +343,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
                 if i > j:
                     a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
                 sA[i, j] = bi * a
+        if cutlass.const_expr(OVERLAP):
+            warpgroup.wait_group(0)
         # Z = diag(beta) v - diag(beta eg) k Sc  -> sVn
         for gi in cutlass.range_constexpr(len(grp_cv)):
             i, _ = cCV[grp_cv[gi][0]]
@@ -338,6 +354,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
                 _, n = cCV[e]
                 sVn[i, n] = (bi * (sV[i, n].to(Float32) - eg * accY[e])).to(dtype)
         cute.arch.sync_threads()
+        accQK = acc_cc()
+        accDq = acc_ck()
+        if cutlass.const_expr(OVERLAP):  # q k^T and dqg = do Sc^T need no solve: in flight during it
+            mm(accQK, C, sQ, False, sK, False, True)
+            mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
+            commit()
 
         # ---- Tm = (I + A)^-1 ; Ae -> sM (after the solve is done with its scratch)
         solve(sA, sT, sM, tidx)
@@ -363,9 +385,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
 
         # ---- vn = Tm Z ; q k^T
         accVn = acc_cv()
-        accQK = acc_cc()
         mm(accVn, V, sTm, False, tv(sVn), True, True)  # B [N = v, K = j]: Z [j, v] MN-major
-        mm(accQK, C, sQ, False, sK, False, True)
+        if cutlass.const_expr(not OVERLAP):
+            mm(accQK, C, sQ, False, sK, False, True)
         done()
         cute.arch.sync_threads()  # every warp is done reading Z
         acc_to_tile(accVn, cCV, sVn, False)
@@ -374,9 +396,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
 
         # ---- dP = do vn^T -> dQK = scale dP E (-> sX1), pair terms dP * P (-> sA) ; dqg = do Sc^T
         accDP = acc_cc()
-        accDq = acc_ck()
         mm(accDP, C, sDo, False, sVn, False, True)
-        mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
+        if cutlass.const_expr(not OVERLAP):
+            mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
         done()
         for e in cutlass.range_constexpr(cute.size(accDP)):
             i, j = cCC[e]
@@ -434,7 +456,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
         # ---- dkb = Tm^T dw: dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
         accDkb = acc_ck()
         mm(accDkb, K, tv(sTm), True, tv(sDw), True, True)
-        done()
+        accDvb = acc_cv()
+        if cutlass.const_expr(OVERLAP):  # Tm^T dvn in flight during dkb's loop
+            commit()
+            mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
+            commit()
+            warpgroup.wait_group(1)
+        else:
+            done()
         for gi in cutlass.range_constexpr(len(grp_ck)):
             i, _ = cCK[grp_ck[gi][0]]
             eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
@@ -451,9 +480,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int):
                 accDkb[e] = accDkb[e] * bi
         row_sums(accDkb, cCK, sDgc, grp_ck, tidx, True)
         # ---- dvb = Tm^T dvn: dv = beta dvb ; dbeta += rowsum(v dvb)
-        accDvb = acc_cv()
-        mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
-        done()
+        if cutlass.const_expr(OVERLAP):
+            warpgroup.wait_group(0)
+        else:
+            mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
+            done()
         for gi in cutlass.range_constexpr(len(grp_cv)):
             i, _ = cCV[grp_cv[gi][0]]
             bi = sB[i]
@@ -615,18 +646,27 @@ def _static_checks(dtype, K: int, V: int, wgs: int) -> None:
             raise AssertionError(f"thread {t} holds different rows in the [64, N] accumulators")
 
 
-def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None):
+def overlap_default() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_OVERLAP=1``: the variant that keeps products in flight during the
+    CUDA-core work that does not need them (k Sc during A's loop; q k^T and do Sc^T during the
+    solve; Tm^T dvn during dkb's loop) and prefetches dH into L2 at the start. Off by default:
+    compiled, not yet GPU-run."""
+    return os.environ.get("CUDNN_TRAIN_GDN_DCHUNK_OVERLAP", "0").strip() == "1"
+
+
+def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None):
     wgs = warpgroups(K) if wgs is None else wgs
-    key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs)
+    overlap = overlap_default() if overlap is None else bool(overlap)
+    key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ())
 
     def build():
-        return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs)
+        return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap)
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
 
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
-                wgs: int | None = None):
+                wgs: int | None = None, overlap: bool | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -634,7 +674,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     chunk rows ``[rows, HV, K, V]`` in the input dtype (as the training forward and the reverse
     sweep write them). Returns ``(dq, dk, dv, dg, dbeta)``, float32 but dv (input dtype); dq and dk
     per value head ``[B, T, HV, K]`` (the caller sums them over a GVA group). ``wgs``: warpgroups
-    per CTA (default :func:`warpgroups`; 1 at K = 128 is the one-warpgroup kernel, for comparison)."""
+    per CTA (default :func:`warpgroups`; 1 at K = 128 is the one-warpgroup kernel, for comparison);
+    ``overlap``: the variant of :func:`overlap_default` (default: that function's answer)."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -683,6 +724,6 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         return dq, dk, dv, dg, db
     if wgs not in (None, 1) and not (K == 128 and wgs in (2, 4)):
         raise Unsupported(f"wgs={wgs} at K={K}")
-    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs)
+    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap)
     fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid)
     return dq, dk, dv, dg, db

@@ -23,7 +23,8 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     kc.clear_memory_cache()
     for v in VARIANTS:
         assert callable(B3.get_dchunk_kernel(*v))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS)
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], overlap=True))  # opt-in (CUDNN_TRAIN_GDN_DCHUNK_OVERLAP)
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 1
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -78,11 +79,12 @@ def _case(B, T, HV, K, V, dtype, lens=None, H=None, l2norm=False):
     return (qx, kx, v, gc, beta, do, dvn, hs, dH, scale, cu, l2norm), want
 
 
-def _run(args, want, wgs=None):
+def _run(args, want, wgs=None, overlap=None):
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
-    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, cu_seqlens=cu, l2norm=l2, wgs=wgs)
+    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, cu_seqlens=cu, l2norm=l2, wgs=wgs,
+                         overlap=overlap)
     got = list(got)
     got[3] = got[3].unsqueeze(-1)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
@@ -104,6 +106,21 @@ def test_chunk_gradients_match_the_torch_stage(T, dtype):
 def test_chunk_gradients_every_warpgroup_count_at_128(T, wgs):
     """One, two and four warpgroups splitting N at K = 128 (one is the default at K = 64)."""
     _run(*_case(2, T, 4, 128, 128, torch.bfloat16, l2norm=True), wgs=wgs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgs", [2, 4])
+@pytest.mark.parametrize("T", [65, 300])
+def test_chunk_gradients_overlap_variant(T, wgs):
+    """The opt-in variant with products in flight during independent CUDA-core work and dH
+    prefetched into L2 (CUDNN_TRAIN_GDN_DCHUNK_OVERLAP=1)."""
+    _run(*_case(2, T, 4, 128, 128, torch.bfloat16, l2norm=True), wgs=wgs, overlap=True)
+
+
+@pytest.mark.gpu
+def test_chunk_gradients_overlap_variant_varlen_gva():
+    _run(*_case(1, 1 + 63 + 130 + 64 + 0 + 7, 4, 128, 128, torch.float16, lens=[1, 63, 130, 64, 0, 7], H=2),
+         overlap=True)
 
 
 @pytest.mark.gpu
