@@ -17,9 +17,9 @@ shared memory; ``-dvn^T`` goes back into registers as the A operand of the last 
 warpgroups each holds only its columns of dH^T and dvn^T, so those two A operands go through
 shared memory instead (one store and one barrier more a chunk), and P's tile takes 64-byte
 swizzles so that a warpgroup's 32-column half of its MN-major view starts on an atom (223
-registers, 3.0K instructions a thread against 254 and 4.1K; compiled, not yet GPU-run). One
-such CTA fills an SM's registers where two one-warpgroup CTAs fit, so it is meant for grids that
-leave SMs with a single CTA (``gated_delta_rule_train_sm90``'s ``auto`` mode).
+registers with two CTAs an SM asked for (``min_blocks_per_mp=2``: 127 registers, no spills, 3.1K
+instructions a thread against 254 and 4.1K), so an SM runs 16 warps where the one-warpgroup
+kernel runs 8; compiled, not yet GPU-run).
 
 Writes dvn (``[B, T, HV, V]``) and the dH of every chunk before its update (``[chunks, HV, K, V]``;
 chunk index ``b * NT + c``, or ``cu_chunks[n] + c`` with varlen), both float32 or, for the
@@ -55,6 +55,9 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     C = CHUNK
     VB = VBLOCK
     THREADS = 128 * WGS
+    # two warpgroups: ask for two CTAs an SM (ptxas then keeps a thread to 128 registers, no spills;
+    # 96 KB of shared memory each), i.e. 16 warps an SM where the one-warpgroup kernel runs 8
+    MINB = 2 if WGS == 2 else 0
     LOG2E = cm.LOG2E
     load_chunk = fwd._make_load_chunk(K, VB, THREADS)
     gemm = cm.make_gemm()
@@ -226,7 +229,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         _static_checks(dtype, K, WGS)
         HV = mW.shape[2]
         kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group).launch(
-            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
+            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=MINB,
+            preferred_smem_carveout=100 if MINB else None,
         )
 
     f = fwd._fakes()

@@ -40,9 +40,7 @@ from ..fused.gated_delta_rule import _gdn_log_decay, beta_in_kernel, l2norm, l2n
 
 OPT_IN = "CUDNN_TRAIN_GDN_SM90_TRAIN"
 STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"  # "kernel" (default) or "torch"
-# the reverse sweep's warpgroups at K = 128: "1" (default), "2", or "auto": 2 where its grid (N x HV x V/64)
-# is at most one CTA per SM. Two warpgroups take 223 registers, so one CTA of them fits an SM where two
-# one-warpgroup CTAs do: they can only win where the grid leaves SMs with a single CTA (B1 T16384).
+# the reverse sweep's warpgroups at K = 128: "1" (default until GPU-measured) or "2"
 SWEEP_WGS_ENV = "CUDNN_TRAIN_GDN_SWEEP_WGS"
 CHUNK = 64
 
@@ -80,18 +78,13 @@ def kernel_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg: Config):
 def kernel_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg: Config):
     """``(dvn [B, T, HV, V], dH [rows, HV, K, V], dh0)``: the reverse-sweep kernel; dvn and dH in
     the input dtype (what the stage-3 kernel reads), dh0 float32."""
-    from . import compile as kcompile
     from . import gated_delta_rule_bwd_sm90 as bwd
 
     w, gc, _ = saved
     mode = os.environ.get(SWEEP_WGS_ENV, "1").strip()
-    if mode not in ("1", "2", "auto"):
-        raise ValueError(f"{SWEEP_WGS_ENV}={mode!r}: expected 1, 2 or auto")
-    wgs = 1
-    if q.shape[-1] == 128 and mode != "1":
-        nseq = q.shape[0] if cu is None else cu.numel() - 1
-        grid = nseq * do.shape[2] * (do.shape[3] // 64)
-        wgs = 2 if mode == "2" or grid <= kcompile.num_sms(q.device) else 1
+    if mode not in ("1", "2"):
+        raise ValueError(f"{SWEEP_WGS_ENV}={mode!r}: expected 1 or 2")
+    wgs = 2 if mode == "2" and q.shape[-1] == 128 else 1
     return bwd.reverse_sweep(q, k, w, gc, do.contiguous(), None if dht is None else dht.contiguous(),
                              scale=cfg.scale, use_qk_l2norm_in_kernel=cfg.l2norm, cu_seqlens=cu,
                              state_v_first=cfg.state_v_first, out_dtype=q.dtype, wgs=wgs)
