@@ -1,6 +1,7 @@
 """Where the SM90 GDN forward's time goes (GPU machine): each kernel alone (the fused state kernel
 with and without the cp.async prefetch; the split pass's chain at both V blocks and its out kernel),
-the whole forward as chosen and with each state pass forced, and FLA's forward in the same run.
+the whole forward as chosen and with each state pass forced, and FLA's forward in the same run;
+also the state kernel on two warpgroups (opt-in, ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile]
 
@@ -83,6 +84,17 @@ def main():
         rows_out = [("wy kernel", bench(run_wy, 10, 40))]
         for pf in (False, True):
             rows_out.append((f"state kernel, prefetch={pf}", bench(lambda pf=pf: run_state(pf), 10, 40)))
+        # two warpgroups splitting every product's N (opt-in: CUDNN_TRAIN_GDN_FWD_WGS=2)
+        st2 = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=True, wgs=2)
+        o2 = torch.full_like(outs[True], float("nan"))
+
+        def run_state2():
+            st2(q, k, w, u, gc, d4, o2, d4, cu, cuc, d4, K**-0.5, T, NT, group, B, i64)
+
+        run_state2()
+        torch.cuda.synchronize()
+        print(f"  two-warpgroup state kernel: o vs one warpgroup's rel L2 {rel_l2(o2, outs[True]):.2e}")
+        rows_out.append(("state kernel, prefetch, two warpgroups", bench(run_state2, 10, 40)))
         # the split state pass: chain (both V blocks) and out, each alone, on the same w, u, gc
         hs = torch.empty(rows, HV, K, V, device=dev, dtype=torch.bfloat16)
         vn = torch.empty_like(u)

@@ -31,7 +31,11 @@ A operand of ``S^T w^T`` and ``S^T q^T``; ``vn^T = u^T - S^T w^T`` stays in
 registers and is the register A operand both of ``o^T += vn^T P^T`` (P in
 shared memory) and of the state update ``S^T += vn^T diag(...) k``. The q/k
 l2norm is again folded in as row/column factors. Writes o and, when asked,
-the final state.
+the final state. An opt-in variant (``CUDNN_TRAIN_GDN_FWD_WGS=2``, K = 128) splits every
+product's N between two warpgroups: S^T, then vn^T and its scaled copy, are A operands from one
+[64, 128] shared tile instead of registers (one more barrier a chunk), launched asking for two
+CTAs an SM (128 registers a thread, about 107 KB of shared memory each), so 16 warps an SM where
+the one-warpgroup kernel runs 8; compiled, not yet GPU-run.
 
 Tails: rows past a chunk's end (T not a multiple of 64, varlen boundaries) are
 loaded as zeros and never stored; the gate is 0 there so ``gc`` stays flat.
@@ -79,6 +83,9 @@ VBLOCK = 64  # V columns per CTA of the state kernel
 # k, u and gc; q and w refilled once the chunk's first products are done). 0: the earlier
 # synchronous loads at the top of every chunk.
 STATE_PREFETCH = env_flag("CUDNN_TRAIN_GDN_FWD_PREFETCH", default=True)
+# Warpgroups of the fused state kernel at K = 128 (CUDNN_TRAIN_GDN_FWD_WGS): 1, or 2 splitting every
+# product's N (two CTAs an SM, 16 warps); 2 is compiled but not yet GPU-run.
+STATE_WGS = os.environ.get("CUDNN_TRAIN_GDN_FWD_WGS", "1").strip() or "1"
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -203,9 +210,9 @@ def _make_load_chunk(K: int, VB: int, threads: int = THREADS):
     return load_chunk
 
 
-def make_issue_tiles(dtype, rows: int):
+def make_issue_tiles(dtype, rows: int, threads: int = THREADS):
     """``issue_tiles(((gX, sX, cols, c0), ...), nvalid, tidx)``: ``rows x cols`` tiles global -> shared by
-    ``cp.async`` (16-byte copies, 128 threads) without waiting, the columns from the 8-element tile ``c0``
+    ``cp.async`` (16-byte copies by ``threads`` threads) without waiting, the columns from the 8-element tile ``c0``
     of ``gX`` on (keeps 16-byte alignment); rows >= nvalid are zeroed by plain shared stores and never
     read from memory. The caller commits the group and, before reading, waits for it, fences to the
     async proxy and syncs."""
@@ -220,7 +227,7 @@ def make_issue_tiles(dtype, rows: int):
         for ti in cutlass.range_constexpr(len(tiles)):
             gX, sX, cols, c0 = tiles[ti]
             VPR = cols // 8
-            RPP = THREADS // VPR
+            RPP = threads // VPR
             for p in cutlass.range_constexpr(rows // RPP):
                 r = p * RPP + tidx // VPR
                 dst = cute.local_tile(sX[r, None], (8,), (tidx % VPR,))
@@ -234,7 +241,7 @@ def make_issue_tiles(dtype, rows: int):
     return issue_tiles
 
 
-def _make_issue_chunk(dtype, K: int, VB: int):
+def _make_issue_chunk(dtype, K: int, VB: int, threads: int = THREADS):
     """``issue_chunk(...)``, with :func:`_make_load_chunk`'s arguments: the same tiles and gc, by
     ``cp.async`` (:func:`make_issue_tiles`; 4 bytes for gc) without waiting. The caller commits the
     group and, before reading, waits for it, fences to the async proxy and syncs."""
@@ -243,7 +250,7 @@ def _make_issue_chunk(dtype, K: int, VB: int):
     from cutlass.cute.nvgpu import cpasync
 
     C = CHUNK
-    issue_tiles = make_issue_tiles(dtype, C)
+    issue_tiles = make_issue_tiles(dtype, C, threads)
 
     @cute.jit
     def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mX: cute.Tensor, mGc: cute.Tensor,
@@ -488,18 +495,24 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
 
 
 def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
-                 store_states: bool = False, prefetch: bool = False, profile: bool = False):
+                 store_states: bool = False, prefetch: bool = False, profile: bool = False, WGS: int = 1):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
 
     C = CHUNK
     VB = VBLOCK
+    THREADS = 128 * WGS
     LOG2E = cm.LOG2E
     U_STRIDE = VB + 8  # padded row-major u tile: conflict-free transposed reads
+    # WGS = 2 (K = 128): the warpgroups split every product's N; the A operands that are accumulators
+    # of an earlier step then come from one [VB, 128] shared tile, S^T at the start of a chunk and
+    # [vn^T | its scaled copy] later; two CTAs an SM are asked for (128 registers a thread)
+    regs_a = WGS == 1
+    MINB = 1 if regs_a else 2
 
-    load_chunk = _make_load_chunk(K, VB)
-    issue_chunk = _make_issue_chunk(dtype, K, VB)
+    load_chunk = _make_load_chunk(K, VB, THREADS)
+    issue_chunk = _make_issue_chunk(dtype, K, VB, THREADS)
     NBUF = 2 if prefetch else 1  # buffers of k, u and gc
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
@@ -521,14 +534,15 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         v0 = vb * VB
 
         # S^T [v, d] += ..: A = vn^T (regs), B = k as (N = d, K = j): MN-major view of the k tile
-        mma_s = cm.make_mma(dtype, K, a_regs=True, b_mn_major=True)
+        mma_s = cm.make_mma(dtype, K, a_regs=regs_a, b_mn_major=True, wgs=WGS)
         # S^T w^T, S^T q^T, vn^T P^T: A in regs, B K-major [64 rows, reduction dim]
-        mma_x = cm.make_mma(dtype, C, a_regs=True, b_mn_major=False)
+        mma_x = cm.make_mma(dtype, C, a_regs=regs_a, b_mn_major=False, wgs=WGS)
         # P = q k^T
-        mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)
-        map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
-        map_vn = cm.acc_to_frag_map(mma_x, (VB, C), mma_x, (VB, C))
-        map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
+        mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False, wgs=WGS)
+        if cutlass.const_expr(regs_a):
+            map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
+            map_vn = cm.acc_to_frag_map(mma_x, (VB, C), mma_x, (VB, C))
+            map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
 
         smem = cutlass.utils.SmemAllocator()
         lqk = cm.smem_tile_layout(dtype, C, K)
@@ -542,6 +556,10 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         sGcb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(NBUF)]
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        if cutlass.const_expr(not regs_a):
+            sX = cm.alloc_tile(smem, dtype, VB, K)  # S^T [v, d]; later [vn^T | vn^T diag(exp(gl - gc) rk)]
+            sVn = cute.local_tile(sX, (VB, C), (0, 0))
+            sVd = cute.local_tile(sX, (VB, C), (0, 1))
 
         thr_s = mma_s.get_slice(tidx)
         thr_x = mma_x.get_slice(tidx)
@@ -552,9 +570,14 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         tAq = mma_p.make_fragment_A(thr_p.partition_A(sQ))
         tBkb = [mma_p.make_fragment_B(thr_p.partition_B(t)) for t in sKb]
         tBktb = [mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(t))) for t in sKb]
-        rS = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
-        rVn = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, C)))
-        rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
+        if cutlass.const_expr(regs_a):
+            rS = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
+            rVn = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, C)))
+            rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
+        else:
+            rS = mma_x.make_fragment_A(thr_x.partition_A(sX))
+            rVn = mma_x.make_fragment_A(thr_x.partition_A(sVn))
+            rVd = mma_s.make_fragment_A(thr_s.partition_A(sVd))
         cS = thr_s.partition_C(cute.make_identity_tensor((VB, K)))  # (v, d)
         cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
         cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
@@ -594,9 +617,17 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
 
                     if cutlass.const_expr(store_states):  # the chunk-start state, for the backward
                         store_state(accS, cS, mHs, cbase + ci, hv, v0, False)  # input-dtype rows [K, V]
-                    # ---- S^T in the input dtype as a register A operand
-                    for f in cutlass.range_constexpr(cute.size(rS)):
-                        rS[f] = accS[map_s[f]].to(dtype)
+                    # ---- S^T in the input dtype as a register A operand (two warpgroups: into sX, once
+                    # every warpgroup is past the barrier above, so done with the previous chunk's sX)
+                    if cutlass.const_expr(regs_a):
+                        for f in cutlass.range_constexpr(cute.size(rS)):
+                            rS[f] = accS[map_s[f]].to(dtype)
+                    else:
+                        for e in cutlass.range_constexpr(cute.size(accS)):
+                            sv, sd = cS[e]
+                            sX[sv, sd] = accS[e].to(dtype)
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.sync_threads()
                     accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
                     accO = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
                     accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
@@ -607,11 +638,11 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                     if cutlass.const_expr(l2norm):
                         if tidx < C:
                             sRq[tidx] = row_inv_norm(sQ, tidx)
-                        else:
+                        elif tidx < 2 * C:
                             sRk[tidx - C] = row_inv_norm(sKb[par], tidx - C)
                     warpgroup.wait_group(0)
-                    if cutlass.const_expr(l2norm or prefetch):
-                        cute.arch.sync_threads()  # sRq/sRk written; every read of sQ and sW is done
+                    if cutlass.const_expr(l2norm or prefetch or not regs_a):
+                        cute.arch.sync_threads()  # sRq/sRk written; every read of sQ, sW (and sX) is done
                     if cutlass.const_expr(prefetch):
                         # chunk ci + 1: q, w over this chunk's (done with); k, u, gc into the other buffer
                         if ci + 1 < nchunks:
@@ -635,14 +666,23 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                             ocoef = ocoef * sRq[oi]
                         accO[e] = accO[e] * ocoef
                     glast = sGcb[par][C - 1]
-                    for f in cutlass.range_constexpr(cute.size(rVn)):
-                        rVn[f] = accX[map_vn[f]].to(dtype)
-                    for f in cutlass.range_constexpr(cute.size(rVd)):
-                        _, dj = cX[map_vd[f]]
-                        dcoef = cute.math.exp2((glast - sGcb[par][dj]) * LOG2E, fastmath=True)
-                        if cutlass.const_expr(l2norm):
-                            dcoef = dcoef * sRk[dj]
-                        rVd[f] = (accX[map_vd[f]] * dcoef).to(dtype)
+                    if cutlass.const_expr(regs_a):
+                        for f in cutlass.range_constexpr(cute.size(rVn)):
+                            rVn[f] = accX[map_vn[f]].to(dtype)
+                        for f in cutlass.range_constexpr(cute.size(rVd)):
+                            _, dj = cX[map_vd[f]]
+                            dcoef = cute.math.exp2((glast - sGcb[par][dj]) * LOG2E, fastmath=True)
+                            if cutlass.const_expr(l2norm):
+                                dcoef = dcoef * sRk[dj]
+                            rVd[f] = (accX[map_vd[f]] * dcoef).to(dtype)
+                    else:  # vn^T and its scaled copy into sX (visible after the barrier below)
+                        for e in cutlass.range_constexpr(cute.size(accX)):
+                            xv, dj = cX[e]
+                            dcoef = cute.math.exp2((glast - sGcb[par][dj]) * LOG2E, fastmath=True)
+                            if cutlass.const_expr(l2norm):
+                                dcoef = dcoef * sRk[dj]
+                            sVn[xv, dj] = accX[e].to(dtype)
+                            sVd[xv, dj] = (accX[e] * dcoef).to(dtype)
                     decay = cute.math.exp2(glast * LOG2E, fastmath=True)
                     for e in cutlass.range_constexpr(cute.size(accS)):
                         accS[e] = accS[e] * decay
@@ -675,7 +715,8 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         _static_checks(dtype, K, V)
         HV = mU.shape[2]
         kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, scale, T, NT, group, mProf).launch(
-            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
+            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
+            min_blocks_per_mp=0 if regs_a else MINB, preferred_smem_carveout=None if regs_a else 100,
         )
 
     f = _fakes()
@@ -756,15 +797,22 @@ def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2nor
 
 
 def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False,
-                     prefetch=None, profile=False):
+                     prefetch=None, profile=False, wgs=None):
     # by default only where the GPU tier has run with it (K = 128, not the training forward's store_states)
     prefetch = (STATE_PREFETCH and K == 128 and not store_states) if prefetch is None else bool(prefetch)
+    if wgs is None:
+        if STATE_WGS not in ("1", "2"):
+            raise ValueError(f"CUDNN_TRAIN_GDN_FWD_WGS={STATE_WGS!r}: expected 1 or 2")
+        wgs = int(STATE_WGS) if K == 128 else 1
+    if wgs not in (1, 2) or (wgs == 2 and K != 128):
+        raise ValueError(f"wgs={wgs} at K={K}: 1, or 2 at K = 128")
     key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
-           bool(store_states)) + (("prefetch",) if prefetch else ()) + (("profile",) if profile else ())
+           bool(store_states)) + (("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (
+           (("wgs", wgs),) if wgs != 1 else ())
 
     def build():
         return _build_state(_dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states, prefetch,
-                            bool(profile))
+                            bool(profile), wgs)
 
     return kc.get_kernel("gdn_fwd_state", key, build, _SOURCES)
 

@@ -92,6 +92,22 @@ def test_profile_variants_compile_for_sm90a(tmp_path, monkeypatch):
 
 
 @pytest.mark.compile
+def test_two_warpgroup_state_kernels_compile_for_sm90a(tmp_path, monkeypatch):
+    """The fused state kernel with two warpgroups (opt-in, K = 128): inference with the prefetch,
+    and the training forward's chunk-state variant."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    kc.clear_memory_cache()
+    assert callable(F90.get_state_kernel(*STATE_VARIANTS[0], prefetch=True, wgs=2))
+    assert callable(F90.get_state_kernel(*STATE_VARIANTS[2], wgs=2))
+    assert len(list(tmp_path.rglob("*.o"))) == 2
+    with pytest.raises(ValueError, match="wgs"):
+        F90.get_state_kernel(*STATE_VARIANTS[1], wgs=2)  # K = 64
+
+
+@pytest.mark.compile
 def test_layout_facts_the_kernels_rely_on():
     """The register and shared-memory layout facts, checked for more threads than at trace time."""
     from cudnn_train.kernels import compile as kc
@@ -446,6 +462,45 @@ def test_split_state_pass_matches_oracle_and_fused_kernel(case, vb, monkeypatch,
     for name, a, b in zip(("o", "final_state"), split, fused):
         err = rel_l2(a.float(), b.float())
         assert err < 2e-3, f"{case}, VB {vb}: {name} differs from the fused kernel's by {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("case", ["dense", "varlen", "store_states", "fp16_no_l2norm"])
+def test_two_warpgroup_state_kernel_matches_oracle_and_one_warpgroup(case, prefetch, monkeypatch, poisoned):
+    """The fused state kernel with two warpgroups splitting every product's N (K = 128, opt-in):
+    o, the final state (and the chunk-start states) against the oracle under the FLA-compat rule
+    and against the one-warpgroup kernel (same rounding points, other summation order)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    store = case == "store_states"
+    l2, dtype, cu = case != "fp16_no_l2norm", (torch.float16 if case == "fp16_no_l2norm" else torch.bfloat16), None
+    if case in ("varlen", "store_states"):
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, dtype, nseq=len(lengths))
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, 128, 128, dtype, l2norm=l2)
+    monkeypatch.setattr(F90, "SPLIT", False)
+    orig = F90.get_state_kernel
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                store_states=store)
+    outs = []
+    for wgs in (1, 2):
+        monkeypatch.setattr(F90, "get_state_kernel",
+                            lambda *a, wgs=wgs, **kw: orig(*a, **{**kw, "prefetch": prefetch, "wgs": wgs}))
+        res = F90.forward(q, k, v, g, beta, **args).value
+        outs.append((res[0], res[1]) + ((res[2][3],) if store else ()))
+    ref_o, ref_h = oracle(q, k, v, g, beta, 128**-0.5, h0, cu, l2norm=l2)
+    _check("o", outs[1][0].float(), ref_o, None)
+    _check("final_state", outs[1][1], ref_h, None)
+    if store:  # rows past the varlen chunk count are never written: compare the written ones
+        rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
+        outs = [(o, ht, hs[:rows]) for o, ht, hs in outs]
+    for name, a, b in zip(("o", "final_state", "chunk_states"), outs[1], outs[0]):
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the two-warpgroup kernel did not write"
+        err = rel_l2(a.float(), b.float())
+        assert err < 2e-3, f"{case}: {name} differs from the one-warpgroup kernel's by {err:.2e}"
 
 
 @pytest.mark.gpu
