@@ -1,7 +1,8 @@
 """Where the SM90 GDN forward's time goes (GPU machine): each kernel alone (the fused state kernel
 with and without the cp.async prefetch; the split pass's chain at both V blocks and its out kernel),
 the whole forward as chosen and with each state pass forced, and FLA's forward in the same run;
-also the state kernel on two warpgroups (opt-in, ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
+also the wy and state kernels on two warpgroups (opt-in, ``CUDNN_TRAIN_GDN_WY_WGS=2``,
+``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile]
 
@@ -67,6 +68,18 @@ def main():
             wy(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, T, NT, B, group, rows, i64)
 
         run_wy()
+        # the wy kernel on two warpgroups (opt-in: CUDNN_TRAIN_GDN_WY_WGS=2), into its own outputs
+        wy2 = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,
+                                False, 1.0, False, wgs=2)
+        w2, u2, gc2 = torch.empty_like(w), torch.empty_like(u), torch.empty_like(gc)
+
+        def run_wy2():
+            wy2(k, v, g, beta, f32, f32, cu, cuc, w2, u2, gc2, T, NT, B, group, rows, i64)
+
+        run_wy2()
+        torch.cuda.synchronize()
+        print(f"  two-warpgroup wy kernel vs one: w {rel_l2(w2, w):.1e}, u {rel_l2(u2, u):.1e}, "
+              f"gc {rel_l2(gc2, gc):.1e}")
         st = {pf: F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=pf)
               for pf in (True, False)}
         outs = {pf: torch.full((B, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16) for pf in st}
@@ -81,7 +94,7 @@ def main():
         same = torch.equal(outs[True], outs[False])
         print(f"\nB{B} T{T} H{H} HV{HV}: state kernel prefetch vs synchronous loads bitwise equal: {same}; "
               f"finite: {bool(torch.isfinite(outs[True]).all())}")
-        rows_out = [("wy kernel", bench(run_wy, 10, 40))]
+        rows_out = [("wy kernel", bench(run_wy, 10, 40)), ("wy kernel, two warpgroups", bench(run_wy2, 10, 40))]
         for pf in (False, True):
             rows_out.append((f"state kernel, prefetch={pf}", bench(lambda pf=pf: run_state(pf), 10, 40)))
         # two warpgroups splitting every product's N (opt-in: CUDNN_TRAIN_GDN_FWD_WGS=2)

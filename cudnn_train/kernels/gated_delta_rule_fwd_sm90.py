@@ -23,6 +23,9 @@ loaded); ``k k^T`` on WGMMA; the triangular solve in float32 on CUDA cores
 ``X = -T2 A21 T1``); then ``w`` and ``u`` as two WGMMAs whose A operands are T
 with its columns scaled (the k and v tiles serve as MN-major B operands as
 loaded). Writes w, u (input dtype) and gc (float32).
+An opt-in variant (``CUDNN_TRAIN_GDN_WY_WGS=2``, K = V = 128) splits every product's N (and the
+solve's work) between two warpgroups and asks for two CTAs an SM: 120 registers a thread against
+225, 2.5K instructions against 3.7K, 16 warps an SM against 8; compiled, not yet GPU-run.
 
 Kernel 2, ``state`` (grid: N x HV x V/64, one warpgroup): walks the chunks of
 one sequence in order with the state held transposed, ``S^T`` [64 (V block),
@@ -86,6 +89,8 @@ STATE_PREFETCH = env_flag("CUDNN_TRAIN_GDN_FWD_PREFETCH", default=True)
 # Warpgroups of the fused state kernel at K = 128 (CUDNN_TRAIN_GDN_FWD_WGS): 1, or 2 splitting every
 # product's N (two CTAs an SM, 16 warps); 2 is compiled but not yet GPU-run.
 STATE_WGS = os.environ.get("CUDNN_TRAIN_GDN_FWD_WGS", "1").strip() or "1"
+# The same for the wy kernel (CUDNN_TRAIN_GDN_WY_WGS), at K = V = 128; compiled, not yet GPU-run.
+WY_WGS = os.environ.get("CUDNN_TRAIN_GDN_WY_WGS", "1").strip() or "1"
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -272,16 +277,18 @@ def _make_issue_chunk(dtype, K: int, VB: int, threads: int = THREADS):
 
 
 def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int, l2norm: bool, gate: bool,
-              has_dt_bias: bool, beta_sigmoid: bool, beta_scale: float, varlen: bool, profile: bool = False):
+              has_dt_bias: bool, beta_sigmoid: bool, beta_scale: float, varlen: bool, profile: bool = False,
+              WGS: int = 1):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
 
     C = CHUNK
+    THREADS = 128 * WGS  # WGS = 2 (K = V = 128): the warpgroups split every product's N; two CTAs an SM
     LOG2E = cm.LOG2E
     A_STRIDE = cm.A_STRIDE
 
-    load_tiles = _make_load_tiles(C)
+    load_tiles = _make_load_tiles(C, THREADS)
     gemm = cm.make_gemm()
     wy_row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
 
@@ -307,7 +314,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                 cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, tidx % VPR)), vec)
                 cute.autovec_copy(vec, cute.local_tile(gX, (1, 8), (r, tidx % VPR)))
 
-    solve = cm.make_solve()
+    solve = cm.make_solve(THREADS)
     locate = cm.make_chunk_locator(varlen)
 
     @cute.kernel
@@ -322,11 +329,11 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
         pstart, pmark, pfinish = make_profile(profile, len(WY_PHASES))
         prof = pstart()
 
-        mma_kk = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)
-        mma_w = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True)
-        mma_u = cm.make_mma(dtype, V, a_regs=False, b_mn_major=True)
-        cm.check_acc_pairs(mma_w, (C, K))
-        cm.check_acc_pairs(mma_u, (C, V))
+        mma_kk = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False, wgs=WGS)
+        mma_w = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True, wgs=WGS)
+        mma_u = cm.make_mma(dtype, V, a_regs=False, b_mn_major=True, wgs=WGS)
+        cm.check_acc_pairs(mma_w, (C, K), cm.sample_threads(WGS))
+        cm.check_acc_pairs(mma_u, (C, V), cm.sample_threads(WGS))
 
         smem = cutlass.utils.SmemAllocator()
         lk = cm.smem_tile_layout(dtype, C, K)
@@ -386,7 +393,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                 sGc[tidx] = acc
                 if tidx < length:
                     mGc[b, t0 + tidx, hv] = acc
-            else:
+            elif tidx < 2 * C:
                 r = tidx - C
                 rk = Float32(1.0)
                 if cutlass.const_expr(l2norm):
@@ -479,7 +486,8 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
         _static_checks(dtype, K, V)
         HV = mV.shape[2]
         kernel(mK, mV, mG, mBeta, mAlog, mDtb, mCu, mCuC, mW, mU, mGc, T, NT, nseq, group, mProf).launch(
-            grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream,
+            min_blocks_per_mp=2 if WGS == 2 else 0, preferred_smem_carveout=100 if WGS == 2 else None,
         )
 
     f = _fakes()
@@ -783,15 +791,27 @@ def _dt(t: torch.dtype | None):
     return cm.cute_dtype(torch.float32 if t is None else t)
 
 
+def _wgs_choice(env: str, value: str, wgs, K: int, V: int) -> int:
+    """Warpgroups of a kernel with a two-warpgroup variant at K = V = 128: ``wgs``, else the env value."""
+    if wgs is None:
+        if value not in ("1", "2"):
+            raise ValueError(f"{env}={value!r}: expected 1 or 2")
+        wgs = int(value) if K == V == 128 else 1
+    if wgs not in (1, 2) or (wgs == 2 and not K == V == 128):
+        raise ValueError(f"wgs={wgs} at K={K}, V={V}: 1, or 2 at K = V = 128")
+    return wgs
+
+
 def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2norm, gate, has_dt_bias,
-                  beta_sigmoid, beta_scale, varlen, profile=False):
+                  beta_sigmoid, beta_scale, varlen, profile=False, wgs=None):
+    wgs = _wgs_choice("CUDNN_TRAIN_GDN_WY_WGS", WY_WGS, wgs, K, V)
     key = ("wy", str(dtype), str(g_dtype), str(beta_dtype), str(alog_dtype), str(dtb_dtype), K, V, bool(l2norm),
            bool(gate), bool(has_dt_bias), bool(beta_sigmoid), float(beta_scale), bool(varlen)) + (
-           ("profile",) if profile else ())
+           ("profile",) if profile else ()) + ((("wgs", wgs),) if wgs != 1 else ())
 
     def build():
         return _build_wy(_dt(dtype), _dt(g_dtype), _dt(beta_dtype), _dt(alog_dtype), _dt(dtb_dtype), K, V, l2norm,
-                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile))
+                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile), wgs)
 
     return kc.get_kernel("gdn_fwd_wy", key, build, _SOURCES)
 
@@ -800,12 +820,7 @@ def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, s
                      prefetch=None, profile=False, wgs=None):
     # by default only where the GPU tier has run with it (K = 128, not the training forward's store_states)
     prefetch = (STATE_PREFETCH and K == 128 and not store_states) if prefetch is None else bool(prefetch)
-    if wgs is None:
-        if STATE_WGS not in ("1", "2"):
-            raise ValueError(f"CUDNN_TRAIN_GDN_FWD_WGS={STATE_WGS!r}: expected 1 or 2")
-        wgs = int(STATE_WGS) if K == 128 else 1
-    if wgs not in (1, 2) or (wgs == 2 and K != 128):
-        raise ValueError(f"wgs={wgs} at K={K}: 1, or 2 at K = 128")
+    wgs = _wgs_choice("CUDNN_TRAIN_GDN_FWD_WGS", STATE_WGS, wgs, K, V)
     key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states)) + (("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (
            (("wgs", wgs),) if wgs != 1 else ())

@@ -94,7 +94,7 @@ def test_profile_variants_compile_for_sm90a(tmp_path, monkeypatch):
 @pytest.mark.compile
 def test_two_warpgroup_state_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     """The fused state kernel with two warpgroups (opt-in, K = 128): inference with the prefetch,
-    and the training forward's chunk-state variant."""
+    and the training forward's chunk-state variant; the wy kernel with two warpgroups."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
@@ -102,7 +102,11 @@ def test_two_warpgroup_state_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0], prefetch=True, wgs=2))
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[2], wgs=2))
-    assert len(list(tmp_path.rglob("*.o"))) == 2
+    dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = WY_VARIANTS[0]
+    assert K == V == 128
+    assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
+                                      K, V, l2, gate, dtb, sig, bscale, varlen, wgs=2))
+    assert len(list(tmp_path.rglob("*.o"))) == 3
     with pytest.raises(ValueError, match="wgs"):
         F90.get_state_kernel(*STATE_VARIANTS[1], wgs=2)  # K = 64
 
@@ -501,6 +505,43 @@ def test_two_warpgroup_state_kernel_matches_oracle_and_one_warpgroup(case, prefe
         assert torch.isfinite(a).all(), f"{case}: {name} has elements the two-warpgroup kernel did not write"
         err = rel_l2(a.float(), b.float())
         assert err < 2e-3, f"{case}: {name} differs from the one-warpgroup kernel's by {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen_gate_sigmoid"])
+def test_two_warpgroup_wy_kernel_matches_one_warpgroup(case, monkeypatch, poisoned):
+    """The wy kernel with two warpgroups splitting every product's N (K = V = 128, opt-in): each
+    output element is reduced in the same order as with one warpgroup, so w, u, gc and o agree to
+    rounding noise (asserted 1e-5), and o meets the oracle under the FLA-compat rule."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    cu, extra = None, {}
+    if case == "varlen_gate_sigmoid":
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        # raw gate and beta logits: the kernel applies -exp(A_log) softplus(g + dt_bias) and the sigmoid
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths),
+                                       raw_gate=True, beta_logits=True)
+        extra = dict(use_gate_in_kernel=True, A_log=torch.log(torch.empty(4, device="cuda").uniform_(1, 16)),
+                     dt_bias=torch.randn(4, device="cuda"), use_beta_sigmoid_in_kernel=True)
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, 128, 128, torch.bfloat16)
+    orig = F90.get_wy_kernel
+    outs = []
+    for wgs in (1, 2):
+        monkeypatch.setattr(F90, "get_wy_kernel", lambda *a, wgs=wgs, **kw: orig(*a, **{**kw, "wgs": wgs}))
+        o, ht, (w, u, gc) = F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, return_intermediates=True,
+                                        **extra).value
+        outs.append((o, ht, w, u, gc))
+    for name, a, b in zip(("o", "final_state", "w", "u", "gc"), outs[1], outs[0]):
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the two-warpgroup kernel did not write"
+        err = rel_l2(a.float(), b.float())
+        assert err < 1e-5, f"{case}: {name} differs from the one-warpgroup kernel's by {err:.2e}"
+    if not extra:
+        ref_o, ref_h = oracle(q, k, v, g, beta, 128**-0.5, h0, cu, l2norm=True)
+        _check("o", outs[1][0].float(), ref_o, None)
+        _check("final_state", outs[1][1], ref_h, None)
 
 
 @pytest.mark.gpu
