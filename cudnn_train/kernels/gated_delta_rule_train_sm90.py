@@ -146,6 +146,17 @@ def _stage3():
     return stage3_torch if os.environ.get(STAGE3_ENV, "kernel").strip() == "torch" else stage3_kernel
 
 
+def _group_sum(x, H: int, dtype):
+    """``[B, T, HV, D]`` (float32, per value head) -> ``[B, T, H, D]`` in ``dtype``: the sum over each
+    GVA group of ``HV // H`` value heads, rounded once. Groups of two (the common GVA) take one
+    kernel, an add whose float32 result is written in ``dtype``, instead of a reduction and a cast."""
+    xs = x.unflatten(2, (H, x.shape[2] // H))
+    if xs.shape[3] != 2:
+        return xs.sum(3).to(dtype)
+    out = torch.empty(*xs.shape[:3], xs.shape[4], dtype=dtype, device=x.device)
+    return torch.add(xs[:, :, :, 0], xs[:, :, :, 1], out=out)
+
+
 def input_grads(inputs, saved, dH, dvn, do, cu, cfg: Config):
     """Stage 3 and the preprocessing's backward: gradients of ``inputs = (q, k, v, g, beta,
     A_log, dt_bias)`` (None where an input is absent or needs none)."""
@@ -157,7 +168,7 @@ def input_grads(inputs, saved, dH, dvn, do, cu, cfg: Config):
         dq, dk, dv, dg, dbeta = stage3([o.detach() for o in outs], inputs, saved, dH, dvn, do, cu, cfg)
         H, HV = inputs[0].shape[2], inputs[2].shape[2]
         if HV != H:  # per value head -> per q/k head: the sum over each GVA group
-            dq, dk = (x.unflatten(2, (H, HV // H)).sum(3) for x in (dq, dk))
+            dq, dk = (_group_sum(x, H, t.dtype) for x, t in zip((dq, dk), inputs[:2]))
     res = [None] * len(inputs)
     for i, d in enumerate((dq, dk, dv)):
         if inputs[i].requires_grad:
