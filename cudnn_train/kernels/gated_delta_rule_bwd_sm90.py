@@ -292,7 +292,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     if out_dtype not in (torch.float32, q.dtype):
         raise Unsupported(f"out_dtype {out_dtype} (float32 or q's dtype)")
-    dvn = torch.zeros(B, T, HV, V, dtype=out_dtype, device=dev)
+    # dense: every token row of dvn is written; varlen: rows past the last sequence are not (zeros there)
+    dvn = (torch.zeros if varlen else torch.empty)(B, T, HV, V, dtype=out_dtype, device=dev)
     dH = torch.empty(total_chunks, HV, K, V, dtype=out_dtype, device=dev)
     dh0 = torch.empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
     if wgs not in (1, 2) or (wgs == 2 and K != 128):
