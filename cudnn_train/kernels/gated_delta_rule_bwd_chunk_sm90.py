@@ -82,7 +82,8 @@ def _swizzle(K: int, wgs: int) -> int:
     return 128 if K // wgs >= 64 else 64
 
 
-def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False):
+def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
+                  dqk_dtype=None):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -613,7 +614,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.rows4(dtype, V),
         f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
-        f.rows4(Float32, K), f.rows4(Float32, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32),
+        f.rows4(dqk_dtype or Float32, K), f.rows4(dqk_dtype or Float32, K), f.rows4(dtype, V), f.any3(Float32),
+        f.any3(Float32),
         Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
@@ -654,19 +656,23 @@ def overlap_default() -> bool:
     return os.environ.get("CUDNN_TRAIN_GDN_DCHUNK_OVERLAP", "0").strip() == "1"
 
 
-def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None):
+def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default() if overlap is None else bool(overlap)
-    key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ())
+    if dqk_dtype not in (torch.float32, dtype):
+        raise ValueError(f"dqk_dtype {dqk_dtype}: float32 or the input dtype {dtype}")
+    key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ()) + (
+        () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),))
 
     def build():
-        return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap)
+        return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
+                             None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
 
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
-                wgs: int | None = None, overlap: bool | None = None):
+                wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -675,7 +681,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     sweep write them). Returns ``(dq, dk, dv, dg, dbeta)``, float32 but dv (input dtype); dq and dk
     per value head ``[B, T, HV, K]`` (the caller sums them over a GVA group). ``wgs``: warpgroups
     per CTA (default :func:`warpgroups`; 1 at K = 128 is the one-warpgroup kernel, for comparison);
-    ``overlap``: the variant of :func:`overlap_default` (default: that function's answer)."""
+    ``overlap``: the variant of :func:`overlap_default` (default: that function's answer);
+    ``dqk_dtype``: dq and dk in float32 (default) or, where no GVA sum follows, the input dtype
+    (rounded once in the kernel, no cast pass after it)."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -715,8 +723,10 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         cm.check_index_range(name, t)  # every offset in int32 (dq and dk have v's size: K == V)
     # every token row is written, except with varlen those past the last sequence: zeros there
     new = torch.zeros if varlen else torch.empty
-    dq = new(B, T, HV, K, dtype=torch.float32, device=dev)
-    dk = new(B, T, HV, K, dtype=torch.float32, device=dev)
+    if dqk_dtype not in (torch.float32, dt):
+        raise Unsupported(f"dqk_dtype {dqk_dtype} (float32 or {dt})")
+    dq = new(B, T, HV, K, dtype=dqk_dtype, device=dev)
+    dk = new(B, T, HV, K, dtype=dqk_dtype, device=dev)
     dv = new(B, T, HV, V, dtype=dt, device=dev)
     dg = new(B, T, HV, dtype=torch.float32, device=dev)
     db = new(B, T, HV, dtype=torch.float32, device=dev)
@@ -724,6 +734,6 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         return dq, dk, dv, dg, db
     if wgs not in (None, 1) and not (K == 128 and wgs in (2, 4)):
         raise Unsupported(f"wgs={wgs} at K={K}")
-    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap)
+    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype)
     fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid)
     return dq, dk, dv, dg, db

@@ -137,8 +137,10 @@ def stage3_kernel(outs, inputs, saved, dH, dvn, do, cu, cfg: Config):
 
     q, k, v = (x.contiguous() for x in inputs[:3])
     _w, gc, hs = saved
+    # without GVA dq and dk leave the kernel in the input dtype (no sum over value heads follows)
+    dqk = q.dtype if q.shape[2] == v.shape[2] and q.dtype == v.dtype else torch.float32
     dq, dk, dv, dg, dbeta = b3.chunk_grads(q, k, v, gc, outs[1].float().contiguous(), do.contiguous(), dvn, hs, dH,
-                                           scale=cfg.scale, cu_seqlens=cu, l2norm=cfg.l2norm)
+                                           scale=cfg.scale, cu_seqlens=cu, l2norm=cfg.l2norm, dqk_dtype=dqk)
     return [dq, dk, dv, dg.unsqueeze(-1), dbeta]
 
 

@@ -24,7 +24,8 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     for v in VARIANTS:
         assert callable(B3.get_dchunk_kernel(*v))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], overlap=True))  # opt-in (CUDNN_TRAIN_GDN_DCHUNK_OVERLAP)
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 1
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16))  # dq, dk in bf16 (no GVA)
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 2
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -146,6 +147,23 @@ def test_chunk_gradients_gva(H):
 def test_chunk_gradients_with_the_l2norm_in_kernel(K, H, dtype):
     """Rows normalized in the kernel; dq and dk through the l2norm's backward."""
     _run(*_case(2, 130, 4, K, K, dtype, H=H, l2norm=True))
+
+
+@pytest.mark.gpu
+def test_chunk_gradients_dq_dk_in_the_input_dtype_are_the_float32_ones_rounded():
+    """Without GVA the training path takes dq, dk in the input dtype straight from the kernel: the
+    float32 results rounded once, bitwise."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    args, _ = _case(2, 300, 4, 128, 128, torch.bfloat16, l2norm=True)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    f32 = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, l2norm=l2)
+    bf = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, l2norm=l2, dqk_dtype=torch.bfloat16)
+    assert bf[0].dtype == bf[1].dtype == torch.bfloat16
+    for name, a, b in (("dq", bf[0], f32[0]), ("dk", bf[1], f32[1])):
+        assert torch.equal(a, b.to(torch.bfloat16)), name
+    for a, b in zip(bf[2:], f32[2:]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
