@@ -792,13 +792,15 @@ def _dt(t: torch.dtype | None):
 
 
 def _wgs_choice(env: str, value: str, wgs, K: int, V: int) -> int:
-    """Warpgroups of a kernel with a two-warpgroup variant at K = V = 128: ``wgs``, else the env value."""
+    """Warpgroups of a kernel with a two-warpgroup variant at K = 128 (and V = 128 where ``V`` is
+    given; None: any V): ``wgs``, else the env value."""
+    serves = K == 128 and V in (None, 128)
     if wgs is None:
         if value not in ("1", "2"):
             raise ValueError(f"{env}={value!r}: expected 1 or 2")
-        wgs = int(value) if K == V == 128 else 1
-    if wgs not in (1, 2) or (wgs == 2 and not K == V == 128):
-        raise ValueError(f"wgs={wgs} at K={K}, V={V}: 1, or 2 at K = V = 128")
+        wgs = int(value) if serves else 1
+    if wgs not in (1, 2) or (wgs == 2 and not serves):
+        raise ValueError(f"wgs={wgs} at K={K}, V={V}: 1, or 2 at K = 128" + (" and V = 128" if V else ""))
     return wgs
 
 
@@ -820,7 +822,7 @@ def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, s
                      prefetch=None, profile=False, wgs=None):
     # by default only where the GPU tier has run with it (K = 128, not the training forward's store_states)
     prefetch = (STATE_PREFETCH and K == 128 and not store_states) if prefetch is None else bool(prefetch)
-    wgs = _wgs_choice("CUDNN_TRAIN_GDN_FWD_WGS", STATE_WGS, wgs, K, V)
+    wgs = _wgs_choice("CUDNN_TRAIN_GDN_FWD_WGS", STATE_WGS, wgs, K, None)  # V only sets the grid
     key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states)) + (("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (
            (("wgs", wgs),) if wgs != 1 else ())
