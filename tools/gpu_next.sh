@@ -14,6 +14,7 @@
 #                                   # limits, SHAPES=N)
 #   bash tools/gpu_next.sh gdn_bwd  # the backward kernel tiers + the forward's chunk-state cases, then gdn_prof
 #   bash tools/gpu_next.sh dchunk   # the stage-3 kernel's tier, then tools/time_gdn_dchunk.py (one vs two warpgroups)
+#   bash tools/gpu_next.sh pending  # all of dchunk / sweep2 / fwd2's new cases, then the three timing tools, one call
 #   bash tools/gpu_next.sh fwd2     # the forward's two-warpgroup state kernel: its cases, then time_gdn_fwd.py
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
 #                                   # then gdn_prof with each
@@ -106,6 +107,20 @@ dchunk)
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/dchunk.log | tail -12
   timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes ${SHAPES:-2} > $OUT/time_dchunk.log 2>&1
   echo "time rc=$?"; cut -c1-200 $OUT/time_dchunk.log ;;
+pending)
+  # every variant prepared without a GPU (sixth session), in one call: the new GPU cases of the stage-3,
+  # sweep and forward tiers together (their compiles run in parallel), then the three timing tools
+  timeout -k 10 ${GDN_S:-240} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+    tests/kernels/test_gated_delta_rule_bwd_sm90.py tests/kernels/test_gated_delta_rule_sm90.py \
+    -k "overlap or dq_dk_in_the_input or two_warpgroup or test_gated_delta_rule_bwd_sm90.py" > $OUT/pending.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -E " (FAILED|ERROR) |passed|failed" $OUT/pending.log | tail -15
+  timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes 2 > $OUT/time_dchunk.log 2>&1
+  echo "dchunk time rc=$?"; cut -c1-160 $OUT/time_dchunk.log
+  timeout -k 10 60 python3 tools/time_gdn_sweep.py --shapes 2 > $OUT/time_sweep.log 2>&1
+  echo "sweep time rc=$?"; cut -c1-160 $OUT/time_sweep.log
+  timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes 2 > $OUT/time_gdn_fwd.log 2>&1
+  echo "time_gdn_fwd rc=$?"; grep -vE "^\s*$" $OUT/time_gdn_fwd.log | tail -n 28 | cut -c1-160 ;;
 fwd2)
   # the forward tier's two-warpgroup state-kernel cases, then time_gdn_fwd (one vs two warpgroups among its rows)
   timeout -k 10 ${GDN_S:-150} $P -n 8 tests/kernels/test_gated_delta_rule_sm90.py -k "two_warpgroup" > $OUT/fwd2.log 2>&1
@@ -138,5 +153,5 @@ save_caches)
     tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
   fi
   ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
 esac
