@@ -62,18 +62,16 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
 def warpgroups(K: int) -> int:
-    """Warpgroups per CTA: at K = V = 128 two split every product's N (``CUDNN_TRAIN_GDN_DCHUNK_WGS``
-    = 1, 2 or 4 overrides it there, for measurements; H200, B4 T4096 H16 HV32, with the parallel
-    dg tail: 4.43, 1.60 and 1.73 ms); at K = 64 one warpgroup (more would serve it with narrower swizzles, :func:`_swizzle`, but
-    have not been measured or GPU-tested there)."""
-    if K != 128:
-        return 1
+    """Warpgroups per CTA: at K = V = 128 two split every product's N (H200, B4 T4096 H16 HV32, with
+    the parallel dg tail: 4.43, 1.60 and 1.73 ms on one, two, four); at K = 64 one, until two (64-byte
+    swizzles, :func:`_swizzle`; compiled: 156 registers against 255) have run on a GPU.
+    ``CUDNN_TRAIN_GDN_DCHUNK_WGS`` = 1, 2 or 4 (4: K = 128 only) overrides it, for measurements."""
     env = os.environ.get("CUDNN_TRAIN_GDN_DCHUNK_WGS", "").strip()
     if env:
         if env not in ("1", "2", "4"):
             raise ValueError(f"CUDNN_TRAIN_GDN_DCHUNK_WGS={env!r}: expected 1, 2 or 4")
-        return int(env)
-    return 2
+        return min(int(env), 2) if K != 128 else int(env)
+    return 2 if K == 128 else 1
 
 
 def _swizzle(K: int, wgs: int) -> int:
@@ -732,7 +730,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     db = new(B, T, HV, dtype=torch.float32, device=dev)
     if T == 0 or nseq == 0:
         return dq, dk, dv, dg, db
-    if wgs not in (None, 1) and not (K == 128 and wgs in (2, 4)):
+    if wgs not in (None, 1, 2) and not (K == 128 and wgs == 4):
         raise Unsupported(f"wgs={wgs} at K={K}")
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype)
     fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid)

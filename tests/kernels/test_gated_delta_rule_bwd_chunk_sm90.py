@@ -25,7 +25,8 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
         assert callable(B3.get_dchunk_kernel(*v))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], overlap=True))  # opt-in (CUDNN_TRAIN_GDN_DCHUNK_OVERLAP)
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16))  # dq, dk in bf16 (no GVA)
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 2
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[1], wgs=2))  # K = 64 on two warpgroups (not yet the default)
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 3
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -116,6 +117,14 @@ def test_chunk_gradients_overlap_variant(T, wgs):
     """The opt-in variant with products in flight during independent CUDA-core work and dH
     prefetched into L2 (CUDNN_TRAIN_GDN_DCHUNK_OVERLAP=1)."""
     _run(*_case(2, T, 4, 128, 128, torch.bfloat16, l2norm=True), wgs=wgs, overlap=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [None, [1, 63, 130, 64, 0, 7]])
+def test_chunk_gradients_two_warpgroups_at_64(lens):
+    """K = V = 64 on two warpgroups (64-byte swizzles; one warpgroup is still the default there)."""
+    T = 300 if lens is None else sum(lens)
+    _run(*_case(2 if lens is None else 1, T, 4, 64, 64, torch.float16, lens=lens, H=2, l2norm=True), wgs=2)
 
 
 @pytest.mark.gpu
