@@ -723,6 +723,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     new = torch.zeros if varlen else torch.empty
     if dqk_dtype not in (torch.float32, dt):
         raise Unsupported(f"dqk_dtype {dqk_dtype} (float32 or {dt})")
+    if wgs not in (None, 1, 2) and not (K == 128 and wgs == 4):
+        raise Unsupported(f"wgs={wgs} at K={K}")
     dq = new(B, T, HV, K, dtype=dqk_dtype, device=dev)
     dk = new(B, T, HV, K, dtype=dqk_dtype, device=dev)
     dv = new(B, T, HV, V, dtype=dt, device=dev)
@@ -730,8 +732,6 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     db = new(B, T, HV, dtype=torch.float32, device=dev)
     if T == 0 or nseq == 0:
         return dq, dk, dv, dg, db
-    if wgs not in (None, 1, 2) and not (K == 128 and wgs == 4):
-        raise Unsupported(f"wgs={wgs} at K={K}")
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype)
     fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid)
     return dq, dk, dv, dg, db

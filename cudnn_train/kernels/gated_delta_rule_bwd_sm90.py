@@ -16,10 +16,10 @@ forward's WY output and cumulative gate, ``rq``/``rk`` the l2norm row factors::
 shared memory; ``-dvn^T`` goes back into registers as the A operand of the last product. With two
 warpgroups each holds only its columns of dH^T and dvn^T, so those two A operands go through
 shared memory instead (one store and one barrier more a chunk), and P's tile takes 64-byte
-swizzles so that a warpgroup's 32-column half of its MN-major view starts on an atom (223
-registers with two CTAs an SM asked for (``min_blocks_per_mp=2``: 127 registers, no spills, 3.1K
-instructions a thread against 254 and 4.1K), so an SM runs 16 warps where the one-warpgroup
-kernel runs 8; compiled, not yet GPU-run).
+swizzles so that a warpgroup's 32-column half of its MN-major view starts on an atom. Launched
+asking for two CTAs an SM (``min_blocks_per_mp=2``: 127 registers a thread, no spills, 3.1K
+instructions against 254 and 4.1K), an SM runs 16 warps where the one-warpgroup kernel runs 8;
+compiled, not yet GPU-run.
 
 Writes dvn (``[B, T, HV, V]``) and the dH of every chunk before its update (``[chunks, HV, K, V]``;
 chunk index ``b * NT + c``, or ``cu_chunks[n] + c`` with varlen), both float32 or, for the
@@ -30,9 +30,12 @@ Status: compiled by the compile tier; its GPU test
 (``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, against ``reverse_sweep_ref``: odd T, GVA,
 varlen, both state layouts) passed on the H200 (12 tests) with one warpgroup; the two-warpgroup
 cases have not run on a GPU yet. Stage 2 of the opt-in training path
-(``gated_delta_rule_train_sm90``; ``CUDNN_TRAIN_GDN_SWEEP_WGS=2`` picks two warpgroups there).
+(``gated_delta_rule_train_sm90``); ``CUDNN_TRAIN_GDN_SWEEP_WGS=2`` makes two warpgroups the default
+at K = 128.
 """
 
+
+import os
 
 import torch
 
@@ -268,14 +271,14 @@ def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=
 
 
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
-                  cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int = 1):
+                  cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
     ``[chunks, HV, K, V]`` in ``out_dtype`` (float32, or the input dtype that the per-chunk
     gradient kernel reads them in), and float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
-    ``state_v_first``). ``wgs``: warpgroups per CTA (1; 2 at K = 128 splits every product's N,
-    not yet GPU-tested or measured)."""
+    ``state_v_first``). ``wgs``: warpgroups per CTA (default 1, or ``CUDNN_TRAIN_GDN_SWEEP_WGS``;
+    2 at K = 128 splits every product's N, not yet GPU-tested or measured)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -292,12 +295,15 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     if out_dtype not in (torch.float32, q.dtype):
         raise Unsupported(f"out_dtype {out_dtype} (float32 or q's dtype)")
+    if wgs is None:  # the env knob (a bad value is a ValueError naming it)
+        env = "CUDNN_TRAIN_GDN_SWEEP_WGS"
+        wgs = fwd._wgs_choice(env, os.environ.get(env, "1").strip() or "1", None, K, None)
+    elif wgs not in (1, 2) or (wgs == 2 and K != 128):
+        raise Unsupported(f"wgs={wgs} at K={K} (1, or 2 at K = 128)")
     # dense: every token row of dvn is written; varlen: rows past the last sequence are not (zeros there)
     dvn = (torch.zeros if varlen else torch.empty)(B, T, HV, V, dtype=out_dtype, device=dev)
     dH = torch.empty(total_chunks, HV, K, V, dtype=out_dtype, device=dev)
     dh0 = torch.empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
-    if wgs not in (1, 2) or (wgs == 2 and K != 128):
-        raise Unsupported(f"wgs={wgs} at K={K} (1, or 2 at K = 128)")
     fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
                            out_dtype, wgs)
     if T == 0 or nseq == 0:

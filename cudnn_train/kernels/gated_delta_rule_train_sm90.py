@@ -40,8 +40,6 @@ from ..fused.gated_delta_rule import _gdn_log_decay, beta_in_kernel, l2norm, l2n
 
 OPT_IN = "CUDNN_TRAIN_GDN_SM90_TRAIN"
 STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"  # "kernel" (default) or "torch"
-# the reverse sweep's warpgroups at K = 128: "1" (default until GPU-measured) or "2"
-SWEEP_WGS_ENV = "CUDNN_TRAIN_GDN_SWEEP_WGS"
 CHUNK = 64
 
 
@@ -81,13 +79,9 @@ def kernel_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg: Conf
     from . import gated_delta_rule_bwd_sm90 as bwd
 
     w, gc, _ = saved
-    mode = os.environ.get(SWEEP_WGS_ENV, "1").strip()
-    if mode not in ("1", "2"):
-        raise ValueError(f"{SWEEP_WGS_ENV}={mode!r}: expected 1 or 2")
-    wgs = 2 if mode == "2" and q.shape[-1] == 128 else 1
     return bwd.reverse_sweep(q, k, w, gc, do.contiguous(), None if dht is None else dht.contiguous(),
                              scale=cfg.scale, use_qk_l2norm_in_kernel=cfg.l2norm, cu_seqlens=cu,
-                             state_v_first=cfg.state_v_first, out_dtype=q.dtype, wgs=wgs)
+                             state_v_first=cfg.state_v_first, out_dtype=q.dtype)
 
 
 # the kernel steps; the CPU tests put reference implementations of the same contracts here
