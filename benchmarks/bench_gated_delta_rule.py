@@ -97,6 +97,10 @@ def load_peers():
     return peers
 
 
+# the dense shapes (B, T, H, HV), K = V = 128; the GDN tools time the same ones
+SHAPES = [(4, 4096, 16, 32), (1, 16384, 16, 32), (8, 2048, 32, 32)]
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--shapes", type=int, default=None, help="time only the first N shapes")
@@ -117,11 +121,7 @@ def main() -> None:
     broken: set[str] = set()
     K = V = 128
     # (label, B, T, H, HV, varlen lengths or None)
-    shapes = [
-        ("B4 T4096", 4, 4096, 16, 32, None),
-        ("B1 T16384", 1, 16384, 16, 32, None),
-        ("B8 T2048", 8, 2048, 32, 32, None),
-    ]
+    shapes = [(f"B{B} T{T}", B, T, H, HV, None) for B, T, H, HV in SHAPES]
     gen = torch.Generator().manual_seed(0)
     mixed = [int(x) for x in torch.randint(1, 4097, (12,), generator=gen)] + [1, 63, 65, 8192]
     shapes.append(("varlen mixed", 1, sum(mixed), 16, 32, mixed))

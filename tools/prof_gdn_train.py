@@ -13,12 +13,10 @@ import os
 
 import torch
 
-from benchmarks.bench_gated_delta_rule import load_peers, make_inputs
+from benchmarks.bench_gated_delta_rule import SHAPES, load_peers, make_inputs
 from benchmarks.common import bench, kernels_of_last_call
 from cudnn_train import last_path
 from cudnn_train.fused.gated_delta_rule import chunk_gated_delta_rule
-
-SHAPES = [(4, 4096, 16, 32), (1, 16384, 16, 32), (8, 2048, 32, 32)]
 
 
 def main():

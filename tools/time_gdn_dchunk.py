@@ -15,15 +15,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_gated_delta_rule import SHAPES
 from benchmarks.common import bench
 from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
-
-SHAPES = [(4, 4096, 16, 32), (1, 16384, 16, 32), (8, 2048, 32, 32)]
-
-
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+from tests.utils import rel_l2
 
 
 def bwd_flops(B, T, HV, K=128, V=128, C=64):

@@ -57,10 +57,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
 
     C = CHUNK
     VB = VBLOCK
-    THREADS = 128 * WGS
-    # two warpgroups: ask for two CTAs an SM (ptxas then keeps a thread to 128 registers, no spills;
-    # 96 KB of shared memory each), i.e. 16 warps an SM where the one-warpgroup kernel runs 8
-    MINB = 2 if WGS == 2 else 0
+    THREADS = 128 * WGS  # two warpgroups: two CTAs an SM (96 KB of shared memory each), 16 warps
     LOG2E = cm.LOG2E
     load_chunk = fwd._make_load_chunk(K, VB, THREADS)
     gemm = cm.make_gemm()
@@ -232,8 +229,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         _static_checks(dtype, K, WGS)
         HV = mW.shape[2]
         kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group).launch(
-            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=MINB,
-            preferred_smem_carveout=100 if MINB else None,
+            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
         )
 
     f = fwd._fakes()

@@ -206,6 +206,13 @@ def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool, a_mn_major: bool 
     )
 
 
+def two_ctas_an_sm(on: bool) -> dict:
+    """Launch options of the two-warpgroup kernels that fit two CTAs an SM: ``min_blocks_per_mp=2``
+    (ptxas then keeps a 256-thread CTA to 128 registers a thread) and the whole shared-memory
+    carveout; none when ``on`` is False."""
+    return dict(min_blocks_per_mp=2, preferred_smem_carveout=100) if on else {}
+
+
 def make_gemm():
     """``gemm(tiled_mma, acc, tA, tB, zero_init)``: one warpgroup MMA over every K block of the
     fragments (accumulating into ``acc`` unless ``zero_init``); the caller commits and waits."""

@@ -486,8 +486,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
         _static_checks(dtype, K, V)
         HV = mV.shape[2]
         kernel(mK, mV, mG, mBeta, mAlog, mDtb, mCu, mCuC, mW, mU, mGc, T, NT, nseq, group, mProf).launch(
-            grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream,
-            min_blocks_per_mp=2 if WGS == 2 else 0, preferred_smem_carveout=100 if WGS == 2 else None,
+            grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
         )
 
     f = _fakes()
@@ -517,7 +516,6 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     # of an earlier step then come from one [VB, 128] shared tile, S^T at the start of a chunk and
     # [vn^T | its scaled copy] later; two CTAs an SM are asked for (128 registers a thread)
     regs_a = WGS == 1
-    MINB = 1 if regs_a else 2
 
     load_chunk = _make_load_chunk(K, VB, THREADS)
     issue_chunk = _make_issue_chunk(dtype, K, VB, THREADS)
@@ -674,23 +672,22 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                             ocoef = ocoef * sRq[oi]
                         accO[e] = accO[e] * ocoef
                     glast = sGcb[par][C - 1]
+                    def dcoef(dj):  # the state update's column factor exp(gl - gc_j) rk_j
+                        c = cute.math.exp2((glast - sGcb[par][dj]) * LOG2E, fastmath=True)
+                        return c * sRk[dj] if cutlass.const_expr(l2norm) else c
+
                     if cutlass.const_expr(regs_a):
                         for f in cutlass.range_constexpr(cute.size(rVn)):
                             rVn[f] = accX[map_vn[f]].to(dtype)
                         for f in cutlass.range_constexpr(cute.size(rVd)):
                             _, dj = cX[map_vd[f]]
-                            dcoef = cute.math.exp2((glast - sGcb[par][dj]) * LOG2E, fastmath=True)
-                            if cutlass.const_expr(l2norm):
-                                dcoef = dcoef * sRk[dj]
-                            rVd[f] = (accX[map_vd[f]] * dcoef).to(dtype)
+                            rVd[f] = (accX[map_vd[f]] * dcoef(dj)).to(dtype)
                     else:  # vn^T and its scaled copy into sX (visible after the barrier below)
                         for e in cutlass.range_constexpr(cute.size(accX)):
                             xv, dj = cX[e]
-                            dcoef = cute.math.exp2((glast - sGcb[par][dj]) * LOG2E, fastmath=True)
-                            if cutlass.const_expr(l2norm):
-                                dcoef = dcoef * sRk[dj]
+                            c = dcoef(dj)
                             sVn[xv, dj] = accX[e].to(dtype)
-                            sVd[xv, dj] = (accX[e] * dcoef).to(dtype)
+                            sVd[xv, dj] = (accX[e] * c).to(dtype)
                     decay = cute.math.exp2(glast * LOG2E, fastmath=True)
                     for e in cutlass.range_constexpr(cute.size(accS)):
                         accS[e] = accS[e] * decay
@@ -723,8 +720,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
         _static_checks(dtype, K, V)
         HV = mU.shape[2]
         kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, scale, T, NT, group, mProf).launch(
-            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
-            min_blocks_per_mp=0 if regs_a else MINB, preferred_smem_carveout=None if regs_a else 100,
+            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(not regs_a),
         )
 
     f = _fakes()
