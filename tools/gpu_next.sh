@@ -15,6 +15,7 @@
 #   bash tools/gpu_next.sh gdn_bwd  # the backward kernel tiers + the forward's chunk-state cases, then gdn_prof
 #   bash tools/gpu_next.sh dchunk   # the stage-3 kernel's tier, then tools/time_gdn_dchunk.py (one vs two warpgroups)
 #   bash tools/gpu_next.sh pending  # all of dchunk / sweep2 / fwd2's new cases, then the three timing tools, one call
+#   bash tools/gpu_next.sh s7       # the seventh session's defaults and the sweep's prefetch: tiers, then its timing
 #   bash tools/gpu_next.sh fwd2     # the forward's two-warpgroup state kernel: its cases, then time_gdn_fwd.py
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
 #                                   # then gdn_prof with each
@@ -121,6 +122,19 @@ pending)
   echo "sweep time rc=$?"; cut -c1-160 $OUT/time_sweep.log
   timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes 2 > $OUT/time_gdn_fwd.log 2>&1
   echo "time_gdn_fwd rc=$?"; grep -vE "^\s*$" $OUT/time_gdn_fwd.log | tail -n 28 | cut -c1-160 ;;
+s7)
+  # the seventh session's changes in one call: the sweep tier (its prefetch cases), stage 3 with and
+  # without the overlap (now the default), the forward's chunk-state and wy cases, the training tier's
+  # kernel half (the new defaults end to end), then the sweep's timing (prefetch vs synchronous loads)
+  timeout -k 10 ${GDN_S:-330} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_sm90.py \
+    tests/kernels/test_gated_delta_rule_train_sm90.py \
+    -k "test_gated_delta_rule_bwd_sm90.py or overlap or store_states or two_warpgroup_wy or (train_sm90 and not torch)" \
+    > $OUT/s7.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -cE " PASSED " $OUT/s7.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s7.log | tail -15
+  timeout -k 10 90 python3 tools/time_gdn_sweep.py --shapes 2 > $OUT/time_sweep.log 2>&1
+  echo "sweep time rc=$?"; cut -c1-160 $OUT/time_sweep.log ;;
 fwd2)
   # the forward tier's two-warpgroup state-kernel cases, then time_gdn_fwd (one vs two warpgroups among its rows)
   timeout -k 10 ${GDN_S:-150} $P -n 8 tests/kernels/test_gated_delta_rule_sm90.py -k "two_warpgroup" > $OUT/fwd2.log 2>&1

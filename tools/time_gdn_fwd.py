@@ -1,8 +1,8 @@
 """Where the SM90 GDN forward's time goes (GPU machine): each kernel alone (the fused state kernel
 with and without the cp.async prefetch; the split pass's chain at both V blocks and its out kernel),
 the whole forward as chosen and with each state pass forced, and FLA's forward in the same run;
-also the wy and state kernels on two warpgroups (opt-in, ``CUDNN_TRAIN_GDN_WY_WGS=2``,
-``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
+also the wy and state kernels on two warpgroups (the wy kernel's default at K = V = 128; the state
+kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile]
 
@@ -51,7 +51,7 @@ def main():
         beta = torch.rand(B, T, HV, device=dev, dtype=torch.bfloat16)
         fl = flops(B, T, HV)
         wy = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,
-                               False, 1.0, False)
+                               False, 1.0, False, wgs=1)
         w = torch.empty(B, T, HV, K, device=dev, dtype=torch.bfloat16)
         u = torch.empty(B, T, HV, V, device=dev, dtype=torch.bfloat16)
         gc = torch.empty(B, T, HV, device=dev)
@@ -63,7 +63,7 @@ def main():
             wy(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, T, NT, B, group, rows, i64)
 
         run_wy()
-        # the wy kernel on two warpgroups (opt-in: CUDNN_TRAIN_GDN_WY_WGS=2), into its own outputs
+        # the wy kernel on two warpgroups (the default at K = V = 128), into its own outputs
         wy2 = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,
                                 False, 1.0, False, wgs=2)
         w2, u2, gc2 = torch.empty_like(w), torch.empty_like(u), torch.empty_like(gc)

@@ -1,10 +1,12 @@
 """The GDN backward's reverse sweep (stage 2) alone (GPU machine): one warpgroup per CTA against two
-splitting every product's N, on the same inputs, as the training path calls it (bf16 dvn and dH
-rows, l2norm in kernel, no final-state gradient).
+splitting every product's N, each with the next chunk's loads in flight (cp.async, the default) and
+with synchronous loads, on the same inputs, as the training path calls it (bf16 dvn and dH rows,
+l2norm in kernel, no final-state gradient).
 
     python3 tools/time_gdn_sweep.py [--shapes N]
 
-Before timing, the two variants' outputs are compared (relative L2). Each line: median ms of
+Before timing, the variants' outputs are compared with the default's (relative L2; the prefetch
+must not change a bit). Each line: median ms of
 ``benchmarks.common.bench`` (L2 cleared before every call).
 """
 
@@ -35,17 +37,20 @@ def main():
         g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
         gc = F.pad(g, (0, 0, 0, NT * C - T)).view(B, NT, C, HV).cumsum(2).view(B, NT * C, HV)[:, :T].contiguous()
 
-        def run(wgs):
+        def run(wgs, prefetch):
             return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
-                                     out_dtype=dt, wgs=wgs)
+                                     out_dtype=dt, wgs=wgs, prefetch=prefetch)
 
-        one, two = run(1), run(2)
-        torch.cuda.synchronize()
-        diffs = ", ".join(f"{n} {rel_l2(b, a):.1e}" for n, a, b in zip(("dvn", "dH", "dh0"), one, two))
-        print(f"B{B} T{T} H{H} HV{HV}: two warpgroups vs one: {diffs}")
-        for name, wgs in (("one warpgroup", 1), ("two warpgroups", 2)):
-            print(f"  {name:16s} {bench(lambda: run(wgs), warmup=10, rep=50):.3f} ms")
-
+        variants = (("one warpgroup, prefetch", 1, True), ("one warpgroup, sync loads", 1, False),
+                    ("two warpgroups, prefetch", 2, True), ("two warpgroups, sync loads", 2, False))
+        base = run(1, True)
+        for name, wgs, pf in variants[1:]:
+            other = run(wgs, pf)
+            torch.cuda.synchronize()
+            diffs = ", ".join(f"{n} {rel_l2(b, a):.1e}" for n, a, b in zip(("dvn", "dH", "dh0"), base, other))
+            print(f"B{B} T{T} H{H} HV{HV}: {name} vs one warpgroup, prefetch: {diffs}")
+        for name, wgs, pf in variants:
+            print(f"  {name:28s} {bench(lambda: run(wgs, pf), warmup=10, rep=50):.3f} ms")
 
 if __name__ == "__main__":
     main()

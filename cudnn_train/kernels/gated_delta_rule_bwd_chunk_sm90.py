@@ -646,17 +646,24 @@ def _static_checks(dtype, K: int, V: int, wgs: int) -> None:
             raise AssertionError(f"thread {t} holds different rows in the [64, N] accumulators")
 
 
-def overlap_default() -> bool:
-    """``CUDNN_TRAIN_GDN_DCHUNK_OVERLAP=1``: the variant that keeps products in flight during the
-    CUDA-core work that does not need them (k Sc during A's loop; q k^T and do Sc^T during the
-    solve; Tm^T dvn during dkb's loop) and prefetches dH into L2 at the start. Off by default:
-    compiled, not yet GPU-run."""
-    return os.environ.get("CUDNN_TRAIN_GDN_DCHUNK_OVERLAP", "0").strip() == "1"
+def overlap_default(K: int, wgs: int) -> bool:
+    """The variant that keeps products in flight during the CUDA-core work that does not need them
+    (k Sc during A's loop; q k^T and do Sc^T during the solve; Tm^T dvn during dkb's loop) and
+    prefetches dH into L2 at the start: the default at K = 128 (H200, B4 T4096 H16 HV32, two
+    warpgroups: 1.48 ms against 1.60, results bitwise equal; ``tools/time_gdn_dchunk.py``) on two
+    or four warpgroups (the counts its GPU cases cover), off at K = 64 until timed there.
+    ``CUDNN_TRAIN_GDN_DCHUNK_OVERLAP`` = 1 / 0 overrides."""
+    env = os.environ.get("CUDNN_TRAIN_GDN_DCHUNK_OVERLAP", "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"CUDNN_TRAIN_GDN_DCHUNK_OVERLAP={env!r}: expected 0 or 1")
+        return env == "1"
+    return K == 128 and wgs > 1
 
 
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32):
     wgs = warpgroups(K) if wgs is None else wgs
-    overlap = overlap_default() if overlap is None else bool(overlap)
+    overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     if dqk_dtype not in (torch.float32, dtype):
         raise ValueError(f"dqk_dtype {dqk_dtype}: float32 or the input dtype {dtype}")
     key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ()) + (

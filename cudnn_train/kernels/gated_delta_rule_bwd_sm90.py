@@ -50,22 +50,43 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
 def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None,
-                  WGS: int = 1):
+                  WGS: int = 1, PREFETCH: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
-    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.cute.nvgpu import cpasync, warpgroup
 
     C = CHUNK
     VB = VBLOCK
     THREADS = 128 * WGS  # two warpgroups: two CTAs an SM (96 KB of shared memory each), 16 warps
     LOG2E = cm.LOG2E
     load_chunk = fwd._make_load_chunk(K, VB, THREADS)
+    issue_tiles = fwd.make_issue_tiles(dtype, C, THREADS)
+    # PREFETCH: w, do and gc have two buffers (chunk cr in buffer cr % 2) and the next chunk's are
+    # fetched by cp.async at the top of this one; q and k (read only by the chunk's first products)
+    # have one, refilled with the next chunk's once those products are done
+    NBUF = 2 if PREFETCH else 1
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
     odt = cutlass.Float32 if odt is None else odt  # the dtype of dvn and the dH rows
     store_p = cm.make_store_p(dtype, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
+
+    @cute.jit
+    def issue_qk(mQ: cute.Tensor, mK: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, b: Int32, h: Int32, t0: Int32,
+                 length: Int32, tidx: Int32):
+        issue_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
+                     (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0)), length, tidx)
+
+    @cute.jit
+    def issue_wdg(mW: cute.Tensor, mDO: cute.Tensor, mGc: cute.Tensor, sW: cute.Tensor, sDo: cute.Tensor,
+                  sGc: cute.Tensor, b: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32, tidx: Int32):
+        issue_tiles(((cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K, 0),
+                     (cute.domain_offset((t0, 0), mDO[b, None, hv, None]), sDo, VB, v0 // 8)), length, tidx)
+        if tidx < C:  # gc, the last valid row repeated past the end (4-byte cp.async)
+            atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            row = t0 + cutlass.min(tidx, length - 1)
+            cute.copy(atom4, cute.local_tile(mGc[b, None, hv], (1,), (row,)), cute.local_tile(sGc, (1,), (tidx,)))
 
     @cute.kernel
     def kernel(
@@ -97,11 +118,11 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         ldo = cm.smem_tile_layout(dtype, C, VB)
         sQ = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
         sK = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
-        sW = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
+        sWb = [smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner) for _ in range(NBUF)]
         sP = smem.allocate_tensor(dtype, lp.outer, 1024, lp.inner)
-        sDo = smem.allocate_tensor(dtype, ldo.outer, 1024, ldo.inner)
+        sDob = [smem.allocate_tensor(dtype, ldo.outer, 1024, ldo.inner) for _ in range(NBUF)]
         sDoS = smem.allocate_tensor(dtype, ldo.outer, 1024, ldo.inner)
-        sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sGcb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(NBUF)]
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         if cutlass.const_expr(not regs_a):
@@ -116,11 +137,11 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         tAq = mma_p.make_fragment_A(thr_p.partition_A(sQ))
         tBk = mma_p.make_fragment_B(thr_p.partition_B(sK))
         tBkx = mma_x.make_fragment_B(thr_x.partition_B(sK))  # [N = i, K = d]
-        tAdo = mma_t.make_fragment_A(thr_t.partition_A(cm.transpose_view(sDo)))  # [M = v, K = i]
+        tAdob = [mma_t.make_fragment_A(thr_t.partition_A(cm.transpose_view(t))) for t in sDob]  # [M = v, K = i]
         tBpt = mma_t.make_fragment_B(thr_t.partition_B(cm.transpose_view(sP)))  # [N = j, K = i]
         tAdos = mma_q.make_fragment_A(thr_q.partition_A(cm.transpose_view(sDoS)))  # [M = v, K = i]
         tBqt = mma_q.make_fragment_B(thr_q.partition_B(cm.transpose_view(sQ)))  # [N = d, K = i]
-        tBwt = mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(sW)))  # [N = d, K = i]
+        tBwtb = [mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(t))) for t in sWb]  # [N = d, K = i]
         if cutlass.const_expr(regs_a):
             rD = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
             rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
@@ -139,84 +160,108 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         else:
             accD.fill(0.0)
 
-        for cr in cutlass.range(nchunks, unroll=1):
-            ci = nchunks - 1 - cr
-            t0 = ts + ci * C
-            length = cutlass.min(te - t0, C)
-            cute.arch.sync_threads()  # the previous chunk is done with every smem tile
-            load_chunk(mQ, mK, mW, mDO, mGc, sQ, sK, sW, sDo, sGc, b, h, hv, t0, v0, length, tidx)
-            cute.arch.sync_threads()
-            if cutlass.const_expr(l2norm):
-                if tidx < C:
-                    sRq[tidx] = row_inv_norm(sQ, tidx)
-                elif tidx < 2 * C:
-                    sRk[tidx - C] = row_inv_norm(sK, tidx - C)
-                cute.arch.sync_threads()
-            # do_s = do diag(scale e^gc rq): the A operand of the q term of the state update
-            for e in cutlass.range_constexpr(C * VB // THREADS):
-                idx = e * THREADS + tidx
-                si = idx // VB
-                sv = idx % VB
-                coef = scale * cute.math.exp2(sGc[si] * LOG2E, fastmath=True)
-                if cutlass.const_expr(l2norm):
-                    coef = coef * sRq[si]
-                sDoS[si, sv] = (sDo[si, sv].to(Float32) * coef).to(dtype)
-            if cutlass.const_expr(not regs_a):  # dH^T in the input dtype, each warpgroup its columns
-                for e in cutlass.range_constexpr(cute.size(accD)):
-                    sv, sd = cS[e]
-                    sDHt[sv, sd] = accD[e].to(dtype)
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()
+        if cutlass.const_expr(PREFETCH):  # the first chunk of the sweep (the sequence's last)
+            if nchunks > 0:
+                t1 = ts + (nchunks - 1) * C
+                issue_qk(mQ, mK, sQ, sK, b, h, t1, te - t1, tidx)
+                issue_wdg(mW, mDO, mGc, sWb[0], sDob[0], sGcb[0], b, hv, t1, v0, te - t1, tidx)
+            cute.arch.cp_async_commit_group()
+        for cp in cutlass.range((nchunks + NBUF - 1) // NBUF, unroll=1):
+            for par in cutlass.range_constexpr(NBUF):  # one chunk a buffer, so every tile stays static
+                cr = cp * NBUF + par
+                if cr < nchunks:
+                    ci = nchunks - 1 - cr
+                    t0 = ts + ci * C
+                    length = cutlass.min(te - t0, C)
+                    sW, sDo, sGc = sWb[par], sDob[par], sGcb[par]
+                    if cutlass.const_expr(PREFETCH):
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.sync_threads()  # chunk cr is in smem; every thread is done with chunk cr - 1
+                        if cr + 1 < nchunks:  # w, do, gc of chunk cr + 1 into the buffers chunk cr - 1 used
+                            issue_wdg(mW, mDO, mGc, sWb[1 - par], sDob[1 - par], sGcb[1 - par], b, hv, t0 - C, v0,
+                                      C, tidx)
+                        cute.arch.cp_async_commit_group()
+                    else:
+                        cute.arch.sync_threads()  # the previous chunk is done with every smem tile
+                        load_chunk(mQ, mK, mW, mDO, mGc, sQ, sK, sW, sDo, sGc, b, h, hv, t0, v0, length, tidx)
+                        cute.arch.sync_threads()
+                    if cutlass.const_expr(l2norm):
+                        if tidx < C:
+                            sRq[tidx] = row_inv_norm(sQ, tidx)
+                        elif tidx < 2 * C:
+                            sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+                        cute.arch.sync_threads()
+                    # do_s = do diag(scale e^gc rq): the A operand of the q term of the state update
+                    for e in cutlass.range_constexpr(C * VB // THREADS):
+                        idx = e * THREADS + tidx
+                        si = idx // VB
+                        sv = idx % VB
+                        coef = scale * cute.math.exp2(sGc[si] * LOG2E, fastmath=True)
+                        if cutlass.const_expr(l2norm):
+                            coef = coef * sRq[si]
+                        sDoS[si, sv] = (sDo[si, sv].to(Float32) * coef).to(dtype)
+                    if cutlass.const_expr(not regs_a):  # dH^T in the input dtype, each warpgroup its columns
+                        for e in cutlass.range_constexpr(cute.size(accD)):
+                            sv, sd = cS[e]
+                            sDHt[sv, sd] = accD[e].to(dtype)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_threads()
 
-            # ---- dH^T k^T and q k^T
-            if cutlass.const_expr(regs_a):
-                for f in cutlass.range_constexpr(cute.size(rD)):
-                    rD[f] = accD[map_s[f]].to(dtype)
-            accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
-            accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
-            gemm(mma_x, accX, rD, tBkx, True)  # dH^T k^T  [v, i]
-            gemm(mma_p, accP, tAq, tBk, True)  # q k^T     [i, j]
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+                    # ---- dH^T k^T, q k^T, and the q term of the update: dH^T <- e^(gc_C) dH^T + do_s^T q
+                    # (dH^T k^T reads dH^T before it, in the input dtype: rD, or sDHt)
+                    if cutlass.const_expr(regs_a):
+                        for f in cutlass.range_constexpr(cute.size(rD)):
+                            rD[f] = accD[map_s[f]].to(dtype)
+                    # this chunk's dH (before the update), for the per-chunk gradient stage
+                    store_state(accD, cS, mDH, cbase + ci, hv, v0, False)
+                    glast = sGc[C - 1]
+                    decay = cute.math.exp2(glast * LOG2E, fastmath=True)
+                    for e in cutlass.range_constexpr(cute.size(accD)):
+                        accD[e] = accD[e] * decay
+                    accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
+                    accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
+                    gemm(mma_x, accX, rD, tBkx, True)  # dH^T k^T  [v, i]
+                    gemm(mma_p, accP, tAq, tBk, True)  # q k^T     [i, j]
+                    gemm(mma_q, accD, tAdos, tBqt, False)  # dH^T += do_s^T q
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
 
-            # this chunk's dH (before the update), for the per-chunk gradient stage
-            store_state(accD, cS, mDH, cbase + ci, hv, v0, False)
-            glast = sGc[C - 1]
-            for e in cutlass.range_constexpr(cute.size(accX)):
-                _, xi = cX[e]
-                dcoef = cute.math.exp2((glast - sGc[xi]) * LOG2E, fastmath=True)
-                if cutlass.const_expr(l2norm):
-                    dcoef = dcoef * sRk[xi]
-                accX[e] = accX[e] * dcoef
-            # P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j -> smem, as in the forward
-            store_p(accP, cP, sP, sGc, sRq, sRk, scale)
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()  # P visible to the async proxy
+                    for e in cutlass.range_constexpr(cute.size(accX)):
+                        _, xi = cX[e]
+                        dcoef = cute.math.exp2((glast - sGc[xi]) * LOG2E, fastmath=True)
+                        if cutlass.const_expr(l2norm):
+                            dcoef = dcoef * sRk[xi]
+                        accX[e] = accX[e] * dcoef
+                    # P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j -> smem, as in the forward
+                    store_p(accP, cP, sP, sGc, sRq, sRk, scale)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_threads()  # P visible to the async proxy; every product on q, k is done
+                    if cutlass.const_expr(PREFETCH):  # q, k of chunk cr + 1 (this chunk is done with them)
+                        if cr + 1 < nchunks:
+                            issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
+                        cute.arch.cp_async_commit_group()
 
-            gemm(mma_t, accX, tAdo, tBpt, False)  # dvn^T += do^T P
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+                    gemm(mma_t, accX, tAdob[par], tBpt, False)  # dvn^T += do^T P
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
 
-            for e in cutlass.range_constexpr(cute.size(accX)):
-                xv, xi = cX[e]
-                if xi < length:
-                    mDVN[b, t0 + xi, hv, v0 + xv] = accX[e].to(odt)
-            if cutlass.const_expr(regs_a):
-                for f in cutlass.range_constexpr(cute.size(rVd)):
-                    rVd[f] = (-accX[map_vd[f]]).to(dtype)
-            else:  # -dvn^T into shared memory for every warpgroup (the previous chunk's reads are done)
-                for e in cutlass.range_constexpr(cute.size(accX)):
-                    xv, xi = cX[e]
-                    sVd[xv, xi] = (-accX[e]).to(dtype)
-                cute.arch.fence_view_async_shared()
-                cute.arch.sync_threads()
-            decay = cute.math.exp2(glast * LOG2E, fastmath=True)
-            for e in cutlass.range_constexpr(cute.size(accD)):
-                accD[e] = accD[e] * decay
-            gemm(mma_q, accD, tAdos, tBqt, False)  # dH^T += do_s^T q
-            gemm(mma_s, accD, rVd, tBwt, False)  # dH^T -= dvn^T w
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+                    for e in cutlass.range_constexpr(cute.size(accX)):
+                        xv, xi = cX[e]
+                        if xi < length:
+                            mDVN[b, t0 + xi, hv, v0 + xv] = accX[e].to(odt)
+                    if cutlass.const_expr(regs_a):
+                        for f in cutlass.range_constexpr(cute.size(rVd)):
+                            rVd[f] = (-accX[map_vd[f]]).to(dtype)
+                    else:  # -dvn^T into shared memory for every warpgroup (the previous chunk's reads are done)
+                        for e in cutlass.range_constexpr(cute.size(accX)):
+                            xv, xi = cX[e]
+                            sVd[xv, xi] = (-accX[e]).to(dtype)
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.sync_threads()
+                    gemm(mma_s, accD, rVd, tBwtb[par], False)  # dH^T -= dvn^T w
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
 
         store_state(accD, cS, mDH0, n, hv, v0, state_vk)
 
@@ -256,25 +301,41 @@ def _static_checks(dtype, K: int, wgs: int = 1) -> None:
                              (64, K), th)
 
 
-def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1):
+def prefetch_default() -> bool:
+    """Whether the sweep fetches the next chunk by ``cp.async`` while it computes this one
+    (``CUDNN_TRAIN_GDN_SWEEP_PREFETCH`` = 1, the default, or 0: every chunk loaded synchronously at
+    its start). Same products in the same order either way: the results are bitwise equal."""
+    env = os.environ.get("CUDNN_TRAIN_GDN_SWEEP_PREFETCH", "1").strip() or "1"
+    if env not in ("0", "1"):
+        raise ValueError(f"CUDNN_TRAIN_GDN_SWEEP_PREFETCH={env!r}: expected 0 or 1")
+    return env == "1"
+
+
+def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
+                      prefetch=None):
+    prefetch = prefetch_default() if prefetch is None else bool(prefetch)
     key = ("dstate", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk)) + (
-        () if out_dtype == torch.float32 else (str(out_dtype),)) + (() if wgs == 1 else (("wgs", wgs),))
+        () if out_dtype == torch.float32 else (str(out_dtype),)) + (() if wgs == 1 else (("wgs", wgs),)) + (
+        ("prefetch",) if prefetch else ())
 
     def build():
-        return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs)
+        return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs,
+                             prefetch)
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 
 
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
-                  cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None):
+                  cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None,
+                  prefetch: bool | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
     ``[chunks, HV, K, V]`` in ``out_dtype`` (float32, or the input dtype that the per-chunk
     gradient kernel reads them in), and float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
     ``state_v_first``). ``wgs``: warpgroups per CTA (default 1, or ``CUDNN_TRAIN_GDN_SWEEP_WGS``;
-    2 at K = 128 splits every product's N, not yet GPU-tested or measured)."""
+    2 at K = 128 splits every product's N: GPU-checked, no faster); ``prefetch``: the next chunk's
+    loads in flight during this one (default :func:`prefetch_default`)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -301,7 +362,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     dH = torch.empty(total_chunks, HV, K, V, dtype=out_dtype, device=dev)
     dh0 = torch.empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
     fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
-                           out_dtype, wgs)
+                           out_dtype, wgs, prefetch)
     if T == 0 or nseq == 0:
         if dht is None:
             dh0.zero_()

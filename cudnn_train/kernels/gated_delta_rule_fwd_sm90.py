@@ -23,9 +23,10 @@ loaded); ``k k^T`` on WGMMA; the triangular solve in float32 on CUDA cores
 ``X = -T2 A21 T1``); then ``w`` and ``u`` as two WGMMAs whose A operands are T
 with its columns scaled (the k and v tiles serve as MN-major B operands as
 loaded). Writes w, u (input dtype) and gc (float32).
-An opt-in variant (``CUDNN_TRAIN_GDN_WY_WGS=2``, K = V = 128) splits every product's N (and the
-solve's work) between two warpgroups and asks for two CTAs an SM: 120 registers a thread against
-225, 2.5K instructions against 3.7K, 16 warps an SM against 8; compiled, not yet GPU-run.
+At K = V = 128 two warpgroups split every product's N (and the solve's work) and the launch asks
+for two CTAs an SM: 120 registers a thread against 225, 2.5K instructions against 3.7K, 16 warps an
+SM against 8; 0.341 ms against 0.356 on one warpgroup (H200, B4 T4096 H16 HV32), the default there
+(``CUDNN_TRAIN_GDN_WY_WGS=1``: one warpgroup).
 
 Kernel 2, ``state`` (grid: N x HV x V/64, one warpgroup): walks the chunks of
 one sequence in order with the state held transposed, ``S^T`` [64 (V block),
@@ -38,7 +39,8 @@ the final state. An opt-in variant (``CUDNN_TRAIN_GDN_FWD_WGS=2``, K = 128) spli
 product's N between two warpgroups: S^T, then vn^T and its scaled copy, are A operands from one
 [64, 128] shared tile instead of registers (one more barrier a chunk), launched asking for two
 CTAs an SM (128 registers a thread, about 107 KB of shared memory each), so 16 warps an SM where
-the one-warpgroup kernel runs 8; compiled, not yet GPU-run.
+the one-warpgroup kernel runs 8; GPU-checked, but slower where the fused kernel is chosen (H200, B4
+T4096 H16 HV32: 0.528 ms against 0.477), so it stays opt-in.
 
 Tails: rows past a chunk's end (T not a multiple of 64, varlen boundaries) are
 loaded as zeros and never stored; the gate is 0 there so ``gc`` stays flat.
@@ -48,10 +50,9 @@ bisection in a device-side cumulative chunk count; surplus CTAs exit.
 
 Loads: kernel 1 uses synchronous 16-byte vector copies, all of a group (and the g, beta
 loads) in flight before the first smem store; it stages w and u through the k and v tiles and
-stores them as 16-byte rows. Kernel 2 (``STATE_PREFETCH``; by default at K = 128 and not
-for the training forward's ``store_states`` variant, the cases its GPU tier has covered)
-fetches chunk c + 1 by ``cp.async`` while
-it computes chunk c: k, u and gc have two buffers; q and w are refilled in place once
+stores them as 16-byte rows. Kernel 2 (``STATE_PREFETCH``; by default at K = 128, the training
+forward's ``store_states`` variant included) fetches chunk c + 1 by ``cp.async`` while it computes
+chunk c: k, u and gc have two buffers; q and w are refilled in place once
 chunk c's first three products are done (~90 KiB of smem, two CTAs per SM). With
 ``CUDNN_TRAIN_GDN_FWD_PREFETCH=0`` it loads every chunk synchronously at its start.
 
@@ -87,10 +88,11 @@ VBLOCK = 64  # V columns per CTA of the state kernel
 # synchronous loads at the top of every chunk.
 STATE_PREFETCH = env_flag("CUDNN_TRAIN_GDN_FWD_PREFETCH", default=True)
 # Warpgroups of the fused state kernel at K = 128 (CUDNN_TRAIN_GDN_FWD_WGS): 1, or 2 splitting every
-# product's N (two CTAs an SM, 16 warps); 2 is compiled but not yet GPU-run.
+# product's N (two CTAs an SM, 16 warps); 2 is GPU-checked but slower at B4 T4096 HV32 (0.528 vs 0.477 ms).
 STATE_WGS = os.environ.get("CUDNN_TRAIN_GDN_FWD_WGS", "1").strip() or "1"
-# The same for the wy kernel (CUDNN_TRAIN_GDN_WY_WGS), at K = V = 128; compiled, not yet GPU-run.
-WY_WGS = os.environ.get("CUDNN_TRAIN_GDN_WY_WGS", "1").strip() or "1"
+# The same for the wy kernel (CUDNN_TRAIN_GDN_WY_WGS), at K = V = 128: 2 by default there (H200, B4 T4096
+# H16 HV32: 0.341 ms against 0.356 on one warpgroup, w, u, gc bitwise equal; tools/time_gdn_fwd.py).
+WY_WGS = os.environ.get("CUDNN_TRAIN_GDN_WY_WGS", "2").strip() or "2"
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -816,8 +818,9 @@ def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2nor
 
 def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False,
                      prefetch=None, profile=False, wgs=None):
-    # by default only where the GPU tier has run with it (K = 128, not the training forward's store_states)
-    prefetch = (STATE_PREFETCH and K == 128 and not store_states) if prefetch is None else bool(prefetch)
+    # by default where the GPU tier has run with it: K = 128 (the training forward's store_states
+    # variant included, checked against the oracle with one and two warpgroups)
+    prefetch = (STATE_PREFETCH and K == 128) if prefetch is None else bool(prefetch)
     wgs = _wgs_choice("CUDNN_TRAIN_GDN_FWD_WGS", STATE_WGS, wgs, K, None)  # V only sets the grid
     key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states)) + (("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (

@@ -23,7 +23,8 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     kc.clear_memory_cache()
     for v in VARIANTS:
         assert callable(B3.get_dchunk_kernel(*v))
-    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], overlap=True))  # opt-in (CUDNN_TRAIN_GDN_DCHUNK_OVERLAP)
+    # the other side of CUDNN_TRAIN_GDN_DCHUNK_OVERLAP (the default at K = 128 on two warpgroups)
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], overlap=not B3.overlap_default(VARIANTS[0][1], 2)))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16))  # dq, dk in bf16 (no GVA)
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], wgs=2))  # K = 64 on two warpgroups (not yet the default)
     assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 3
@@ -111,12 +112,14 @@ def test_chunk_gradients_every_warpgroup_count_at_128(T, wgs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("wgs", [2, 4])
 @pytest.mark.parametrize("T", [65, 300])
-def test_chunk_gradients_overlap_variant(T, wgs):
-    """The opt-in variant with products in flight during independent CUDA-core work and dH
-    prefetched into L2 (CUDNN_TRAIN_GDN_DCHUNK_OVERLAP=1)."""
-    _run(*_case(2, T, 4, 128, 128, torch.bfloat16, l2norm=True), wgs=wgs, overlap=True)
+def test_chunk_gradients_overlap_variant(T, wgs, overlap):
+    """With and without the variant that keeps products in flight during independent CUDA-core work
+    and prefetches dH into L2 (the default at K = 128 on two or four warpgroups;
+    CUDNN_TRAIN_GDN_DCHUNK_OVERLAP=0 turns it off)."""
+    _run(*_case(2, T, 4, 128, 128, torch.bfloat16, l2norm=True), wgs=wgs, overlap=overlap)
 
 
 @pytest.mark.gpu

@@ -26,9 +26,10 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     kc.clear_memory_cache()
     for v in VARIANTS:
         assert callable(B90.get_dstate_kernel(*v))
-    # two warpgroups splitting N (the training path's variant; not the default yet)
+    # two warpgroups splitting N (opt-in); the synchronous loads (CUDNN_TRAIN_GDN_SWEEP_PREFETCH=0)
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], wgs=2))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 1
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=not B90.prefetch_default()))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 2
 
 
 def test_reverse_sweep_declines_without_gpu_before_touching_memory():
@@ -128,3 +129,37 @@ def test_reverse_sweep_varlen_gva_and_state_layouts(state_v_first):
                                          scale, HV, False)
         assert rel_l2(dvn[:, sl], ref_dvn) <= 2e-2, (n, rel_l2(dvn[:, sl], ref_dvn))
         assert rel_l2(dh0[n : n + 1], ref_dh0) <= 2e-2, (n, rel_l2(dh0[n : n + 1], ref_dh0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgs", [1, 2])
+@pytest.mark.parametrize("case", ["dense", "varlen_gva_64"])
+def test_reverse_sweep_prefetch_is_bitwise_the_synchronous_loads(case, wgs):
+    """The next chunk's loads in flight during this one (cp.async, the default) change no product and
+    no order: dvn, every dH and dh0 bitwise equal to the synchronous loads', and against the reference."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    if case == "dense":
+        lens, Bn, T, H, HV, K, dt = None, 2, 300, 2, 4, 128, torch.bfloat16
+    else:
+        if wgs == 2:
+            pytest.skip("two warpgroups serve K = 128 only")
+        lens, Bn, H, HV, K, dt = [1, 63, 130, 64, 0, 7, 200], 1, 1, 4, 64, torch.float16
+        T = sum(lens)
+    q, k, g, beta, w, gc, cu, scale = _case(Bn, T, H, HV, K, K, dt, l2norm=True, lens=lens)
+    do = torch.randn(Bn, T, HV, K, device="cuda", dtype=dt)
+    dht = torch.randn(Bn if lens is None else len(lens), HV, K, K, device="cuda")
+    outs = [B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                              out_dtype=dt, wgs=wgs, prefetch=pf) for pf in (True, False)]
+    if lens is not None:  # dH rows past the varlen chunk count are never written: compare the written ones
+        from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+        rows = int(F90.chunk_map(cu, 1, T, q.device)[1][-1])
+        outs = [(dvn, dH[:rows], dh0) for dvn, dH, dh0 in outs]
+    for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
+        assert torch.isfinite(a).all(), f"{name}: not every element written"
+        assert torch.equal(a, b), f"{case}, wgs {wgs}: {name} differs with the prefetch"
+    if lens is None:
+        ref_dvn, _, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
+        assert rel_l2(outs[0][0].float(), ref_dvn) <= 2e-2
+        assert rel_l2(outs[0][2], ref_dh0) <= 2e-2
