@@ -18,20 +18,26 @@ warpgroups each holds only its columns of dH^T and dvn^T, so those two A operand
 shared memory instead (one store and one barrier more a chunk), and P's tile takes 64-byte
 swizzles so that a warpgroup's 32-column half of its MN-major view starts on an atom. Launched
 asking for two CTAs an SM (``min_blocks_per_mp=2``: 127 registers a thread, no spills, 3.1K
-instructions against 254 and 4.1K), an SM runs 16 warps where the one-warpgroup kernel runs 8;
-compiled, not yet GPU-run.
+instructions against 254 and 4.1K), an SM runs 16 warps where the one-warpgroup kernel runs 8.
+Two warpgroups are the default where N x HV x V/64 CTAs leave SMs idle (:func:`warpgroups`).
+
+Loads (``PREFETCH``, the default; ``CUDNN_TRAIN_GDN_SWEEP_PREFETCH=0``: synchronous loads at the
+top of every chunk): w, do and gc have two buffers and the next chunk's are fetched by
+``cp.async`` at the top of this one; q and k are read only by the chunk's first product group
+(``dH^T k^T``, ``q k^T`` and the q term of the update, ``e^(gc_C) dH^T + do_s^T q``, issued
+together), so their single buffers are refilled with the next chunk's right after it. Same
+products in the same order: bitwise the synchronous kernel's results.
 
 Writes dvn (``[B, T, HV, V]``) and the dH of every chunk before its update (``[chunks, HV, K, V]``;
 chunk index ``b * NT + c``, or ``cu_chunks[n] + c`` with varlen), both float32 or, for the
 training path, rounded once to the input dtype (the precision the per-chunk gradient stage reads
 them in), and the initial state's gradient (float32, either layout).
 
-Status: compiled by the compile tier; its GPU test
-(``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, against ``reverse_sweep_ref``: odd T, GVA,
-varlen, both state layouts) passed on the H200 (12 tests) with one warpgroup; the two-warpgroup
-cases have not run on a GPU yet. Stage 2 of the opt-in training path
-(``gated_delta_rule_train_sm90``); ``CUDNN_TRAIN_GDN_SWEEP_WGS=2`` makes two warpgroups the default
-at K = 128.
+Status: its GPU tier (``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, against
+``reverse_sweep_ref``: odd T, GVA, varlen, both state layouts, one and two warpgroups, the
+prefetch bitwise against synchronous loads) passes on the H200. Stage 2 of the opt-in training path
+(``gated_delta_rule_train_sm90``); ``CUDNN_TRAIN_GDN_SWEEP_WGS`` = 1 or 2 overrides the warpgroup
+choice at K = 128.
 """
 
 
@@ -57,7 +63,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
 
     C = CHUNK
     VB = VBLOCK
-    THREADS = 128 * WGS  # two warpgroups: two CTAs an SM (96 KB of shared memory each), 16 warps
+    THREADS = 128 * WGS  # two warpgroups: 16 warps an SM where two CTAs fit (without the prefetch, ~96 KB each)
     LOG2E = cm.LOG2E
     load_chunk = fwd._make_load_chunk(K, VB, THREADS)
     issue_tiles = fwd.make_issue_tiles(dtype, C, THREADS)
@@ -325,6 +331,14 @@ def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 
 
+def warpgroups(nseq: int, HV: int, V: int, device) -> int:
+    """The sweep's default warpgroups at K = 128: two where its N x HV x V/64 CTAs leave SMs idle, one
+    where they fill the GPU. Measured (H200, K = V = 128, bf16, with the prefetch;
+    ``tools/time_gdn_sweep.py``): B1 T16384 HV32 (64 CTAs) 1.62 ms on two against 1.97 on one; B4
+    T4096 HV32 (256 CTAs) 0.815 against 0.628."""
+    return 2 if nseq * HV * (V // VBLOCK) < kc.num_sms(device) else 1
+
+
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
                   cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None,
                   prefetch: bool | None = None):
@@ -333,9 +347,9 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
     ``[chunks, HV, K, V]`` in ``out_dtype`` (float32, or the input dtype that the per-chunk
     gradient kernel reads them in), and float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
-    ``state_v_first``). ``wgs``: warpgroups per CTA (default 1, or ``CUDNN_TRAIN_GDN_SWEEP_WGS``;
-    2 at K = 128 splits every product's N: GPU-checked, no faster); ``prefetch``: the next chunk's
-    loads in flight during this one (default :func:`prefetch_default`)."""
+    ``state_v_first``). ``wgs``: warpgroups per CTA (default ``CUDNN_TRAIN_GDN_SWEEP_WGS``, else
+    :func:`warpgroups`; 2 at K = 128 splits every product's N); ``prefetch``: the next chunk's loads
+    in flight during this one (default :func:`prefetch_default`)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -352,9 +366,10 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     if out_dtype not in (torch.float32, q.dtype):
         raise Unsupported(f"out_dtype {out_dtype} (float32 or q's dtype)")
-    if wgs is None:  # the env knob (a bad value is a ValueError naming it)
+    if wgs is None:  # the env knob (a bad value is a ValueError naming it), else by the grid
         env = "CUDNN_TRAIN_GDN_SWEEP_WGS"
-        wgs = fwd._wgs_choice(env, os.environ.get(env, "1").strip() or "1", None, K, None)
+        wgs = fwd._wgs_choice(env, os.environ.get(env, "").strip() or str(warpgroups(nseq, HV, V, dev)), None, K,
+                              None)
     elif wgs not in (1, 2) or (wgs == 2 and K != 128):
         raise Unsupported(f"wgs={wgs} at K={K} (1, or 2 at K = 128)")
     # dense: every token row of dvn is written; varlen: rows past the last sequence are not (zeros there)

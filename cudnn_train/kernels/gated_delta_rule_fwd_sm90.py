@@ -40,7 +40,8 @@ product's N between two warpgroups: S^T, then vn^T and its scaled copy, are A op
 [64, 128] shared tile instead of registers (one more barrier a chunk), launched asking for two
 CTAs an SM (128 registers a thread, about 107 KB of shared memory each), so 16 warps an SM where
 the one-warpgroup kernel runs 8; GPU-checked, but slower where the fused kernel is chosen (H200, B4
-T4096 H16 HV32: 0.528 ms against 0.477), so it stays opt-in.
+T4096 H16 HV32: 0.528 ms against 0.477), so it is the default only for the training forward's
+``store_states`` variant (0.715 ms there against 0.792 on one warpgroup with the prefetch).
 
 Tails: rows past a chunk's end (T not a multiple of 64, varlen boundaries) are
 loaded as zeros and never stored; the gate is 0 there so ``gc`` stays flat.
@@ -50,8 +51,9 @@ bisection in a device-side cumulative chunk count; surplus CTAs exit.
 
 Loads: kernel 1 uses synchronous 16-byte vector copies, all of a group (and the g, beta
 loads) in flight before the first smem store; it stages w and u through the k and v tiles and
-stores them as 16-byte rows. Kernel 2 (``STATE_PREFETCH``; by default at K = 128, the training
-forward's ``store_states`` variant included) fetches chunk c + 1 by ``cp.async`` while it computes
+stores them as 16-byte rows. Kernel 2 (``STATE_PREFETCH``; by default at K = 128, not for the
+training forward's ``store_states`` variant, which runs on two warpgroups with synchronous loads,
+the faster of the two measured there) fetches chunk c + 1 by ``cp.async`` while it computes
 chunk c: k, u and gc have two buffers; q and w are refilled in place once
 chunk c's first three products are done (~90 KiB of smem, two CTAs per SM). With
 ``CUDNN_TRAIN_GDN_FWD_PREFETCH=0`` it loads every chunk synchronously at its start.
@@ -88,8 +90,10 @@ VBLOCK = 64  # V columns per CTA of the state kernel
 # synchronous loads at the top of every chunk.
 STATE_PREFETCH = env_flag("CUDNN_TRAIN_GDN_FWD_PREFETCH", default=True)
 # Warpgroups of the fused state kernel at K = 128 (CUDNN_TRAIN_GDN_FWD_WGS): 1, or 2 splitting every
-# product's N (two CTAs an SM, 16 warps); 2 is GPU-checked but slower at B4 T4096 HV32 (0.528 vs 0.477 ms).
-STATE_WGS = os.environ.get("CUDNN_TRAIN_GDN_FWD_WGS", "1").strip() or "1"
+# product's N (two CTAs an SM, 16 warps). Unset: 1 for inference (H200, B4 T4096 HV32: 0.477 ms against
+# 0.528 on two), 2 for the training forward's store_states variant (in the training path's profile:
+# 0.715 ms on two with synchronous loads against 0.792 on one with the prefetch).
+STATE_WGS = os.environ.get("CUDNN_TRAIN_GDN_FWD_WGS", "").strip()
 # The same for the wy kernel (CUDNN_TRAIN_GDN_WY_WGS), at K = V = 128: 2 by default there (H200, B4 T4096
 # H16 HV32: 0.341 ms against 0.356 on one warpgroup, w, u, gc bitwise equal; tools/time_gdn_fwd.py).
 WY_WGS = os.environ.get("CUDNN_TRAIN_GDN_WY_WGS", "2").strip() or "2"
@@ -818,10 +822,11 @@ def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2nor
 
 def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False,
                      prefetch=None, profile=False, wgs=None):
-    # by default where the GPU tier has run with it: K = 128 (the training forward's store_states
-    # variant included, checked against the oracle with one and two warpgroups)
-    prefetch = (STATE_PREFETCH and K == 128) if prefetch is None else bool(prefetch)
-    wgs = _wgs_choice("CUDNN_TRAIN_GDN_FWD_WGS", STATE_WGS, wgs, K, None)  # V only sets the grid
+    # by default at K = 128 for inference; not for the training forward's store_states variant (GPU-checked
+    # with it, but slower there: see STATE_WGS)
+    prefetch = (STATE_PREFETCH and K == 128 and not store_states) if prefetch is None else bool(prefetch)
+    wgs = _wgs_choice("CUDNN_TRAIN_GDN_FWD_WGS", STATE_WGS or ("2" if store_states else "1"), wgs, K,
+                      None)  # V only sets the grid
     key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states)) + (("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (
            (("wgs", wgs),) if wgs != 1 else ())
