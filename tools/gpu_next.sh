@@ -16,6 +16,7 @@
 #   bash tools/gpu_next.sh dchunk   # the stage-3 kernel's tier, then tools/time_gdn_dchunk.py (one vs two warpgroups)
 #   bash tools/gpu_next.sh pending  # all of dchunk / sweep2 / fwd2's new cases, then the three timing tools, one call
 #   bash tools/gpu_next.sh s7       # the seventh session's defaults and the sweep's prefetch: tiers, then its timing
+#   bash tools/gpu_next.sh gsum     # stage 3's GVA group sum in the kernel: its cases, then time_gdn_dchunk.py
 #   bash tools/gpu_next.sh fwd2     # the forward's two-warpgroup state kernel: its cases, then time_gdn_fwd.py
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
 #                                   # then gdn_prof with each
@@ -135,6 +136,15 @@ s7)
   grep -cE " PASSED " $OUT/s7.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s7.log | tail -15
   timeout -k 10 90 python3 tools/time_gdn_sweep.py --shapes 2 > $OUT/time_sweep.log 2>&1
   echo "sweep time rc=$?"; cut -c1-160 $OUT/time_sweep.log ;;
+gsum)
+  # stage 3 summing dq, dk over each GVA group in the kernel (opt-in CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM=1):
+  # its kernel cases and the training tier's, then the timing tool (its last rows: with and without it)
+  timeout -k 10 ${GDN_S:-240} $P -n 8 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+    tests/kernels/test_gated_delta_rule_train_sm90.py -k "group_sum" > $OUT/gsum.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -E " (FAILED|ERROR) |passed|failed" $OUT/gsum.log | tail -12
+  timeout -k 10 ${TIME_S:-200} python3 tools/time_gdn_dchunk.py --shapes 2 > $OUT/time_dchunk.log 2>&1
+  echo "dchunk time rc=$?"; cut -c1-160 $OUT/time_dchunk.log ;;
 fwd2)
   # the forward tier's two-warpgroup state-kernel cases, then time_gdn_fwd (one vs two warpgroups among its rows)
   timeout -k 10 ${GDN_S:-150} $P -n 8 tests/kernels/test_gated_delta_rule_sm90.py -k "two_warpgroup" > $OUT/fwd2.log 2>&1

@@ -64,7 +64,22 @@ def main():
         for name, wgs, ov in variants:
             ms = bench(lambda: run(wgs, ov), warmup=10, rep=50)
             print(f"  {name:16s} {ms:.3f} ms  {fl / ms / 1e9:.1f} TFLOP/s (backward model)")
+        if HV != H:  # the default call plus the training path's GVA sums, against the group sum in the kernel
+            from cudnn_train.kernels.gated_delta_rule_train_sm90 import _group_sum
 
+            def per_head_then_sum():
+                dq, dk, *rest = B3.chunk_grads(*x, scale=scale, l2norm=True)
+                return (_group_sum(dq, H, torch.bfloat16), _group_sum(dk, H, torch.bfloat16), *rest)
+
+            def in_kernel():
+                return B3.chunk_grads(*x, scale=scale, l2norm=True, dqk_dtype=torch.bfloat16, sum_groups=True)
+
+            a, b = per_head_then_sum(), in_kernel()
+            torch.cuda.synchronize()
+            same = all(torch.equal(u, w) for u, w in zip(a, b))
+            print(f"B{B} T{T} H{H} HV{HV}: group sum in the kernel bitwise the default + sum pass: {same}")
+            for name, fn in (("default + GVA sums", per_head_then_sum), ("group sum in kernel", in_kernel)):
+                print(f"  {name:22s} {bench(fn, warmup=10, rep=50):.3f} ms")
 
 if __name__ == "__main__":
     main()

@@ -131,11 +131,27 @@ def stage3_kernel(outs, inputs, saved, dH, dvn, do, cu, cfg: Config):
 
     q, k, v = (x.contiguous() for x in inputs[:3])
     _w, gc, hs = saved
-    # without GVA dq and dk leave the kernel in the input dtype (no sum over value heads follows)
-    dqk = q.dtype if q.shape[2] == v.shape[2] and q.dtype == v.dtype else torch.float32
+    # without GVA, or with the group sum in the kernel (GROUP_SUM_ENV), dq and dk leave the kernel in the
+    # input dtype (no sum over value heads follows)
+    gsum = group_sum_in_kernel() and q.shape[2] != v.shape[2]
+    dqk = q.dtype if (q.shape[2] == v.shape[2] or gsum) and q.dtype == v.dtype else torch.float32
     dq, dk, dv, dg, dbeta = b3.chunk_grads(q, k, v, gc, outs[1].float().contiguous(), do.contiguous(), dvn, hs, dH,
-                                           scale=cfg.scale, cu_seqlens=cu, l2norm=cfg.l2norm, dqk_dtype=dqk)
+                                           scale=cfg.scale, cu_seqlens=cu, l2norm=cfg.l2norm, dqk_dtype=dqk,
+                                           sum_groups=gsum)
     return [dq, dk, dv, dg.unsqueeze(-1), dbeta]
+
+
+GROUP_SUM_ENV = "CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM"
+
+
+def group_sum_in_kernel() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM=1``: with GVA the stage-3 kernel sums dq, dk over each group
+    itself (one CTA walks a q/k head's value heads; ``chunk_grads(sum_groups=True)``) instead of
+    returning them per value head for a float32 sum pass here. Opt-in: compiled, not yet GPU-run."""
+    env = os.environ.get(GROUP_SUM_ENV, "0").strip() or "0"
+    if env not in ("0", "1"):
+        raise ValueError(f"{GROUP_SUM_ENV}={env!r}: expected 0 or 1")
+    return env == "1"
 
 
 def _stage3():
@@ -163,7 +179,7 @@ def input_grads(inputs, saved, dH, dvn, do, cu, cfg: Config):
         stage3 = IMPL.get("stage3") or _stage3()
         dq, dk, dv, dg, dbeta = stage3([o.detach() for o in outs], inputs, saved, dH, dvn, do, cu, cfg)
         H, HV = inputs[0].shape[2], inputs[2].shape[2]
-        if HV != H:  # per value head -> per q/k head: the sum over each GVA group
+        if HV != H and dq.shape[2] != H:  # per value head -> per q/k head: the sum over each GVA group
             dq, dk = (_group_sum(x, H, t.dtype) for x, t in zip((dq, dk), inputs[:2]))
     res = [None] * len(inputs)
     for i, d in enumerate((dq, dk, dv)):

@@ -166,6 +166,17 @@ def test_training_path_is_opt_in(monkeypatch):
     tr.check_train_serve()
 
 
+def test_the_stage3_group_sum_knob(monkeypatch):
+    """CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM: off unless 1, and a bad value is a ValueError naming it."""
+    monkeypatch.delenv(tr.GROUP_SUM_ENV, raising=False)
+    assert not tr.group_sum_in_kernel()
+    monkeypatch.setenv(tr.GROUP_SUM_ENV, "1")
+    assert tr.group_sum_in_kernel()
+    monkeypatch.setenv(tr.GROUP_SUM_ENV, "yes")
+    with pytest.raises(ValueError, match=tr.GROUP_SUM_ENV):
+        tr.group_sum_in_kernel()
+
+
 @pytest.mark.parametrize("lens", [None, LENS])
 def test_the_kernels_chunk_rows_agree_with_chunk_layout(lens):
     """The launchers' chunk map (``fwd.chunk_map``) and the torch side's ``ChunkLayout`` number

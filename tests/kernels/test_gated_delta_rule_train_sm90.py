@@ -3,6 +3,8 @@ torch) through the op, on the H200: output, final state and every gradient again
 (the oracle, differentiated by autograd) under the FLA-compat rule, FLA's chunk kernels as the
 peer. The composition itself is checked on the CPU in tests/fused/test_gdn_train_path.py."""
 
+import os
+
 import pytest
 import torch
 
@@ -91,6 +93,15 @@ def test_train_matches_oracle(T, dtype):
 
 @pytest.mark.parametrize("ratio", [1, 2, 4])
 def test_train_gva(ratio):
+    _compare(*_inputs(2, 200, 2, 2 * ratio, 128, 128, torch.bfloat16))
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_train_gva_group_sum_in_the_stage3_kernel(ratio, monkeypatch):
+    """The opt-in CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM=1: dq, dk summed over each group inside the kernel."""
+    if os.environ["CUDNN_TRAIN_GDN_SM90_STAGE3"] != "kernel":
+        pytest.skip("the stage-3 kernel's variant")
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM", "1")
     _compare(*_inputs(2, 200, 2, 2 * ratio, 128, 128, torch.bfloat16))
 
 
