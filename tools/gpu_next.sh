@@ -139,7 +139,7 @@ s7)
 gsum)
   # stage 3 summing dq, dk over each GVA group in the kernel (opt-in CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM=1):
   # its kernel cases and the training tier's, then the timing tool (its last rows: with and without it)
-  timeout -k 10 ${GDN_S:-240} $P -n 8 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+  timeout -k 10 ${GDN_S:-300} $P -n 8 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
     tests/kernels/test_gated_delta_rule_train_sm90.py -k "group_sum" > $OUT/gsum.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/gsum.log | tail -12

@@ -41,7 +41,10 @@ the op got them: their rows are normalized in shared memory (factors ``r``, roun
 input dtype, as the operands) and dq, dk leave as the gradients before the l2norm,
 ``r (dy - y rowsum(y * dy))``. Writes float32 dq, dk ``[B, T, HV, K]`` (per value head), dv
 ``[B, T, HV, V]`` in the input dtype, float32 dg, dbeta ``[B, T, HV]``; the caller sums dq/dk over
-a GVA group and runs the rest of the preprocessing's backward (gate, beta sigmoid).
+a GVA group and runs the rest of the preprocessing's backward (gate, beta sigmoid). Opt-in
+(``sum_groups``, GSUM compiled in): grid chunk x H, the CTA runs a q/k head's GSUM value heads one
+after another (the body unrolled) and writes dq, dk ``[B, T, H, K]`` summed over the group
+(float32 partials re-read by the thread that wrote them, the sum rounded once); not yet GPU-run.
 
 Status: compiles for sm_90a (compile tier); its GPU test
 (``tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py``, against the float32 torch stage) and the

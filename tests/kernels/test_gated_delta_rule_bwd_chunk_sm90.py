@@ -29,7 +29,8 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], wgs=2))  # K = 64 on two warpgroups (not yet the default)
     # the GVA group sum in the kernel (opt-in, CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM): two value heads a CTA
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, gsum=2))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 4
+    assert callable(B3.get_dchunk_kernel(torch.bfloat16, 128, 128, True, False, dqk_dtype=torch.bfloat16, gsum=4))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 5
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -193,17 +194,20 @@ def test_chunk_gradients_are_bitwise_reproducible():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lens", [None, [1, 63, 130, 64, 0, 7]])
-@pytest.mark.parametrize("G", [2, 4])
-def test_chunk_gradients_group_sum_in_kernel(G, lens):
+@pytest.mark.parametrize("G, l2norm, lens", [(2, False, [1, 63, 130, 64, 0, 7]), (4, False, None), (2, True, None),
+                                             (4, True, [1, 63, 130, 64, 0, 7])])
+def test_chunk_gradients_group_sum_in_kernel(G, l2norm, lens):
     """``sum_groups=True`` (opt-in through the training path's CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM): one CTA
-    walks a q/k head's G value heads and sums their dq, dk in float32 in head order, rounded once, so
-    they are bitwise the per-value-head kernel's float32 results summed in that order and rounded; dv,
-    dg and dbeta bitwise the per-value-head kernel's."""
+    walks a q/k head's G value heads and sums their dq, dk in float32 in head order, rounded once. Without
+    the l2norm the value a pass adds is a WGMMA accumulator as it is, so the result is bitwise the
+    per-value-head kernel's float32 results summed in that order and rounded; with it, ptxas may fuse the
+    l2norm backward's last multiply with the sum's add (plain mul.f32 / add.f32 in the PTX), so there the
+    result may sit one bf16 step from that rounding (bounded elementwise by 2^-7 relative). dv, dg and
+    dbeta bitwise the per-value-head kernel's; dq, dk also against the float32 torch stage."""
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
     T = 300 if lens is None else sum(lens)
-    args, want = _case(2 if lens is None else 1, T, 2 * G, 128, 128, torch.bfloat16, lens=lens, H=2, l2norm=True)
+    args, want = _case(2 if lens is None else 1, T, 2 * G, 128, 128, torch.bfloat16, lens=lens, H=2, l2norm=l2norm)
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2)
     per = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw)
@@ -214,7 +218,11 @@ def test_chunk_gradients_group_sum_in_kernel(G, lens):
         for gi in range(1, G):
             acc = acc + xs[:, :, :, gi]
         assert y.shape == (*x.shape[:2], 2, x.shape[3]) and y.dtype == torch.bfloat16, (name, y.shape, y.dtype)
-        assert torch.equal(y, acc.to(torch.bfloat16)), f"{name}: not the per-head float32 sum rounded once"
+        if l2norm:
+            step = (y.float() - acc).abs() <= acc.abs() * 2.0**-7 + 1e-30
+            assert step.all(), f"{name}: further than one bf16 step from the per-head float32 sum"
+        else:
+            assert torch.equal(y, acc.to(torch.bfloat16)), f"{name}: not the per-head float32 sum rounded once"
         refs = ref.unflatten(2, (2, G)).sum(3)
         assert rel_l2(y.float(), refs) <= 2e-2, (name, rel_l2(y.float(), refs))
     for name, x, y in zip(("dv", "dg", "dbeta"), per[2:], got[2:]):

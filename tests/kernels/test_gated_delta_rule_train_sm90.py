@@ -101,8 +101,14 @@ def test_train_gva_group_sum_in_the_stage3_kernel(ratio, monkeypatch):
     """The opt-in CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM=1: dq, dk summed over each group inside the kernel."""
     if os.environ["CUDNN_TRAIN_GDN_SM90_STAGE3"] != "kernel":
         pytest.skip("the stage-3 kernel's variant")
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
     monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM", "1")
+    calls = []
+    orig = B3.chunk_grads
+    monkeypatch.setattr(B3, "chunk_grads", lambda *a, **kw: calls.append(kw.get("sum_groups")) or orig(*a, **kw))
     _compare(*_inputs(2, 200, 2, 2 * ratio, 128, 128, torch.bfloat16))
+    assert calls and all(calls), f"the stage-3 kernel was not asked for the group sum: {calls}"
 
 
 @pytest.mark.parametrize("lengths", [[0, 1, 63, 130, 1, 257, 64, 0], [5, 0, 0, 77]])
