@@ -1,5 +1,7 @@
 """The GDN backward's stage-3 kernel alone (GPU machine): one warpgroup per CTA against two and
-four warpgroups splitting every product's N, and the opt-in overlap variant, on the same inputs.
+four warpgroups splitting every product's N, with and without the overlap variant (the default on
+two and four), and the opt-in GVA group sum in the kernel against the default call plus the training
+path's sum pass, on the same inputs.
 
     python3 tools/time_gdn_dchunk.py [--shapes N]
 
@@ -80,6 +82,7 @@ def main():
             print(f"B{B} T{T} H{H} HV{HV}: group sum in the kernel bitwise the default + sum pass: {same}")
             for name, fn in (("default + GVA sums", per_head_then_sum), ("group sum in kernel", in_kernel)):
                 print(f"  {name:22s} {bench(fn, warmup=10, rep=50):.3f} ms")
+
 
 if __name__ == "__main__":
     main()

@@ -92,7 +92,7 @@ def main():
         rows_out = [("wy kernel", bench(run_wy, 10, 40)), ("wy kernel, two warpgroups", bench(run_wy2, 10, 40))]
         for pf in (False, True):
             rows_out.append((f"state kernel, prefetch={pf}", bench(lambda pf=pf: run_state(pf), 10, 40)))
-        # two warpgroups splitting every product's N (opt-in: CUDNN_TRAIN_GDN_FWD_WGS=2)
+        # two warpgroups splitting every product's N (CUDNN_TRAIN_GDN_FWD_WGS=2; for inference opt-in)
         st2 = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=True, wgs=2)
         o2 = torch.full_like(outs[True], float("nan"))
 

@@ -52,5 +52,6 @@ def main():
         for name, wgs, pf in variants:
             print(f"  {name:28s} {bench(lambda: run(wgs, pf), warmup=10, rep=50):.3f} ms")
 
+
 if __name__ == "__main__":
     main()

@@ -691,12 +691,7 @@ def overlap_default(K: int, wgs: int) -> bool:
     warpgroups: 1.48 ms against 1.60, results bitwise equal; ``tools/time_gdn_dchunk.py``) on two
     or four warpgroups (the counts its GPU cases cover), off at K = 64 until timed there.
     ``CUDNN_TRAIN_GDN_DCHUNK_OVERLAP`` = 1 / 0 overrides."""
-    env = os.environ.get("CUDNN_TRAIN_GDN_DCHUNK_OVERLAP", "").strip()
-    if env:
-        if env not in ("0", "1"):
-            raise ValueError(f"CUDNN_TRAIN_GDN_DCHUNK_OVERLAP={env!r}: expected 0 or 1")
-        return env == "1"
-    return K == 128 and wgs > 1
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_OVERLAP", K == 128 and wgs > 1)
 
 
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, gsum=1):

@@ -59,14 +59,14 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                   WGS: int = 1, PREFETCH: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
-    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.cute.nvgpu import warpgroup
 
     C = CHUNK
     VB = VBLOCK
     THREADS = 128 * WGS  # two warpgroups: 16 warps an SM where two CTAs fit (without the prefetch, ~96 KB each)
     LOG2E = cm.LOG2E
     load_chunk = fwd._make_load_chunk(K, VB, THREADS)
-    issue_tiles = fwd.make_issue_tiles(dtype, C, THREADS)
+    issue_qk, issue_wdg = fwd.make_issue_parts(dtype, K, VB, THREADS)
     # PREFETCH: w, do and gc have two buffers (chunk cr in buffer cr % 2) and the next chunk's are
     # fetched by cp.async at the top of this one; q and k (read only by the chunk's first products)
     # have one, refilled with the next chunk's once those products are done
@@ -77,22 +77,6 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     odt = cutlass.Float32 if odt is None else odt  # the dtype of dvn and the dH rows
     store_p = cm.make_store_p(dtype, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
-
-    @cute.jit
-    def issue_qk(mQ: cute.Tensor, mK: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, b: Int32, h: Int32, t0: Int32,
-                 length: Int32, tidx: Int32):
-        issue_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
-                     (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0)), length, tidx)
-
-    @cute.jit
-    def issue_wdg(mW: cute.Tensor, mDO: cute.Tensor, mGc: cute.Tensor, sW: cute.Tensor, sDo: cute.Tensor,
-                  sGc: cute.Tensor, b: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32, tidx: Int32):
-        issue_tiles(((cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K, 0),
-                     (cute.domain_offset((t0, 0), mDO[b, None, hv, None]), sDo, VB, v0 // 8)), length, tidx)
-        if tidx < C:  # gc, the last valid row repeated past the end (4-byte cp.async)
-            atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-            row = t0 + cutlass.min(tidx, length - 1)
-            cute.copy(atom4, cute.local_tile(mGc[b, None, hv], (1,), (row,)), cute.local_tile(sGc, (1,), (tidx,)))
 
     @cute.kernel
     def kernel(
@@ -311,10 +295,7 @@ def prefetch_default() -> bool:
     """Whether the sweep fetches the next chunk by ``cp.async`` while it computes this one
     (``CUDNN_TRAIN_GDN_SWEEP_PREFETCH`` = 1, the default, or 0: every chunk loaded synchronously at
     its start). Same products in the same order either way: the results are bitwise equal."""
-    env = os.environ.get("CUDNN_TRAIN_GDN_SWEEP_PREFETCH", "1").strip() or "1"
-    if env not in ("0", "1"):
-        raise ValueError(f"CUDNN_TRAIN_GDN_SWEEP_PREFETCH={env!r}: expected 0 or 1")
-    return env == "1"
+    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_PREFETCH", True)
 
 
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,

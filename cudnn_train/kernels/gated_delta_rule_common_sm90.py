@@ -18,6 +18,8 @@ Conventions
 """
 
 
+import os
+
 import torch
 
 from ..backend import Unsupported
@@ -204,6 +206,17 @@ def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool, a_mn_major: bool 
         tiler_mn=(64, n // wgs),
         a_source=warpgroup.OperandSource.RMEM if a_regs else warpgroup.OperandSource.SMEM,
     )
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """A kernel variant's measurement switch: ``name`` = 1 or 0, ``default`` when unset or empty; any
+    other value is a ValueError naming the variable (a typo must not silently pick a variant)."""
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return default
+    if env not in ("0", "1"):
+        raise ValueError(f"{name}={env!r}: expected 0 or 1")
+    return env == "1"
 
 
 def two_ctas_an_sm(on: bool) -> dict:

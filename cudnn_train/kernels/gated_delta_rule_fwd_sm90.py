@@ -35,7 +35,7 @@ A operand of ``S^T w^T`` and ``S^T q^T``; ``vn^T = u^T - S^T w^T`` stays in
 registers and is the register A operand both of ``o^T += vn^T P^T`` (P in
 shared memory) and of the state update ``S^T += vn^T diag(...) k``. The q/k
 l2norm is again folded in as row/column factors. Writes o and, when asked,
-the final state. An opt-in variant (``CUDNN_TRAIN_GDN_FWD_WGS=2``, K = 128) splits every
+the final state. A variant (``CUDNN_TRAIN_GDN_FWD_WGS=2``, K = 128) splits every
 product's N between two warpgroups: S^T, then vn^T and its scaled copy, are A operands from one
 [64, 128] shared tile instead of registers (one more barrier a chunk), launched asking for two
 CTAs an SM (128 registers a thread, about 107 KB of shared memory each), so 16 warps an SM where
@@ -252,16 +252,60 @@ def make_issue_tiles(dtype, rows: int, threads: int = THREADS):
     return issue_tiles
 
 
-def _make_issue_chunk(dtype, K: int, VB: int, threads: int = THREADS):
-    """``issue_chunk(...)``, with :func:`_make_load_chunk`'s arguments: the same tiles and gc, by
-    ``cp.async`` (:func:`make_issue_tiles`; 4 bytes for gc) without waiting. The caller commits the
-    group and, before reading, waits for it, fences to the async proxy and syncs."""
+def make_issue_gc():
+    """``issue_gc(mGc, sGc, b, hv, t0, length, tidx)``: a chunk's gc (value head hv) into smem by 4-byte
+    ``cp.async`` from the first 64 threads, the last valid row repeated past the end."""
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync
 
-    C = CHUNK
-    issue_tiles = make_issue_tiles(dtype, C, threads)
+    @cute.jit
+    def issue_gc(mGc: cute.Tensor, sGc: cute.Tensor, b: Int32, hv: Int32, t0: Int32, length: Int32, tidx: Int32):
+        if tidx < CHUNK:
+            atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            row = t0 + cutlass.min(tidx, length - 1)
+            cute.copy(atom4, cute.local_tile(mGc[b, None, hv], (1,), (row,)), cute.local_tile(sGc, (1,), (tidx,)))
+
+    return issue_gc
+
+
+def make_issue_parts(dtype, K: int, VB: int, threads: int = THREADS):
+    """``(issue_qk, issue_wxg)``: the loads of :func:`_make_issue_chunk` in two parts that a kernel may
+    issue at different times: ``issue_qk(mQ, mK, sQ, sK, b, h, t0, length, tidx)``, the q and k tiles of
+    head h; ``issue_wxg(mW, mX, mGc, sW, sX, sGc, b, hv, t0, v0, length, tidx)``, the w tile, the
+    ``[t0:, v0 : v0 + VB]`` tile of mX and gc of value head hv. Same waiting rules."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    issue_tiles = make_issue_tiles(dtype, CHUNK, threads)
+    issue_gc = make_issue_gc()
+
+    @cute.jit
+    def issue_qk(mQ: cute.Tensor, mK: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, b: Int32, h: Int32, t0: Int32,
+                 length: Int32, tidx: Int32):
+        issue_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
+                     (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0)), length, tidx)
+
+    @cute.jit
+    def issue_wxg(mW: cute.Tensor, mX: cute.Tensor, mGc: cute.Tensor, sW: cute.Tensor, sX: cute.Tensor,
+                  sGc: cute.Tensor, b: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32, tidx: Int32):
+        issue_tiles(((cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K, 0),
+                     (cute.domain_offset((t0, 0), mX[b, None, hv, None]), sX, VB, v0 // 8)), length, tidx)
+        issue_gc(mGc, sGc, b, hv, t0, length, tidx)
+
+    return issue_qk, issue_wxg
+
+
+def _make_issue_chunk(dtype, K: int, VB: int, threads: int = THREADS):
+    """``issue_chunk(...)``, with :func:`_make_load_chunk`'s arguments: the same tiles and gc, by
+    ``cp.async`` (:func:`make_issue_tiles`; 4 bytes for gc) without waiting, every tile in one group of
+    copies. The caller commits the group and, before reading, waits for it, fences to the async proxy
+    and syncs."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    issue_tiles = make_issue_tiles(dtype, CHUNK, threads)
+    issue_gc = make_issue_gc()
 
     @cute.jit
     def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mX: cute.Tensor, mGc: cute.Tensor,
@@ -271,10 +315,7 @@ def _make_issue_chunk(dtype, K: int, VB: int, threads: int = THREADS):
                      (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),
                      (cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K, 0),
                      (cute.domain_offset((t0, 0), mX[b, None, hv, None]), sX, VB, v0 // 8)), length, tidx)
-        if tidx < C:
-            atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-            row = t0 + cutlass.min(tidx, length - 1)
-            cute.copy(atom4, cute.local_tile(mGc[b, None, hv], (1,), (row,)), cute.local_tile(sGc, (1,), (tidx,)))
+        issue_gc(mGc, sGc, b, hv, t0, length, tidx)
 
     return issue_chunk
 

@@ -126,13 +126,14 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                  state_vk: bool):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
-    from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass.cute.nvgpu import warpgroup
 
     C = CHUNK
     KH = K // 64  # M = 64 halves of the state's K rows
     LOG2E = cm.LOG2E
     U_STRIDE = VB + 8  # padded row-major u tile: conflict-free pair reads
     issue_rows = F.make_issue_tiles(dtype, C)
+    issue_gc = F.make_issue_gc()
     gemm = cm.make_gemm()
     sum_sq = _make_sum_sq(dtype, 64)
     locate_seq = cm.make_seq_locator(varlen)
@@ -148,10 +149,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         for hf in cutlass.range_constexpr(KH):
             tiles.append((gK, sKs[hf], 64, hf * 8))
         issue_rows(tuple(tiles), length, tidx)
-        if tidx < C:
-            atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
-            row = t0 + cutlass.min(tidx, length - 1)
-            cute.copy(atom4, cute.local_tile(mGc[b, None, hv], (1,), (row,)), cute.local_tile(sGc, (1,), (tidx,)))
+        issue_gc(mGc, sGc, b, hv, t0, length, tidx)
 
     @cute.kernel
     def kernel(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,

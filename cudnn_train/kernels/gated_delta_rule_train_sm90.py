@@ -148,10 +148,9 @@ def group_sum_in_kernel() -> bool:
     """``CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM=1``: with GVA the stage-3 kernel sums dq, dk over each group
     itself (one CTA walks a q/k head's value heads; ``chunk_grads(sum_groups=True)``) instead of
     returning them per value head for a float32 sum pass here. Opt-in: compiled, not yet GPU-run."""
-    env = os.environ.get(GROUP_SUM_ENV, "0").strip() or "0"
-    if env not in ("0", "1"):
-        raise ValueError(f"{GROUP_SUM_ENV}={env!r}: expected 0 or 1")
-    return env == "1"
+    from . import gated_delta_rule_common_sm90 as cm
+
+    return cm.env_switch(GROUP_SUM_ENV, False)
 
 
 def _stage3():

@@ -26,7 +26,8 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     kc.clear_memory_cache()
     for v in VARIANTS:
         assert callable(B90.get_dstate_kernel(*v))
-    # two warpgroups splitting N (opt-in); the synchronous loads (CUDNN_TRAIN_GDN_SWEEP_PREFETCH=0)
+    # two warpgroups splitting N (chosen where the grid leaves SMs idle); the synchronous loads
+    # (CUDNN_TRAIN_GDN_SWEEP_PREFETCH=0)
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], wgs=2))
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=not B90.prefetch_default()))
     assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 2

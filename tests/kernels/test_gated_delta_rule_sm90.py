@@ -93,19 +93,20 @@ def test_profile_variants_compile_for_sm90a(tmp_path, monkeypatch):
 
 @pytest.mark.compile
 def test_two_warpgroup_state_kernels_compile_for_sm90a(tmp_path, monkeypatch):
-    """The fused state kernel with two warpgroups (opt-in, K = 128): inference with the prefetch,
-    and the training forward's chunk-state variant; the wy kernel with two warpgroups."""
+    """The other side of each warpgroup default at K = 128 (the defaults are built by
+    test_forward_kernels_compile_for_sm90a): the inference state kernel on two warpgroups with the
+    prefetch, the training forward's chunk-state kernel on one, the wy kernel on one."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
     kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0], prefetch=True, wgs=2))
-    assert callable(F90.get_state_kernel(*STATE_VARIANTS[2], wgs=2))
+    assert callable(F90.get_state_kernel(*STATE_VARIANTS[2], wgs=1))
     dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = WY_VARIANTS[0]
     assert K == V == 128
     assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
-                                      K, V, l2, gate, dtb, sig, bscale, varlen, wgs=2))
+                                      K, V, l2, gate, dtb, sig, bscale, varlen, wgs=1))
     assert len(list(tmp_path.rglob("*.o"))) == 3
     with pytest.raises(ValueError, match="wgs"):
         F90.get_state_kernel(*STATE_VARIANTS[1], wgs=2)  # K = 64
@@ -472,7 +473,8 @@ def test_split_state_pass_matches_oracle_and_fused_kernel(case, vb, monkeypatch,
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("case", ["dense", "varlen", "store_states", "fp16_no_l2norm"])
 def test_two_warpgroup_state_kernel_matches_oracle_and_one_warpgroup(case, prefetch, monkeypatch, poisoned):
-    """The fused state kernel with two warpgroups splitting every product's N (K = 128, opt-in):
+    """The fused state kernel with two warpgroups splitting every product's N (K = 128; the default
+    for the training forward's chunk states, opt-in for inference):
     o, the final state (and the chunk-start states) against the oracle under the FLA-compat rule
     and against the one-warpgroup kernel (same rounding points, other summation order)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
@@ -510,7 +512,7 @@ def test_two_warpgroup_state_kernel_matches_oracle_and_one_warpgroup(case, prefe
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "varlen_gate_sigmoid"])
 def test_two_warpgroup_wy_kernel_matches_one_warpgroup(case, monkeypatch, poisoned):
-    """The wy kernel with two warpgroups splitting every product's N (K = V = 128, opt-in): each
+    """The wy kernel with two warpgroups splitting every product's N (K = V = 128, the default): each
     output element is reduced in the same order as with one warpgroup, so w, u, gc and o agree to
     rounding noise (asserted 1e-5), and o meets the oracle under the FLA-compat rule."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
