@@ -137,13 +137,14 @@ s7)
   timeout -k 10 90 python3 tools/time_gdn_sweep.py --shapes 2 > $OUT/time_sweep.log 2>&1
   echo "sweep time rc=$?"; cut -c1-160 $OUT/time_sweep.log ;;
 gsum)
-  # stage 3 summing dq, dk over each GVA group in the kernel (opt-in CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM=1):
-  # its kernel cases and the training tier's, then the timing tool (its last rows: with and without it)
+  # stage 3 summing dq, dk over each GVA pair in the kernel (opt-in CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM=1):
+  # its kernel cases and the training tier's, then the timing tool (its last rows: with and without it;
+  # PAIR_ONLY=1: only those rows)
   timeout -k 10 ${GDN_S:-300} $P -n 8 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
     tests/kernels/test_gated_delta_rule_train_sm90.py -k "group_sum" > $OUT/gsum.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/gsum.log | tail -12
-  timeout -k 10 ${TIME_S:-200} python3 tools/time_gdn_dchunk.py --shapes 2 > $OUT/time_dchunk.log 2>&1
+  timeout -k 10 ${TIME_S:-200} python3 tools/time_gdn_dchunk.py --shapes 2 ${PAIR_ONLY:+--pair-only} > $OUT/time_dchunk.log 2>&1
   echo "dchunk time rc=$?"; cut -c1-160 $OUT/time_dchunk.log ;;
 fwd2)
   # the forward tier's two-warpgroup state-kernel cases, then time_gdn_fwd (one vs two warpgroups among its rows)

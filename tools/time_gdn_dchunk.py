@@ -1,9 +1,9 @@
 """The GDN backward's stage-3 kernel alone (GPU machine): one warpgroup per CTA against two and
 four warpgroups splitting every product's N, with and without the overlap variant (the default on
-two and four), and the opt-in GVA group sum in the kernel against the default call plus the training
-path's sum pass, on the same inputs.
+two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs per q/k head) against
+the default call plus the training path's sum pass, on the same inputs.
 
-    python3 tools/time_gdn_dchunk.py [--shapes N]
+    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only]
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -46,6 +46,7 @@ def inputs(B, T, H, HV, K=128, V=128, C=64, dtype=torch.bfloat16):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", type=int, default=2)
+    ap.add_argument("--pair-only", action="store_true", help="only the GVA pair sum rows")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         x = inputs(B, T, H, HV)
@@ -54,16 +55,16 @@ def main():
         def run(wgs, overlap=False):
             return B3.chunk_grads(*x, scale=scale, l2norm=True, wgs=wgs, overlap=overlap)
 
-        one = run(1)
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))
-        for name, wgs, ov in variants[1:]:
+        one = None if args.pair_only else run(1)
+        for name, wgs, ov in ([] if args.pair_only else variants[1:]):
             other = run(wgs, ov)
             torch.cuda.synchronize()
             diffs = ", ".join(f"{n} {rel_l2(b, a):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), one, other))
             print(f"B{B} T{T} H{H} HV{HV}: {name} vs one: {diffs}")
         fl = bwd_flops(B, T, HV)
-        for name, wgs, ov in variants:
+        for name, wgs, ov in ([] if args.pair_only else variants):
             ms = bench(lambda: run(wgs, ov), warmup=10, rep=50)
             print(f"  {name:16s} {ms:.3f} ms  {fl / ms / 1e9:.1f} TFLOP/s (backward model)")
         if HV != H:  # the default call plus the training path's GVA sums, against the group sum in the kernel

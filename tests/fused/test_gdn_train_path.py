@@ -167,11 +167,11 @@ def test_training_path_is_opt_in(monkeypatch):
 
 
 def test_the_stage3_group_sum_knob(monkeypatch):
-    """CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM: off unless 1, and a bad value is a ValueError naming it."""
+    """CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM: on unless 0, and a bad value is a ValueError naming it."""
     monkeypatch.delenv(tr.GROUP_SUM_ENV, raising=False)
-    assert not tr.group_sum_in_kernel()
-    monkeypatch.setenv(tr.GROUP_SUM_ENV, "1")
     assert tr.group_sum_in_kernel()
+    monkeypatch.setenv(tr.GROUP_SUM_ENV, "0")
+    assert not tr.group_sum_in_kernel()
     monkeypatch.setenv(tr.GROUP_SUM_ENV, "yes")
     with pytest.raises(ValueError, match=tr.GROUP_SUM_ENV):
         tr.group_sum_in_kernel()

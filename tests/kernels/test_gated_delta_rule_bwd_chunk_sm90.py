@@ -27,9 +27,9 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], overlap=not B3.overlap_default(VARIANTS[0][1], 2)))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16))  # dq, dk in bf16 (no GVA)
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], wgs=2))  # K = 64 on two warpgroups (not yet the default)
-    # the GVA group sum in the kernel (opt-in, CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM): two value heads a CTA
-    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, gsum=2))
-    assert callable(B3.get_dchunk_kernel(torch.bfloat16, 128, 128, True, False, dqk_dtype=torch.bfloat16, gsum=4))
+    # the GVA pair sum in the kernel (CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM): a cluster of two CTAs per q/k head
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True))
+    assert callable(B3.get_dchunk_kernel(torch.bfloat16, 128, 128, True, False, 4, dqk_dtype=torch.bfloat16, pair=True))
     assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 5
 
 
@@ -194,22 +194,24 @@ def test_chunk_gradients_are_bitwise_reproducible():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("G, l2norm, lens", [(2, False, [1, 63, 130, 64, 0, 7]), (4, False, None), (2, True, None),
-                                             (4, True, [1, 63, 130, 64, 0, 7])])
-def test_chunk_gradients_group_sum_in_kernel(G, l2norm, lens):
-    """``sum_groups=True`` (opt-in through the training path's CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM): one CTA
-    walks a q/k head's G value heads and sums their dq, dk in float32 in head order, rounded once. Without
-    the l2norm the value a pass adds is a WGMMA accumulator as it is, so the result is bitwise the
-    per-value-head kernel's float32 results summed in that order and rounded; with it, ptxas may fuse the
-    l2norm backward's last multiply with the sum's add (plain mul.f32 / add.f32 in the PTX), so there the
-    result may sit one bf16 step from that rounding (bounded elementwise by 2^-7 relative). dv, dg and
-    dbeta bitwise the per-value-head kernel's; dq, dk also against the float32 torch stage."""
+@pytest.mark.parametrize("l2norm, lens, wgs", [(False, [1, 63, 130, 64, 0, 7], 2), (False, None, 1), (True, None, 2),
+                                               (True, [1, 63, 130, 64, 0, 7], 4), (True, None, 1)])
+def test_chunk_gradients_group_sum_in_kernel(l2norm, lens, wgs):
+    """``sum_groups=True`` (through the training path's CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM) with groups of
+    two value heads: the pair's CTAs (one cluster) exchange half of their float32 dq, dk accumulators
+    through distributed shared memory and each writes the other half, the two heads' values summed in
+    float32 and rounded once. Without the l2norm the values are WGMMA accumulators as they are, so the
+    result is bitwise the per-value-head kernel's float32 results summed and rounded; with it, ptxas may
+    fuse the l2norm backward's last multiply with the sum's add (plain mul.f32 / add.f32 in the PTX), so
+    there the result may sit one bf16 step from that rounding (bounded elementwise by 2^-7 relative). dv,
+    dg and dbeta bitwise the per-value-head kernel's; dq, dk also against the float32 torch stage."""
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
+    G = 2
     T = 300 if lens is None else sum(lens)
     args, want = _case(2 if lens is None else 1, T, 2 * G, 128, 128, torch.bfloat16, lens=lens, H=2, l2norm=l2norm)
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
-    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2)
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs=wgs)
     per = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw)
     got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, dqk_dtype=torch.bfloat16, sum_groups=True, **kw)
     for name, x, y, ref in zip(("dq", "dk"), per[:2], got[:2], want[:2]):
@@ -227,3 +229,15 @@ def test_chunk_gradients_group_sum_in_kernel(G, l2norm, lens):
         assert rel_l2(y.float(), refs) <= 2e-2, (name, rel_l2(y.float(), refs))
     for name, x, y in zip(("dv", "dg", "dbeta"), per[2:], got[2:]):
         assert torch.equal(x, y), f"{name} differs with the group sum in the kernel"
+
+
+@pytest.mark.gpu
+def test_chunk_gradients_group_sum_declines_groups_of_four():
+    """Only pairs are summed in the kernel: groups of four are declined (Unsupported, nothing launched)."""
+    from cudnn_train.backend import Unsupported
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    args, _ = _case(1, 70, 8, 128, 128, torch.bfloat16, H=2, l2norm=False)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    with pytest.raises(Unsupported, match="two only"):
+        B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, dqk_dtype=torch.bfloat16, sum_groups=True)
