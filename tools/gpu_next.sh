@@ -17,6 +17,7 @@
 #   bash tools/gpu_next.sh pending  # all of dchunk / sweep2 / fwd2's new cases, then the three timing tools, one call
 #   bash tools/gpu_next.sh s7       # the seventh session's defaults and the sweep's prefetch: tiers, then its timing
 #   bash tools/gpu_next.sh gsum     # stage 3's GVA group sum in the kernel: its cases, then time_gdn_dchunk.py
+#   bash tools/gpu_next.sh states   # the training forward's chunk-start state cases, then time_gdn_fwd.py
 #   bash tools/gpu_next.sh fwd2     # the forward's two-warpgroup state kernel: its cases, then time_gdn_fwd.py
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
 #                                   # then gdn_prof with each
@@ -146,6 +147,13 @@ gsum)
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/gsum.log | tail -12
   timeout -k 10 ${TIME_S:-200} python3 tools/time_gdn_dchunk.py --shapes 2 ${PAIR_ONLY:+--pair-only} > $OUT/time_dchunk.log 2>&1
   echo "dchunk time rc=$?"; cut -c1-160 $OUT/time_dchunk.log ;;
+states)
+  # the training forward's chunk-start states (store_states): the forward tier's cases, then time_gdn_fwd
+  timeout -k 10 ${GDN_S:-200} $P -n 8 tests/kernels/test_gated_delta_rule_sm90.py -k "store_states" > $OUT/states.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -E " (FAILED|ERROR) |passed|failed" $OUT/states.log | tail -12
+  timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} > $OUT/time_gdn_fwd.log 2>&1
+  echo "time rc=$?"; grep -E "ms |vs|equal" $OUT/time_gdn_fwd.log | cut -c1-160 ;;
 fwd2)
   # the forward tier's two-warpgroup state-kernel cases, then time_gdn_fwd (one vs two warpgroups among its rows)
   timeout -k 10 ${GDN_S:-150} $P -n 8 tests/kernels/test_gated_delta_rule_sm90.py -k "two_warpgroup" > $OUT/fwd2.log 2>&1
@@ -178,5 +186,5 @@ save_caches)
     tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
   fi
   ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|states|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
 esac

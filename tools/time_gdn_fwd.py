@@ -103,6 +103,15 @@ def main():
         torch.cuda.synchronize()
         print(f"  two-warpgroup state kernel: o vs one warpgroup's rel L2 {rel_l2(o2, outs[True]):.2e}")
         rows_out.append(("state kernel, prefetch, two warpgroups", bench(run_state2, 10, 40)))
+        # the training forward's state kernel (store_states: the chunk-start states too; two warpgroups,
+        # synchronous loads, its defaults) against the same kernel without the stores
+        hs_tr = torch.empty(rows, HV, K, V, device=dev, dtype=torch.bfloat16)
+        for store in (False, True):
+            sk = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, store, prefetch=False,
+                                      wgs=2)
+            rows_out.append((f"state kernel, two wgs, sync, store_states={store}", bench(
+                lambda sk=sk, store=store: sk(q, k, w, u, gc, d4, o2, d4, cu, cuc, hs_tr if store else d4, K**-0.5, T, NT, group,
+                                 B, i64), 10, 40)))
         # the split state pass: chain (both V blocks) and out, each alone, on the same w, u, gc
         hs = torch.empty(rows, HV, K, V, device=dev, dtype=torch.bfloat16)
         vn = torch.empty_like(u)

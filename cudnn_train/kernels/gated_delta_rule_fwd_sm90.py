@@ -668,8 +668,6 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                         cute.arch.sync_threads()
                     pmark(prof, 0)
 
-                    if cutlass.const_expr(store_states):  # the chunk-start state, for the backward
-                        store_state(accS, cS, mHs, cbase + ci, hv, v0, False)  # input-dtype rows [K, V]
                     # ---- S^T in the input dtype as a register A operand (two warpgroups: into sX, once
                     # every warpgroup is past the barrier above, so done with the previous chunk's sX)
                     if cutlass.const_expr(regs_a):
@@ -688,6 +686,9 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                     gemm(mma_x, accO, rS, tBq, True)  # S^T q^T   [v, i]
                     gemm(mma_p, accP, tAq, tBkb[par], True)  # q k^T    [i, j]
                     warpgroup.commit_group()
+                    if cutlass.const_expr(store_states):  # the chunk-start state, for the backward: stored while
+                        # the products above run (they do not touch accS; the update below does, after their wait)
+                        store_state(accS, cS, mHs, cbase + ci, hv, v0, False)  # input-dtype rows [K, V]
                     if cutlass.const_expr(l2norm):
                         if tidx < C:
                             sRq[tidx] = row_inv_norm(sQ, tidx)

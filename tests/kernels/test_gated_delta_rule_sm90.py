@@ -510,6 +510,31 @@ def test_two_warpgroup_state_kernel_matches_oracle_and_one_warpgroup(case, prefe
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("wgs", [1, 2])
+def test_store_states_fused_kernel_matches_the_split_chain(wgs, monkeypatch, poisoned):
+    """The chunk-start states of the training forward (``store_states``), written by the fused state
+    kernel while the chunk's first products run, against those of the split pass's chain kernel (an
+    independent kernel, other summation order): varlen with empty and one-token sequences, GVA."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths))
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                store_states=True)
+    orig = F90.get_state_kernel
+    monkeypatch.setattr(F90, "get_state_kernel", lambda *a, **kw: orig(*a, **{**kw, "wgs": wgs}))
+    rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
+    hs = {}
+    for split in (False, True):
+        monkeypatch.setattr(F90, "SPLIT", split)
+        hs[split] = F90.forward(q, k, v, g, beta, **args).value[2][3][:rows].float()
+    assert torch.isfinite(hs[False]).all(), "chunk rows the fused kernel did not write"
+    err = rel_l2(hs[False], hs[True])
+    assert err < 2e-3, f"fused vs split chunk states: rel L2 {err:.2e}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "varlen_gate_sigmoid"])
 def test_two_warpgroup_wy_kernel_matches_one_warpgroup(case, monkeypatch, poisoned):
     """The wy kernel with two warpgroups splitting every product's N (K = V = 128, the default): each
