@@ -134,6 +134,12 @@ def main():
                             (False, "whole forward, fused state kernel")):
             F90.SPLIT = split
             rows_out.append((name, bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40)))
+        # the training forward (store_states): its default (the split pass) and kernel 2 with the stores
+        for split, name in ((None, "training forward (store_states), default"),
+                            (False, "training forward, fused state kernel")):
+            F90.SPLIT = split
+            rows_out.append((name, bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                             store_states=True), 10, 40)))
         F90.SPLIT = None
         if fla_fwd is not None:
             with torch.no_grad():

@@ -40,8 +40,9 @@ product's N between two warpgroups: S^T, then vn^T and its scaled copy, are A op
 [64, 128] shared tile instead of registers (one more barrier a chunk), launched asking for two
 CTAs an SM (128 registers a thread, about 107 KB of shared memory each), so 16 warps an SM where
 the one-warpgroup kernel runs 8; GPU-checked, but slower where the fused kernel is chosen (H200, B4
-T4096 H16 HV32: 0.528 ms against 0.477), so it is the default only for the training forward's
-``store_states`` variant (0.715 ms there against 0.792 on one warpgroup with the prefetch).
+T4096 H16 HV32: 0.528 ms against 0.477), so it is the default only for kernel 2's
+``store_states`` variant (0.715 ms there against 0.792 on one warpgroup with the prefetch), which the
+training forward reaches only with ``CUDNN_TRAIN_GDN_FWD_SPLIT=0``.
 
 Tails: rows past a chunk's end (T not a multiple of 64, varlen boundaries) are
 loaded as zeros and never stored; the gate is 0 there so ``gc`` stays flat.
@@ -61,8 +62,9 @@ chunk c's first three products are done (~90 KiB of smem, two CTAs per SM). With
 Where N x HV x V/64 (kernel 2's grid) leaves SMs idle, the forward replaces kernel 2
 by the split pass of ``gated_delta_rule_fwd_split_sm90`` (a chain over the chunks that only
 carries the state, V split into blocks of 32, then the outputs of all chunks in parallel); the
-training forward (``store_states``) too, since both passes store the chunk-start states in the
-input dtype (the precision the backward reads them in). Not yet: splitting one sequence across
+training forward (``store_states``) takes it at every grid: its chain writes the chunk-start
+states in the input dtype (the precision the backward reads them in) as 16-byte rows of its
+shared state tile, cheaper than kernel 2's element-wise stores from its accumulators. Not yet: splitting one sequence across
 CTAs; TMA and warp specialization. The backward lives in
 ``gated_delta_rule_bwd_sm90.py`` / ``gated_delta_rule_bwd_chunk_sm90.py`` and the
 opt-in training path in ``gated_delta_rule_train_sm90.py``.
@@ -1016,13 +1018,16 @@ def forward(
     )
     cu, cu_chunks, grid_chunks, NT = chunk_map(cu_seqlens, B, T, dev)
     # the state pass: chain + out kernels (gated_delta_rule_fwd_split_sm90) where the fused kernel's
-    # grid leaves SMs idle (CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0: never), unless the split's chunk
-    # states would not be int32-addressable
+    # grid leaves SMs idle, and always for the training forward (store_states: the chain writes the
+    # chunk-start states as 16-byte rows of its shared state tile, where the fused kernel stores them
+    # element by element from its accumulators: H200, B4 T4096 H16 HV32, chain 0.273 + out 0.249 ms
+    # against 0.721 for the fused kernel with the stores); CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0:
+    # never; not where the split's chunk states would not be int32-addressable
     split = grid_chunks * HV * K * V < 2**31
     if split and SPLIT is None:
         from . import gated_delta_rule_fwd_split_sm90 as sp
 
-        split = sp.preferred(nseq, HV, V, dev)
+        split = store_states or sp.preferred(nseq, HV, V, dev)
     elif split:
         split = SPLIT
     if not split:
