@@ -19,6 +19,8 @@
 #   bash tools/gpu_next.sh gsum     # stage 3's GVA group sum in the kernel: its cases, then time_gdn_dchunk.py
 #   bash tools/gpu_next.sh states   # the training forward's chunk-start state cases, then time_gdn_fwd.py
 #   bash tools/gpu_next.sh fwd2     # the forward's two-warpgroup state kernel: its cases, then time_gdn_fwd.py
+#   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
+#                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
 #                                   # then gdn_prof with each
 #   bash tools/gpu_next.sh gdn_prof # the opt-in training path's kernels under torch.profiler, then vs FLA
@@ -161,6 +163,20 @@ fwd2)
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/fwd2.log | tail -12
   timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} > $OUT/time_gdn_fwd.log 2>&1
   echo "time_gdn_fwd rc=$?"; tail -n 30 $OUT/time_gdn_fwd.log | cut -c1-200 ;;
+ssplit)
+  # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the
+  # default, then (SPLIT_TRAIN=1) the training tier's kernel half with it on
+  timeout -k 10 ${GDN_S:-150} $P -n 8 tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "split" > $OUT/ssplit.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -E " (FAILED|ERROR) |passed|failed" $OUT/ssplit.log | tail -12
+  timeout -k 10 ${TIME_S:-90} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} --split-only > $OUT/time_sweep.log 2>&1
+  echo "time rc=$?"; cut -c1-160 $OUT/time_sweep.log
+  if [ -n "$SPLIT_TRAIN" ]; then
+    CUDNN_TRAIN_GDN_SWEEP_SPLIT=1 timeout -k 10 ${TRAIN_S:-300} $P -n ${TRAIN_N:-6} \
+      tests/kernels/test_gated_delta_rule_train_sm90.py -k "not torch" > $OUT/ssplit_train.log 2>&1
+    echo "train pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+    grep -E " (FAILED|ERROR) |passed|failed" $OUT/ssplit_train.log | tail -12
+  fi ;;
 sweep2)
   # the reverse sweep's tier (one and two warpgroups), then the training path's kernels with each count
   timeout -k 10 ${GDN_S:-150} $P -n 8 tests/kernels/test_gated_delta_rule_bwd_sm90.py > $OUT/sweep2.log 2>&1
@@ -186,5 +202,5 @@ save_caches)
     tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
   fi
   ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|states|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|states|ssplit|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
 esac

@@ -3,7 +3,11 @@ splitting every product's N, each with the next chunk's loads in flight (cp.asyn
 with synchronous loads, on the same inputs, as the training path calls it (bf16 dvn and dH rows,
 l2norm in kernel, no final-state gradient).
 
-    python3 tools/time_gdn_sweep.py [--shapes N]
+    python3 tools/time_gdn_sweep.py [--shapes N] [--split-only]
+
+Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 32 and
+64; opt-in ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1``) against the default; ``--split-only``: the default and the
+split rows only.
 
 Before timing, the variants' outputs are compared with the default's (relative L2; the prefetch
 must not change a bit). Each line: median ms of
@@ -11,6 +15,7 @@ must not change a bit). Each line: median ms of
 """
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,7 @@ from tests.utils import rel_l2
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", type=int, default=2)
+    ap.add_argument("--split-only", action="store_true")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         K = V = 128
@@ -37,12 +43,31 @@ def main():
         g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
         gc = F.pad(g, (0, 0, 0, NT * C - T)).view(B, NT, C, HV).cumsum(2).view(B, NT * C, HV)[:, :T].contiguous()
 
-        def run(wgs, prefetch):
+        def run(wgs, prefetch, split=False):
             return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
-                                     out_dtype=dt, wgs=wgs, prefetch=prefetch)
+                                     out_dtype=dt, wgs=wgs, prefetch=prefetch, split=split)
+
+        def run_split(vb):
+            os.environ["CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB"] = str(vb)
+            try:
+                return run(None, None, True)
+            finally:
+                del os.environ["CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB"]
 
         variants = (("one warpgroup, prefetch", 1, True), ("one warpgroup, sync loads", 1, False),
                     ("two warpgroups, prefetch", 2, True), ("two warpgroups, sync loads", 2, False))
+        default = run(None, None)
+        for vb in (32, 64):
+            other = run_split(vb)
+            torch.cuda.synchronize()
+            diffs = ", ".join(f"{n} {rel_l2(b.float(), a.float()):.1e}" for n, a, b in
+                              zip(("dvn", "dH", "dh0"), default, other))
+            print(f"B{B} T{T} H{H} HV{HV}: split sweep VB {vb} vs the default: {diffs}")
+        print(f"  {'default':28s} {bench(lambda: run(None, None), warmup=10, rep=50):.3f} ms")
+        for vb in (32, 64):
+            print(f"  {f'split, VB {vb}':28s} {bench(lambda: run_split(vb), warmup=10, rep=50):.3f} ms")
+        if args.split_only:
+            continue
         base = run(1, True)
         for name, wgs, pf in variants[1:]:
             other = run(wgs, pf)

@@ -37,7 +37,10 @@ Status: its GPU tier (``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, again
 ``reverse_sweep_ref``: odd T, GVA, varlen, both state layouts, one and two warpgroups, the
 prefetch bitwise against synchronous loads) passes on the H200. Stage 2 of the opt-in training path
 (``gated_delta_rule_train_sm90``); ``CUDNN_TRAIN_GDN_SWEEP_WGS`` = 1 or 2 overrides the warpgroup
-choice at K = 128.
+choice at K = 128. Prepared, not yet GPU-run: the sweep split in two kernels
+(``gated_delta_rule_bwd_split_sm90``: P^T do for every chunk in parallel, then a chain over V blocks
+of 32 carrying dH [K, VB], twice this kernel's CTAs for one long sequence), opt-in with
+``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1`` (:func:`split_default`) where dvn and dH leave in the input dtype.
 """
 
 
@@ -320,9 +323,16 @@ def warpgroups(nseq: int, HV: int, V: int, device) -> int:
     return 2 if nseq * HV * (V // VBLOCK) < kc.num_sms(device) else 1
 
 
+def split_default() -> bool:
+    """Whether the sweep runs as the split pair of kernels of ``gated_delta_rule_bwd_split_sm90``
+    (``dvl`` in parallel, then the ``dchain`` over V blocks of 32 or 64) where it serves (dvn and dH in
+    the input dtype): ``CUDNN_TRAIN_GDN_SWEEP_SPLIT`` = 1, or 0 (the default until it has run on a GPU)."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_SPLIT", False)
+
+
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
                   cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None,
-                  prefetch: bool | None = None):
+                  prefetch: bool | None = None, split: bool | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
@@ -330,7 +340,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     gradient kernel reads them in), and float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
     ``state_v_first``). ``wgs``: warpgroups per CTA (default ``CUDNN_TRAIN_GDN_SWEEP_WGS``, else
     :func:`warpgroups`; 2 at K = 128 splits every product's N); ``prefetch``: the next chunk's loads
-    in flight during this one (default :func:`prefetch_default`)."""
+    in flight during this one (default :func:`prefetch_default`); ``split``: the split pair of kernels
+    (default :func:`split_default`; served with ``out_dtype`` the input dtype, else the fused kernel runs)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -357,13 +368,21 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     dvn = (torch.zeros if varlen else torch.empty)(B, T, HV, V, dtype=out_dtype, device=dev)
     dH = torch.empty(total_chunks, HV, K, V, dtype=out_dtype, device=dev)
     dh0 = torch.empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
-    fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
-                           out_dtype, wgs, prefetch)
+    from . import gated_delta_rule_bwd_split_sm90 as sp
+
+    split = (split_default() if split is None else bool(split)) and sp.serves(out_dtype, q.dtype)
+    if not split:
+        fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
+                               out_dtype, wgs, prefetch)
     if T == 0 or nseq == 0:
         if dht is None:
             dh0.zero_()
         else:
             dh0.copy_(dht)
+        return dvn, dH, dh0
+    if split:
+        sp.sweep(q, k, w, gc, do, dht, dvn, dH, dh0, cu, cu_chunks, total_chunks, NT, scale,
+                 use_qk_l2norm_in_kernel, state_v_first, HV // H, nseq)
         return dvn, dH, dh0
     fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1) if dht is None else dht, dvn, dH, dh0, cu, cu_chunks,
        float(scale), T, NT, HV // H, nseq)

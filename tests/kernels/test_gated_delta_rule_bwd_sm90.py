@@ -33,6 +33,23 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 2
 
 
+@pytest.mark.compile
+def test_split_sweep_kernels_compile_for_sm90a(tmp_path, monkeypatch):
+    """The split sweep (``gated_delta_rule_bwd_split_sm90``, opt-in): ``dvl`` and ``dchain`` at both V blocks,
+    dense and varlen, both state layouts, K = 128 and 64."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_bwd_split_sm90 as S
+
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    kc.clear_memory_cache()
+    assert callable(S.get_dvl_kernel(torch.bfloat16, 128, 128, True, False))
+    assert callable(S.get_dvl_kernel(torch.float16, 64, 128, False, True))
+    for vb in S.VBLOCKS:
+        assert callable(S.get_dchain_kernel(torch.bfloat16, 128, 128, vb, True, False, True, False))
+    assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True))
+    assert len(list(tmp_path.rglob("*.o"))) == 5
+
+
 def test_reverse_sweep_declines_without_gpu_before_touching_memory():
     from cudnn_train.backend import Unsupported
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
@@ -164,3 +181,64 @@ def test_reverse_sweep_prefetch_is_bitwise_the_synchronous_loads(case, wgs):
         ref_dvn, _, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
         assert rel_l2(outs[0][0].float(), ref_dvn) <= 2e-2
         assert rel_l2(outs[0][2], ref_dh0) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vb", [32, 64])
+@pytest.mark.parametrize("T, dtype", [(1, torch.bfloat16), (65, torch.float16), (300, torch.bfloat16)])
+def test_split_sweep_matches_reference_and_the_fused_kernel(T, dtype, vb, monkeypatch):
+    """The split sweep (``dvl`` then ``dchain``, CUDNN_TRAIN_GDN_SWEEP_SPLIT; dvn and dH in the input dtype, as
+    the training path asks): dvn, every chunk's dH and dh0 against the float32 reference, and against the
+    fused kernel with the same output dtype (same rounding points, other summation order)."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", str(vb))
+    Bn, H, HV, K, V = 2, 2, 4, 128, 128
+    q, k, g, beta, w, gc, _, scale = _case(Bn, T, H, HV, K, V, dtype, l2norm=True)
+    do = torch.randn(Bn, T, HV, V, device="cuda", dtype=dtype)
+    dht = torch.randn(Bn, HV, K, V, device="cuda")
+    args = dict(scale=scale, use_qk_l2norm_in_kernel=True, out_dtype=dtype)
+    got = B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)
+    fused = B90.reverse_sweep(q, k, w, gc, do, dht, split=False, **args)
+    ref_dvn, ref_dH, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
+    NC = ref_dH.shape[2]
+    ref_dH = ref_dH.permute(0, 2, 1, 3, 4).reshape(Bn * NC, HV, K, V)
+    for name, a, f, r in zip(("dvn", "dH", "dh0"), got, fused, (ref_dvn, ref_dH, ref_dh0)):
+        assert torch.isfinite(a).all(), name
+        assert a.dtype == f.dtype, (name, a.dtype, f.dtype)
+        assert rel_l2(a.float(), r) <= 2e-2, (name, rel_l2(a.float(), r))
+        assert rel_l2(a.float(), f.float()) <= 5e-3, (name, "vs fused", rel_l2(a.float(), f.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_split_sweep_varlen_gva_k64(state_v_first):
+    """The split sweep with varlen (empty, one-token and odd sequences), GVA 4, K = 64, no l2norm, both state
+    layouts: per sequence against the reference, and against the fused kernel."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    lens = [1, 63, 130, 64, 0, 7]
+    T, H, HV, K, V = sum(lens), 1, 4, 64, 128
+    dt = torch.bfloat16
+    q, k, g, beta, w, gc, cu, scale = _case(1, T, H, HV, K, V, dt, l2norm=False, lens=lens)
+    do = torch.randn(1, T, HV, V, device="cuda", dtype=dt)
+    dht = torch.randn(len(lens), HV, K, V, device="cuda")
+    dht_in = dht.transpose(-1, -2).contiguous() if state_v_first else dht
+    args = dict(scale=scale, cu_seqlens=cu, state_v_first=state_v_first, out_dtype=dt)
+    dvn, dH, dh0 = B90.reverse_sweep(q, k, w, gc, do, dht_in, split=True, **args)
+    fdvn, fdH, fdh0 = B90.reverse_sweep(q, k, w, gc, do, dht_in, split=False, **args)
+    rows = int(cu.new_tensor([(n + 63) // 64 for n in lens]).sum())
+    assert rel_l2(dvn.float(), fdvn.float()) <= 5e-3, rel_l2(dvn.float(), fdvn.float())
+    assert rel_l2(dH[:rows].float(), fdH[:rows].float()) <= 5e-3, rel_l2(dH[:rows].float(), fdH[:rows].float())
+    assert rel_l2(dh0, fdh0) <= 5e-3, rel_l2(dh0, fdh0)
+    if state_v_first:
+        dh0 = dh0.transpose(-1, -2)
+    for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if e == s:
+            assert torch.equal(dh0[n], dht[n])
+            continue
+        sl = slice(s, e)
+        ref_dvn, _, ref_dh0 = _reference(q[:, sl], k[:, sl], g[:, sl], beta[:, sl], do[:, sl], dht[n : n + 1],
+                                         scale, HV, False)
+        assert rel_l2(dvn[:, sl].float(), ref_dvn) <= 2e-2, (n, rel_l2(dvn[:, sl].float(), ref_dvn))
+        assert rel_l2(dh0[n : n + 1], ref_dh0) <= 2e-2, (n, rel_l2(dh0[n : n + 1], ref_dh0))
