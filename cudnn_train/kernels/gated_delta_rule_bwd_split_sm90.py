@@ -378,7 +378,7 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
     f = F._fakes()
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.any3(Float32), f.rows4(dtype, V),
-        f.rows4(Float32, V), f.state(), f.rows4(dtype, V), f.state(dtype), f.state(), f.vec(cutlass.Int32),
+        f.rows4(Float32, V), f.state(), f.rows4(dtype, V), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32),
         f.vec(cutlass.Int32), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")

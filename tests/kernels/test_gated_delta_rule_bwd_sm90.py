@@ -185,20 +185,26 @@ def test_reverse_sweep_prefetch_is_bitwise_the_synchronous_loads(case, wgs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("vb", [32, 64])
-@pytest.mark.parametrize("T, dtype", [(1, torch.bfloat16), (65, torch.float16), (300, torch.bfloat16)])
-def test_split_sweep_matches_reference_and_the_fused_kernel(T, dtype, vb, monkeypatch):
+@pytest.mark.parametrize("T, dtype, has_dht", [(1, torch.bfloat16, True), (65, torch.float16, True),
+                                               (300, torch.bfloat16, True), (300, torch.bfloat16, False)])
+def test_split_sweep_matches_reference_and_the_fused_kernel(T, dtype, has_dht, vb, monkeypatch):
     """The split sweep (``dvl`` then ``dchain``, CUDNN_TRAIN_GDN_SWEEP_SPLIT; dvn and dH in the input dtype, as
     the training path asks): dvn, every chunk's dH and dh0 against the float32 reference, and against the
-    fused kernel with the same output dtype (same rounding points, other summation order)."""
+    fused kernel with the same output dtype (same rounding points, other summation order); with and
+    without the final state's gradient; three more calls bitwise the first (no race between the chunks'
+    shared tiles shows as a changed bit)."""
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
 
     monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", str(vb))
     Bn, H, HV, K, V = 2, 2, 4, 128, 128
     q, k, g, beta, w, gc, _, scale = _case(Bn, T, H, HV, K, V, dtype, l2norm=True)
     do = torch.randn(Bn, T, HV, V, device="cuda", dtype=dtype)
-    dht = torch.randn(Bn, HV, K, V, device="cuda")
+    dht = torch.randn(Bn, HV, K, V, device="cuda") if has_dht else None
     args = dict(scale=scale, use_qk_l2norm_in_kernel=True, out_dtype=dtype)
-    got = B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)
+    got = [t.clone() for t in B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)]
+    for _ in range(3):
+        for name, a, b in zip(("dvn", "dH", "dh0"), got, B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)):
+            assert torch.equal(a, b), f"{name}: a second call differs"
     fused = B90.reverse_sweep(q, k, w, gc, do, dht, split=False, **args)
     ref_dvn, ref_dH, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
     NC = ref_dH.shape[2]
