@@ -19,6 +19,7 @@
 #   bash tools/gpu_next.sh gsum     # stage 3's GVA group sum in the kernel: its cases, then time_gdn_dchunk.py
 #   bash tools/gpu_next.sh states   # the training forward's chunk-start state cases, then time_gdn_fwd.py
 #   bash tools/gpu_next.sh fwd2     # the forward's two-warpgroup state kernel: its cases, then time_gdn_fwd.py
+#   bash tools/gpu_next.sh dprof    # stage 3's per-phase cycles (time_gdn_dchunk.py --profile)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -163,6 +164,10 @@ fwd2)
   grep -E " (FAILED|ERROR) |passed|failed" $OUT/fwd2.log | tail -12
   timeout -k 10 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} > $OUT/time_gdn_fwd.log 2>&1
   echo "time_gdn_fwd rc=$?"; tail -n 30 $OUT/time_gdn_fwd.log | cut -c1-200 ;;
+dprof)
+  # where stage 3's time goes: the profile variant's per-phase cycles (the default call, pair sum at GVA 2)
+  timeout -k 10 ${TIME_S:-120} python3 tools/time_gdn_dchunk.py --profile --shapes ${SHAPES:-1} > $OUT/dprof.log 2>&1
+  echo "dprof rc=$?"; cut -c1-160 $OUT/dprof.log ;;
 ssplit)
   # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the
   # default, then (SPLIT_TRAIN=1) the training tier's kernel half with it on
@@ -202,5 +207,5 @@ save_caches)
     tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
   fi
   ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|states|ssplit|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|states|dprof|ssplit|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
 esac

@@ -3,7 +3,11 @@ four warpgroups splitting every product's N, with and without the overlap varian
 two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs per q/k head) against
 the default call plus the training path's sum pass, on the same inputs.
 
-    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only]
+    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile]
+
+``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
+against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
+(``DCHUNK_PHASES``, thread 0 of every CTA).
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -47,6 +51,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", type=int, default=2)
     ap.add_argument("--pair-only", action="store_true", help="only the GVA pair sum rows")
+    ap.add_argument("--profile", action="store_true", help="only the per-phase cycles of the profile variant")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         x = inputs(B, T, H, HV)
@@ -55,6 +60,9 @@ def main():
         def run(wgs, overlap=False):
             return B3.chunk_grads(*x, scale=scale, l2norm=True, wgs=wgs, overlap=overlap)
 
+        if args.profile:
+            profile(x, B, T, H, HV, scale)
+            continue
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))
         one = None if args.pair_only else run(1)
@@ -83,6 +91,24 @@ def main():
             print(f"B{B} T{T} H{H} HV{HV}: group sum in the kernel bitwise the default + sum pass: {same}")
             for name, fn in (("default + GVA sums", per_head_then_sum), ("group sum in kernel", in_kernel)):
                 print(f"  {name:22s} {bench(fn, warmup=10, rep=50):.3f} ms")
+
+
+def profile(x, B, T, H, HV, scale):
+    """The default stage-3 call (as the training path makes it: the pair sum where HV = 2 H) and its
+    profile variant on the same inputs; the outputs must be bitwise equal."""
+    from time_gdn_fwd import _report
+
+    kw = dict(scale=scale, l2norm=True)
+    if HV == 2 * H:
+        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+    plain = B3.chunk_grads(*x, **kw)
+    ctas = B * (-(-T // 64)) * HV
+    buf = torch.zeros(ctas * (len(B3.DCHUNK_PHASES) + 1), dtype=torch.int64, device="cuda")
+    prof = B3.chunk_grads(*x, profile=buf, **kw)
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(plain, prof))
+    print(f"B{B} T{T} H{H} HV{HV}: profile variant's outputs equal the plain kernel's: {same}")
+    _report("stage-3 kernel" + (", pair sum" if HV == 2 * H else ""), buf, B3.DCHUNK_PHASES, ctas)
 
 
 if __name__ == "__main__":

@@ -88,8 +88,14 @@ def _swizzle(K: int, wgs: int) -> int:
     return 128 if K // wgs >= 64 else 64
 
 
+# the profile variant's phases (tools/time_gdn_dchunk.py --profile): clock64 sums of thread 0 of every CTA
+DCHUNK_PHASES = ("loads (+ l2norm rows)", "k k^T, A, k Sc, Z", "solve, Ae, Tm", "vn = Tm Z", "dP, dQK, dq (+ store)",
+                 "dw, dH in", "dk: vn dH^T, dQK^T q, dkb, dvb, dv", "dTm, Tm^T dTm, dA, dKK", "dk: dKK k (+ store)",
+                 "dg pair sums, tail, dg / dbeta")
+
+
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
-                  dqk_dtype=None, PAIR: bool = False):
+                  dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -247,11 +253,13 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
         mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
         mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32,
+        scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, mProf: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cid, hv, _ = cute.arch.block_idx()
         h = hv // group
+        pstart, pmark, pfinish = fwd.make_profile(PROFILE, len(DCHUNK_PHASES))
+        prof = pstart()
 
         # ---- the MMAs: name = (N, A MN-major, B MN-major); accumulators of one N share a layout
         def mma(n, a_mn, b_mn):
@@ -388,6 +396,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
 
+        pmark(prof, 0)
         # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc
         accKK = acc_cc()
         accY = acc_cv()
@@ -427,6 +436,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
             commit()
 
+        pmark(prof, 1)
         # ---- Tm = (I + A)^-1 ; Ae -> sM (after the solve is done with its scratch)
         solve(sA, sT, sM, tidx)
         for gi in cutlass.range_constexpr(len(grp_cc)):
@@ -451,6 +461,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         if cutlass.const_expr(PAIR):
             cute.arch.cluster_arrive()  # sT is free: the peer may send dq into it
 
+        pmark(prof, 2)
         # ---- vn = Tm Z ; q k^T
         accVn = acc_cv()
         mm(accVn, V, sTm, False, tv(sVn), True, True)  # B [N = v, K = j]: Z [j, v] MN-major
@@ -462,6 +473,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
+        pmark(prof, 3)
         # ---- dP = do vn^T -> dQK = scale dP E (-> sX1), pair terms dP * P (-> sA) ; dqg = do Sc^T
         accDP = acc_cc()
         mm(accDP, C, sDo, False, sVn, False, True)
@@ -493,6 +505,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             l2norm_bwd(accDq, cCK, sQ, sRq, sRow, tmp, grp_ck, tidx)
         store_dqk(accDq, cCK, mDq, sXch, mbar, b, t0, h, hv, rank, length, 0, tidx)
 
+        pmark(prof, 4)
         # ---- dw = -dvn Sc^T -> sDw (over do, which is no longer read)
         accDw = acc_ck()
         mm(accDw, K, sDvn, False, sS, False, True)
@@ -508,6 +521,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
+        pmark(prof, 5)
         # ---- dk = diag(kdec) vn dH^T + dQK^T q ; kdt = rowsum(kd * vn dH^T)
         accDk = acc_ck()
         mm(accDk, K, sVn, False, sS, False, True)  # B [N = d, K = v]: dH [d, v] K-major
@@ -563,6 +577,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         row_sums(tmp, cCV, sDb, grp_cv, tidx, True)
         store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
 
+        pmark(prof, 6)
         # ---- dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2
         accX1 = acc_cc()
         accX2 = acc_cc()
@@ -615,12 +630,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         cute.arch.sync_threads()
         if cutlass.const_expr(PAIR):
             cute.arch.cluster_arrive()  # sT (dKK) read: the peer may send dk into it
+        pmark(prof, 7)
         mm(accDk, K, sX1, False, tv(sK), True, False)  # dk += (dKK + dKK^T) k
         done()
         if cutlass.const_expr(l2norm):
             l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx)
         store_dqk(accDk, cCK, mDk, sXch, mbar, b, t0, h, hv, rank, length, 1, tidx)
 
+        pmark(prof, 8)
         # ---- dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
         # the pair sums: R adjacent threads a row, each over C / R columns, then butterfly shuffles
         R = THREADS // C
@@ -664,18 +681,21 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         if tidx < length:
             mDg[b, t0 + tidx, hv] = sDgc[0, tidx]
             mDb[b, t0 + tidx, hv] = wg_sum(sDb, tidx)
+        pmark(prof, 9)
+        pfinish(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
 
     @cute.jit
     def host(
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
         mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
         mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32, stream,
+        scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32, mProf: cute.Tensor,
+        stream,
     ):
         _static_checks(dtype, K, V, WGS)
         HV = mV.shape[2]
         kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T, NT, nseq,
-               group).launch(grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream,
+               group, mProf).launch(grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream,
                              **({"cluster": [1, 2, 1]} if PAIR else {}))
 
     f = fwd._fakes()
@@ -683,7 +703,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.rows4(dtype, V),
         f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
         f.rows4(dqk_dtype or Float32, K), f.rows4(dqk_dtype or Float32, K), f.rows4(dtype, V), f.any3(Float32),
-        f.any3(Float32), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+        f.any3(Float32), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64),
+        f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
@@ -725,24 +746,26 @@ def overlap_default(K: int, wgs: int) -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_OVERLAP", K == 128 and wgs > 1)
 
 
-def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False):
+def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
+                      profile=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     if dqk_dtype not in (torch.float32, dtype):
         raise ValueError(f"dqk_dtype {dqk_dtype}: float32 or the input dtype {dtype}")
     key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ()) + (
-        () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ())
+        () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ()) + (
+        ("profile",) if profile else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
-                             None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair))
+                             None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
 
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
-                sum_groups: bool = False):
+                sum_groups: bool = False, profile=None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -756,7 +779,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     (rounded once in the kernel, no cast pass after it); ``sum_groups`` (GVA groups of two value heads;
     larger groups are declined): each pair's two CTAs, one cluster, return dq, dk already summed over
     the pair, ``[B, T, H, K]`` in ``dqk_dtype`` (the float32 values summed once, rounded once), so no
-    sum pass follows; without GVA it changes nothing."""
+    sum pass follows; without GVA it changes nothing. ``profile``: an int64 tensor of chunks x HV x
+    (len(DCHUNK_PHASES) + 1) elements: runs the profile variant, which writes thread 0's clock64 cycles
+    per phase and in total for every CTA there (``tools/time_gdn_dchunk.py --profile``)."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -810,6 +835,11 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     db = new(B, T, HV, dtype=torch.float32, device=dev)
     if T == 0 or nseq == 0:
         return dq, dk, dv, dg, db
-    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair)
-    fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid)
+    if profile is not None and (profile.dtype != torch.int64 or profile.device != dev
+                                or profile.numel() < grid * HV * (len(DCHUNK_PHASES) + 1)):
+        raise ValueError(f"profile: int64 on {dev} with at least {grid * HV * (len(DCHUNK_PHASES) + 1)} elements")
+    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None)
+    prof = fwd._dummies(dev)[2] if profile is None else profile
+    fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid,
+       prof)
     return dq, dk, dv, dg, db

@@ -31,7 +31,9 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True))
     assert callable(B3.get_dchunk_kernel(torch.bfloat16, 128, 128, True, False, 4, dqk_dtype=torch.bfloat16, pair=True))
     assert callable(B3.get_dchunk_kernel(torch.float16, 64, 64, True, False, dqk_dtype=torch.float16, pair=True))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 6
+    # the profile variant (tools/time_gdn_dchunk.py --profile)
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True, profile=True))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 7
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
