@@ -79,6 +79,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     load_state, store_state = cm.make_state_io()
     odt = cutlass.Float32 if odt is None else odt  # the dtype of dvn and the dH rows
     store_p = cm.make_store_p(dtype, l2norm)
+    scale_rows = cm.make_scale_rows(dtype, VB, THREADS, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
 
     @cute.kernel
@@ -186,14 +187,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                             sRk[tidx - C] = row_inv_norm(sK, tidx - C)
                         cute.arch.sync_threads()
                     # do_s = do diag(scale e^gc rq): the A operand of the q term of the state update
-                    for e in cutlass.range_constexpr(C * VB // THREADS):
-                        idx = e * THREADS + tidx
-                        si = idx // VB
-                        sv = idx % VB
-                        coef = scale * cute.math.exp2(sGc[si] * LOG2E, fastmath=True)
-                        if cutlass.const_expr(l2norm):
-                            coef = coef * sRq[si]
-                        sDoS[si, sv] = (sDo[si, sv].to(Float32) * coef).to(dtype)
+                    scale_rows(sDo, sDoS, sGc, sRq, scale, tidx)
                     if cutlass.const_expr(not regs_a):  # dH^T in the input dtype, each warpgroup its columns
                         for e in cutlass.range_constexpr(cute.size(accD)):
                             sv, sd = cS[e]

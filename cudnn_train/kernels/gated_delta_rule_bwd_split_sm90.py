@@ -178,6 +178,8 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
     sum_sq = FS._make_sum_sq(dtype, 64)
     row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
     locate_seq = cm.make_seq_locator(varlen)
+    load_block, store_block, block_to_tile, tile_to_rows = FS.make_block_io(dtype, K, VB)
+    scale_rows = cm.make_scale_rows(dtype, VB, THREADS, l2norm)
 
     @cute.jit
     def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mDO: cute.Tensor, mGc: cute.Tensor,
@@ -235,15 +237,10 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
 
         # ---- dH [K, VB] (float32 accumulators): the final state's gradient, or zero
         accD = [cute.make_rmem_tensor(thr_up.partition_shape_C((64, VB)), Float32) for _ in range(KH)]
-        for hf in cutlass.range_constexpr(KH):
-            if cutlass.const_expr(has_dht):
-                for e in cutlass.range_constexpr(cute.size(accD[hf])):
-                    dl, sv = cS[e]
-                    if cutlass.const_expr(state_vk):
-                        accD[hf][e] = mDHT[n, hv, v0 + sv, hf * 64 + dl]
-                    else:
-                        accD[hf][e] = mDHT[n, hv, hf * 64 + dl, v0 + sv]
-            else:
+        if cutlass.const_expr(has_dht):
+            load_block(accD, cS, mDHT, n, hv, v0, state_vk)
+        else:
+            for hf in cutlass.range_constexpr(KH):
                 accD[hf].fill(0.0)
 
         if nchunks > 0:  # the sweep's first chunk: the sequence's last
@@ -251,8 +248,6 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
             issue_chunk(mQ, mK, mW, mDO, mGc, sQb[0], sKb[0], sWb[0], sDob[0], sGcb[0], b, h, hv, t1, v0, te - t1,
                         tidx)
         cute.arch.cp_async_commit_group()
-        VPR = VB // 8  # 16-byte vectors of a dH row
-        RPP = THREADS // VPR
         for cp in cutlass.range((nchunks + 1) // 2, unroll=1):
             for par in cutlass.range_constexpr(2):  # chunk cr in buffer par: every tile stays static
                 cr = cp * 2 + par
@@ -262,13 +257,7 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                     length = cutlass.min(te - t0, C)
                     sGc = sGcb[par]
                     # ---- this chunk's dH (before its update) in the input dtype -> sDH
-                    for hf in cutlass.range_constexpr(KH):
-                        for e in cutlass.range_constexpr(cute.size(accD[hf]) // 2):
-                            rd, rv = cS[2 * e]
-                            pair = cute.make_rmem_tensor((1, 2), dtype)
-                            pair[0] = accD[hf][2 * e].to(dtype)
-                            pair[1] = accD[hf][2 * e + 1].to(dtype)
-                            cute.autovec_copy(pair, cute.local_tile(sDH, (1, 2), (hf * 64 + rd, rv // 2)))
+                    block_to_tile(accD, cS, sDH)
                     # dvl of this chunk into registers (rows past the chunk's end: zero), waited for later
                     gDvl = cute.domain_offset((t0, 0), mDvl[b, None, hv, None])
                     rL = cute.make_rmem_tensor(thr_x.partition_shape_C((C, VB)), Float32)
@@ -293,12 +282,7 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                     gemm(mma_x, accX, tAk[par], tBdh, True)  # k dH   [i, v]
                     warpgroup.commit_group()
                     # meanwhile: sDH -> the chunk's dH row (16-byte vectors), the row norms, the decay
-                    gDH = mDH[cbase + ci, hv, None, None]
-                    for p in cutlass.range_constexpr(K // RPP):
-                        r = p * RPP + tidx // VPR
-                        vec = cute.make_rmem_tensor((1, 8), dtype)
-                        cute.autovec_copy(cute.local_tile(sDH, (1, 8), (r, tidx % VPR)), vec)
-                        cute.autovec_copy(vec, cute.local_tile(gDH, (1, 8), (r, v0 // 8 + tidx % VPR)))
+                    tile_to_rows(sDH, mDH[cbase + ci, hv, None, None], v0, tidx)
                     if cutlass.const_expr(l2norm):
                         if tidx < C:
                             ss = Float32(0.0)
@@ -314,14 +298,7 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                             accD[hf][e] = accD[hf][e] * decay
                     cute.arch.sync_threads()  # sRq (and sRk) written
                     # do_s = diag(scale e^gc rq) do -> sDoS (B operand of the q term)
-                    for e in cutlass.range_constexpr(C * VB // THREADS):
-                        idx = e * THREADS + tidx
-                        oi = idx // VB
-                        ov = idx % VB
-                        coef = scale * cute.math.exp2(sGc[oi] * LOG2E, fastmath=True)
-                        if cutlass.const_expr(l2norm):
-                            coef = coef * sRq[oi]
-                        sDoS[oi, ov] = (sDob[par][oi, ov].to(Float32) * coef).to(dtype)
+                    scale_rows(sDob[par], sDoS, sGc, sRq, scale, tidx)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # do_s visible to the async proxy
                     for hf in cutlass.range_constexpr(KH):
@@ -356,13 +333,7 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
 
-        for hf in cutlass.range_constexpr(KH):  # the initial state's gradient, float32
-            for e in cutlass.range_constexpr(cute.size(accD[hf])):
-                dl, sv = cS[e]
-                if cutlass.const_expr(state_vk):
-                    mDH0[n, hv, v0 + sv, hf * 64 + dl] = accD[hf][e]
-                else:
-                    mDH0[n, hv, hf * 64 + dl, v0 + sv] = accD[hf][e]
+        store_block(accD, cS, mDH0, n, hv, v0, state_vk)  # the initial state's gradient, float32
 
     @cute.jit
     def host(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor,

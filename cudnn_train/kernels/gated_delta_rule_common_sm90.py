@@ -305,6 +305,29 @@ def make_state_io():
     return load_state, store_state
 
 
+def make_scale_rows(dtype, cols: int, threads: int, l2norm: bool):
+    """``scale_rows(sX, sY, sGc, sR, scale, tidx)``: ``sY[i, c] = sX[i, c] scale exp(gc_i) (r_i)`` over a
+    ``[CHUNK, cols]`` smem tile, rounded once to the input dtype, by ``threads`` threads (an element
+    each a step); ``r`` (the l2norm row factors in ``sR``) only with ``l2norm``. The reverse sweeps'
+    ``do_s = diag(scale e^gc rq) do``."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+
+    @cute.jit
+    def scale_rows(sX: cute.Tensor, sY: cute.Tensor, sGc: cute.Tensor, sR: cute.Tensor, scale: Float32,
+                   tidx: Int32):
+        for e in cutlass.range_constexpr(CHUNK * cols // threads):
+            idx = e * threads + tidx
+            si = idx // cols
+            sc = idx % cols
+            coef = scale * cute.math.exp2(sGc[si] * LOG2E, fastmath=True)
+            if cutlass.const_expr(l2norm):
+                coef = coef * sR[si]
+            sY[si, sc] = (sX[si, sc].to(Float32) * coef).to(dtype)
+
+    return scale_rows
+
+
 def make_store_p(dtype, l2norm: bool):
     """``store_p(accP, cP, sP, sGc, sRq, sRk, scale)``: ``P = scale tril(q k^T exp(gc_i - gc_j))
     rq_i rk_j`` (diagonal kept) from the ``q k^T`` accumulator into the smem tile ``sP [i, j]``."""

@@ -121,6 +121,66 @@ def _make_store_pairs():
     return store_pairs
 
 
+def make_block_io(dtype, K: int, VB: int):
+    """The helpers of a chain kernel whose state block ``[K, VB]`` (columns ``v0 :``) lives in float32
+    accumulators split in ``K / 64`` M = 64 halves with coordinates ``cS = (d within the half, v)``
+    (the forward's S, the backward's dH):
+
+    * ``load_block(acc, cS, mX, n, hv, v0, state_vk)`` / ``store_block(...)``: from / to a float32 state
+      ``mX[n, hv]`` (``[K, V]``, or ``[V, K]`` with ``state_vk``);
+    * ``block_to_tile(acc, cS, sX)``: the block in the input dtype into the ``[K, VB]`` smem tile sX
+      (element pairs, 4-byte stores);
+    * ``tile_to_rows(sX, gX, v0, tidx)``: that tile into ``gX [K, V]`` (columns ``v0 :``), 16-byte vectors."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    KH = K // 64
+    VPR = VB // 8  # 16-byte vectors of a block row
+    RPP = THREADS // VPR
+
+    @cute.jit
+    def load_block(acc: cutlass.Constexpr, cS: cute.Tensor, mX: cute.Tensor, n: Int32, hv: Int32, v0: Int32,
+                   state_vk: cutlass.Constexpr):
+        for hf in cutlass.range_constexpr(KH):
+            for e in cutlass.range_constexpr(cute.size(acc[hf])):
+                dl, sv = cS[e]
+                if cutlass.const_expr(state_vk):
+                    acc[hf][e] = mX[n, hv, v0 + sv, hf * 64 + dl]
+                else:
+                    acc[hf][e] = mX[n, hv, hf * 64 + dl, v0 + sv]
+
+    @cute.jit
+    def store_block(acc: cutlass.Constexpr, cS: cute.Tensor, mX: cute.Tensor, n: Int32, hv: Int32, v0: Int32,
+                    state_vk: cutlass.Constexpr):
+        for hf in cutlass.range_constexpr(KH):
+            for e in cutlass.range_constexpr(cute.size(acc[hf])):
+                dl, sv = cS[e]
+                if cutlass.const_expr(state_vk):
+                    mX[n, hv, v0 + sv, hf * 64 + dl] = acc[hf][e]
+                else:
+                    mX[n, hv, hf * 64 + dl, v0 + sv] = acc[hf][e]
+
+    @cute.jit
+    def block_to_tile(acc: cutlass.Constexpr, cS: cute.Tensor, sX: cute.Tensor):
+        for hf in cutlass.range_constexpr(KH):
+            for e in cutlass.range_constexpr(cute.size(acc[hf]) // 2):
+                rd, rv = cS[2 * e]
+                pair = cute.make_rmem_tensor((1, 2), dtype)
+                pair[0] = acc[hf][2 * e].to(dtype)
+                pair[1] = acc[hf][2 * e + 1].to(dtype)
+                cute.autovec_copy(pair, cute.local_tile(sX, (1, 2), (hf * 64 + rd, rv // 2)))
+
+    @cute.jit
+    def tile_to_rows(sX: cute.Tensor, gX: cute.Tensor, v0: Int32, tidx: Int32):
+        for p in cutlass.range_constexpr(K // RPP):
+            r = p * RPP + tidx // VPR
+            vec = cute.make_rmem_tensor((1, 8), dtype)
+            cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, tidx % VPR)), vec)
+            cute.autovec_copy(vec, cute.local_tile(gX, (1, 8), (r, v0 // 8 + tidx % VPR)))
+
+    return load_block, store_block, block_to_tile, tile_to_rows
+
+
 # ------------------------------------------------------------------ kernel: chain
 
 
@@ -139,6 +199,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     gemm = cm.make_gemm()
     sum_sq = _make_sum_sq(dtype, 64)
     locate_seq = cm.make_seq_locator(varlen)
+    load_block, store_block, block_to_tile, tile_to_rows = make_block_io(dtype, K, VB)
 
     @cute.jit
     def issue_chunk(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, sKs: cutlass.Constexpr,
@@ -188,23 +249,16 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
 
         accS = [cute.make_rmem_tensor(thr_up.partition_shape_C((64, VB)), Float32) for _ in range(KH)]
-        for hf in cutlass.range_constexpr(KH):
-            if cutlass.const_expr(has_h0):
-                for e in cutlass.range_constexpr(cute.size(accS[hf])):
-                    dl, sv = cS[e]
-                    if cutlass.const_expr(state_vk):
-                        accS[hf][e] = mH0[n, hv, v0 + sv, hf * 64 + dl]
-                    else:
-                        accS[hf][e] = mH0[n, hv, hf * 64 + dl, v0 + sv]
-            else:
+        if cutlass.const_expr(has_h0):
+            load_block(accS, cS, mH0, n, hv, v0, state_vk)
+        else:
+            for hf in cutlass.range_constexpr(KH):
                 accS[hf].fill(0.0)
 
         if nchunks > 0:
             issue_chunk(mK, mW, mU, mGc, sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts, v0,
                         cutlass.min(te - ts, C), tidx)
         cute.arch.cp_async_commit_group()
-        VPR = VB // 8  # 16-byte vectors of an S row
-        RPP = THREADS // VPR
         for cp in cutlass.range((nchunks + 1) // 2, unroll=1):
             for par in cutlass.range_constexpr(2):  # chunk ci in buffer par: every tile stays static
                 ci = cp * 2 + par
@@ -212,13 +266,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     t0 = ts + ci * C
                     length = cutlass.min(te - t0, C)
                     # ---- the chunk-start state in the input dtype -> sS (B operand of w S)
-                    for hf in cutlass.range_constexpr(KH):
-                        for e in cutlass.range_constexpr(cute.size(accS[hf]) // 2):
-                            rd, rv = cS[2 * e]
-                            pair = cute.make_rmem_tensor((1, 2), dtype)
-                            pair[0] = accS[hf][2 * e].to(dtype)
-                            pair[1] = accS[hf][2 * e + 1].to(dtype)
-                            cute.autovec_copy(pair, cute.local_tile(sS, (1, 2), (hf * 64 + rd, rv // 2)))
+                    block_to_tile(accS, cS, sS)
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # chunk ci and sS in smem; every thread is done with chunk ci - 1
@@ -232,12 +280,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     gemm(mma_vn, accVn, tAw[par], tBs, True)  # w S   [i, v]
                     warpgroup.commit_group()
                     # meanwhile: sS -> the chunk's row of hs (16-byte vectors), the k row norms
-                    gHs = mHs[cbase + ci, hv, None, None]
-                    for p in cutlass.range_constexpr(K // RPP):
-                        r = p * RPP + tidx // VPR
-                        vec = cute.make_rmem_tensor((1, 8), dtype)
-                        cute.autovec_copy(cute.local_tile(sS, (1, 8), (r, tidx % VPR)), vec)
-                        cute.autovec_copy(vec, cute.local_tile(gHs, (1, 8), (r, v0 // 8 + tidx % VPR)))
+                    tile_to_rows(sS, mHs[cbase + ci, hv, None, None], v0, tidx)
                     if cutlass.const_expr(l2norm):
                         if tidx < C:
                             ss = Float32(0.0)
@@ -282,13 +325,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     warpgroup.wait_group(0)
 
         if cutlass.const_expr(out_final):
-            for hf in cutlass.range_constexpr(KH):
-                for e in cutlass.range_constexpr(cute.size(accS[hf])):
-                    dl, sv = cS[e]
-                    if cutlass.const_expr(state_vk):
-                        mHT[n, hv, v0 + sv, hf * 64 + dl] = accS[hf][e]
-                    else:
-                        mHT[n, hv, hf * 64 + dl, v0 + sv] = accS[hf][e]
+            store_block(accS, cS, mHT, n, hv, v0, state_vk)
 
     @cute.jit
     def host(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
