@@ -110,6 +110,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     solve = cm.make_solve(THREADS)
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     locate = cm.make_chunk_locator(varlen)
+    store_rows = cm.make_store_pairs()  # rows < nvalid of a float32 accumulator, element pairs, into gX
 
     @cute.jit
     def swap_in_dot(gX: cute.Tensor, sX: cute.Tensor, tidx: Int32):
@@ -169,18 +170,6 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if cutlass.const_expr(negate):
                 val = -val
             sX[i, j] = val.to(dtype)
-
-    @cute.jit
-    def store_rows(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
-        # rows < nvalid of a float32 accumulator into gX (its element type); accumulator element
-        # pairs (e, e+1) are columns (n, n+1) of one row (checked at trace time)
-        for e in cutlass.range_constexpr(cute.size(acc) // 2):
-            i, d = cAcc[2 * e]
-            if i < nvalid:
-                frag = cute.make_rmem_tensor((1, 2), gX.element_type)
-                frag[0] = acc[2 * e].to(gX.element_type)
-                frag[1] = acc[2 * e + 1].to(gX.element_type)
-                cute.autovec_copy(frag, cute.local_tile(gX, (1, 2), (i, d // 2)))
 
     # PAIR (GVA groups of two): the two value heads of a q/k head are one cluster of two CTAs; each
     # sends half of its dq (then dk) accumulator pairs into the other's exchange tile by st.async (one

@@ -80,7 +80,7 @@ def _build_dvl(dtype, K: int, V: int, l2norm: bool, varlen: bool):
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
     store_p = cm.make_store_p(dtype, l2norm)
-    store_pairs = FS._make_store_pairs()
+    store_pairs = cm.make_store_pairs()
     locate = cm.make_chunk_locator(varlen)
 
     @cute.kernel

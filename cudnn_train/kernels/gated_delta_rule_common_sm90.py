@@ -305,6 +305,26 @@ def make_state_io():
     return load_state, store_state
 
 
+def make_store_pairs():
+    """``store_pairs(acc, cAcc, gX, nvalid)``: float32 accumulator element pairs ``(e, e + 1)``
+    (columns n, n + 1 of one row, checked with ``cm.check_acc_pairs``) into rows < nvalid of
+    ``gX`` in its dtype, 4-byte stores."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    @cute.jit
+    def store_pairs(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
+        for e in cutlass.range_constexpr(cute.size(acc) // 2):
+            i, d = cAcc[2 * e]
+            if i < nvalid:
+                frag = cute.make_rmem_tensor((1, 2), gX.element_type)
+                frag[0] = acc[2 * e].to(gX.element_type)
+                frag[1] = acc[2 * e + 1].to(gX.element_type)
+                cute.autovec_copy(frag, cute.local_tile(gX, (1, 2), (i, d // 2)))
+
+    return store_pairs
+
+
 def make_scale_rows(dtype, cols: int, threads: int, l2norm: bool):
     """``scale_rows(sX, sY, sGc, sR, scale, tidx)``: ``sY[i, c] = sX[i, c] scale exp(gc_i) (r_i)`` over a
     ``[CHUNK, cols]`` smem tile, rounded once to the input dtype, by ``threads`` threads (an element

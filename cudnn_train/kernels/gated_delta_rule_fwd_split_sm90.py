@@ -101,26 +101,6 @@ def _make_sum_sq(dtype, cols: int):
     return sum_sq
 
 
-def _make_store_pairs():
-    """``store_pairs(acc, cAcc, gX, nvalid)``: float32 accumulator element pairs ``(e, e + 1)``
-    (columns n, n + 1 of one row, checked with ``cm.check_acc_pairs``) into rows < nvalid of
-    ``gX`` in its dtype, 4-byte stores."""
-    cutlass, cute = kc.import_cute()
-    from cutlass import Int32
-
-    @cute.jit
-    def store_pairs(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
-        for e in cutlass.range_constexpr(cute.size(acc) // 2):
-            i, d = cAcc[2 * e]
-            if i < nvalid:
-                frag = cute.make_rmem_tensor((1, 2), gX.element_type)
-                frag[0] = acc[2 * e].to(gX.element_type)
-                frag[1] = acc[2 * e + 1].to(gX.element_type)
-                cute.autovec_copy(frag, cute.local_tile(gX, (1, 2), (i, d // 2)))
-
-    return store_pairs
-
-
 def make_block_io(dtype, K: int, VB: int):
     """The helpers of a chain kernel whose state block ``[K, VB]`` (columns ``v0 :``) lives in float32
     accumulators split in ``K / 64`` M = 64 halves with coordinates ``cS = (d within the half, v)``
@@ -360,7 +340,7 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool):
     issue_state = F.make_issue_tiles(dtype, K)
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
-    store_pairs = _make_store_pairs()
+    store_pairs = cm.make_store_pairs()
     locate = cm.make_chunk_locator(varlen)
 
     @cute.kernel
