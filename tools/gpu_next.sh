@@ -20,6 +20,8 @@
 #   bash tools/gpu_next.sh states   # the training forward's chunk-start state cases, then time_gdn_fwd.py
 #   bash tools/gpu_next.sh fwd2     # the forward's two-warpgroup state kernel: its cases, then time_gdn_fwd.py
 #   bash tools/gpu_next.sh dprof    # stage 3's per-phase cycles (time_gdn_dchunk.py --profile)
+#   bash tools/gpu_next.sh s9       # split sweep cases + stage-3 tier, split sweep timing, stage-3 profile
+#   bash tools/gpu_next.sh s9b      # stage 3 cp.async loads: cases, timing vs synchronous, profile
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -167,6 +169,28 @@ fwd2)
 dprof)
   # where stage 3's time goes: the profile variant's per-phase cycles (the default call, pair sum at GVA 2)
   timeout -k 10 ${TIME_S:-120} python3 tools/time_gdn_dchunk.py --profile --shapes ${SHAPES:-1} > $OUT/dprof.log 2>&1
+  echo "dprof rc=$?"; cut -c1-160 $OUT/dprof.log ;;
+s9)
+  # the eighth session's prepared work in one call: the split sweep's cases and the stage-3 tier together,
+  # then the split sweep's timing and stage 3's per-phase profile
+  timeout -k 10 ${GDN_S:-260} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "split or bwd_chunk_sm90" > $OUT/s9.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -cE " PASSED " $OUT/s9.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s9.log | tail -15
+  timeout -k 10 ${TIME_S:-90} python3 tools/time_gdn_sweep.py --shapes 2 --split-only > $OUT/time_sweep.log 2>&1
+  echo "time rc=$?"; cut -c1-160 $OUT/time_sweep.log
+  timeout -k 10 ${DPROF_S:-120} python3 tools/time_gdn_dchunk.py --profile --shapes 1 > $OUT/dprof.log 2>&1
+  echo "dprof rc=$?"; cut -c1-160 $OUT/dprof.log ;;
+s9b)
+  # stage 3's loads by cp.async: its bitwise cases and the stage-3 tier's defaults, then the two loads' timing
+  # and the per-phase profile (the default call, now with the cp.async loads)
+  timeout -k 10 ${GDN_S:-200} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+    -k "async or match_the_torch or group_sum or reproducible" > $OUT/s9b.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -cE " PASSED " $OUT/s9b.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s9b.log | tail -15
+  timeout -k 10 ${TIME_S:-90} python3 tools/time_gdn_dchunk.py --shapes 2 --loads > $OUT/time_loads.log 2>&1
+  echo "time rc=$?"; cut -c1-160 $OUT/time_loads.log
+  timeout -k 10 ${DPROF_S:-100} python3 tools/time_gdn_dchunk.py --profile --shapes 1 > $OUT/dprof.log 2>&1
   echo "dprof rc=$?"; cut -c1-160 $OUT/dprof.log ;;
 ssplit)
   # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the

@@ -3,11 +3,12 @@ four warpgroups splitting every product's N, with and without the overlap varian
 two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs per q/k head) against
 the default call plus the training path's sum pass, on the same inputs.
 
-    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile]
+    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads]
 
 ``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
-(``DCHUNK_PHASES``, thread 0 of every CTA).
+(``DCHUNK_PHASES``, thread 0 of every CTA). ``--loads``: only the default call (as the training path
+makes it) with its loads by cp.async against synchronous loads (outputs checked bitwise).
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -52,6 +53,7 @@ def main():
     ap.add_argument("--shapes", type=int, default=2)
     ap.add_argument("--pair-only", action="store_true", help="only the GVA pair sum rows")
     ap.add_argument("--profile", action="store_true", help="only the per-phase cycles of the profile variant")
+    ap.add_argument("--loads", action="store_true", help="only cp.async against synchronous loads")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         x = inputs(B, T, H, HV)
@@ -62,6 +64,9 @@ def main():
 
         if args.profile:
             profile(x, B, T, H, HV, scale)
+            continue
+        if args.loads:
+            loads(x, B, T, H, HV, scale)
             continue
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))
@@ -93,14 +98,32 @@ def main():
                 print(f"  {name:22s} {bench(fn, warmup=10, rep=50):.3f} ms")
 
 
+def default_kw(H, HV, scale):
+    """The stage-3 call's arguments as the training path makes them (the pair sum where HV = 2 H)."""
+    kw = dict(scale=scale, l2norm=True)
+    if HV == 2 * H:
+        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+    return kw
+
+
+def loads(x, B, T, H, HV, scale):
+    """The default call with its loads by cp.async (three groups, each waited for where first read)
+    against the synchronous loads: bitwise the same outputs, then the two timings."""
+    kw = default_kw(H, HV, scale)
+    a, b = (B3.chunk_grads(*x, async_loads=on, **kw) for on in (True, False))
+    torch.cuda.synchronize()
+    same = all(torch.equal(u, w) for u, w in zip(a, b))
+    print(f"B{B} T{T} H{H} HV{HV}: cp.async loads bitwise the synchronous loads: {same}")
+    for name, on in (("synchronous loads", False), ("cp.async loads", True)):
+        print(f"  {name:22s} {bench(lambda: B3.chunk_grads(*x, async_loads=on, **kw), warmup=10, rep=50):.3f} ms")
+
+
 def profile(x, B, T, H, HV, scale):
     """The default stage-3 call (as the training path makes it: the pair sum where HV = 2 H) and its
     profile variant on the same inputs; the outputs must be bitwise equal."""
     from time_gdn_fwd import _report
 
-    kw = dict(scale=scale, l2norm=True)
-    if HV == 2 * H:
-        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+    kw = default_kw(H, HV, scale)
     plain = B3.chunk_grads(*x, **kw)
     ctas = B * (-(-T // 64)) * HV
     buf = torch.zeros(ctas * (len(B3.DCHUNK_PHASES) + 1), dtype=torch.int64, device="cuda")

@@ -95,7 +95,7 @@ DCHUNK_PHASES = ("loads (+ l2norm rows)", "k k^T, A, k Sc, Z", "solve, Ae, Tm", 
 
 
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
-                  dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False):
+                  dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -106,6 +106,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     LOG2E = cm.LOG2E
     load_tiles = fwd._make_load_tiles(C, THREADS)
     load_rows = fwd._make_load_tiles(K, THREADS)  # [K, V] state tiles
+    issue_tiles = fwd.make_issue_tiles(dtype, C, THREADS)  # the same by cp.async (ASYNC)
+    issue_rows = fwd.make_issue_tiles(dtype, K, THREADS)
     gemm = cm.make_gemm()
     solve = cm.make_solve(THREADS)
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
@@ -342,9 +344,20 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         gV = cute.domain_offset((t0, 0), mV[b, None, hv, None])
         gDo = cute.domain_offset((t0, 0), mDo[b, None, hv, None])
         gDvn = cute.domain_offset((t0, 0), mDvn[b, None, hv, None])
-        load_tiles(((gQ, sQ, K), (gK, sK, K)), length, tidx)
-        load_tiles(((gV, sV, V), (gDo, sDo, V), (gDvn, sDvn, V)), length, tidx)
-        load_rows(((mHs[cid, hv, None, None], sS, V),), K, tidx)
+        if cutlass.const_expr(ASYNC):
+            # three cp.async groups in flight together, each waited for where it is first read: q, k and Sc
+            # (before the l2norm rows and k k^T), v and do (before Z), dvn (before dw)
+            issue_tiles(((gQ, sQ, K, 0), (gK, sK, K, 0)), length, tidx)
+            issue_rows(((mHs[cid, hv, None, None], sS, V, 0),), K, tidx)
+            cute.arch.cp_async_commit_group()
+            issue_tiles(((gV, sV, V, 0), (gDo, sDo, V, 0)), length, tidx)
+            cute.arch.cp_async_commit_group()
+            issue_tiles(((gDvn, sDvn, V, 0),), length, tidx)
+            cute.arch.cp_async_commit_group()
+        else:
+            load_tiles(((gQ, sQ, K), (gK, sK, K)), length, tidx)
+            load_tiles(((gV, sV, V), (gDo, sDo, V), (gDvn, sDvn, V)), length, tidx)
+            load_rows(((mHs[cid, hv, None, None], sS, V),), K, tidx)
         if cutlass.const_expr(OVERLAP):  # dH, read halfway through, into L2 now (one 128-byte line a thread)
             LPR = V * dtype.width // 1024  # lines a row
             for p in cutlass.range_constexpr((K * LPR + THREADS - 1) // THREADS):
@@ -362,6 +375,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             for w_ in cutlass.range_constexpr(WGS):
                 sDgc[w_, tidx] = Float32(0.0)
                 sDb[w_, tidx] = Float32(0.0)
+        if cutlass.const_expr(ASYNC):
+            cute.arch.cp_async_wait_group(2)  # q, k, Sc
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         glast = sGc[C - 1]
@@ -409,6 +424,10 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 sA[i, j] = bi * a
         if cutlass.const_expr(OVERLAP):
             warpgroup.wait_group(0)
+        if cutlass.const_expr(ASYNC):
+            cute.arch.cp_async_wait_group(1)  # v, do
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
         # Z = diag(beta) v - diag(beta eg) k Sc  -> sVn
         for gi in cutlass.range_constexpr(len(grp_cv)):
             i, _ = cCV[grp_cv[gi][0]]
@@ -497,6 +516,10 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         pmark(prof, 4)
         # ---- dw = -dvn Sc^T -> sDw (over do, which is no longer read)
         accDw = acc_ck()
+        if cutlass.const_expr(ASYNC):
+            cute.arch.cp_async_wait_group(0)  # dvn
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
         mm(accDw, K, sDvn, False, sS, False, True)
         done()
         cute.arch.sync_threads()  # every warp is done with do and Sc
@@ -735,26 +758,36 @@ def overlap_default(K: int, wgs: int) -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_OVERLAP", K == 128 and wgs > 1)
 
 
+def async_loads_default() -> bool:
+    """The loads by ``cp.async`` in three groups, each waited for where it is first read (q, k, Sc before
+    the l2norm rows; v, do before Z; dvn before dw) instead of three synchronous rounds before any work:
+    the loads took 21% of a CTA's cycles (9.3K of 44.5K, H200, B4 T4096 H16 HV32,
+    ``tools/time_gdn_dchunk.py --profile``). ``CUDNN_TRAIN_GDN_DCHUNK_ASYNC_LOADS`` = 1 / 0 overrides."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_ASYNC_LOADS", True)
+
+
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
-                      profile=False):
+                      profile=False, async_loads=None):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
+    async_loads = async_loads_default() if async_loads is None else bool(async_loads)
     if dqk_dtype not in (torch.float32, dtype):
         raise ValueError(f"dqk_dtype {dqk_dtype}: float32 or the input dtype {dtype}")
     key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ()) + (
         () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ()) + (
-        ("profile",) if profile else ())
+        ("profile",) if profile else ()) + (("async",) if async_loads else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
-                             None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile))
+                             None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
+                             async_loads)
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
 
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
-                sum_groups: bool = False, profile=None):
+                sum_groups: bool = False, profile=None, async_loads: bool | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -770,7 +803,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     the pair, ``[B, T, H, K]`` in ``dqk_dtype`` (the float32 values summed once, rounded once), so no
     sum pass follows; without GVA it changes nothing. ``profile``: an int64 tensor of chunks x HV x
     (len(DCHUNK_PHASES) + 1) elements: runs the profile variant, which writes thread 0's clock64 cycles
-    per phase and in total for every CTA there (``tools/time_gdn_dchunk.py --profile``)."""
+    per phase and in total for every CTA there (``tools/time_gdn_dchunk.py --profile``). ``async_loads``: the
+    loads by ``cp.async`` (default :func:`async_loads_default`) or synchronous, for comparison."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -827,7 +861,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     if profile is not None and (profile.dtype != torch.int64 or profile.device != dev
                                 or profile.numel() < grid * HV * (len(DCHUNK_PHASES) + 1)):
         raise ValueError(f"profile: int64 on {dev} with at least {grid * HV * (len(DCHUNK_PHASES) + 1)} elements")
-    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None)
+    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads)
     prof = fwd._dummies(dev)[2] if profile is None else profile
     fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid,
        prof)

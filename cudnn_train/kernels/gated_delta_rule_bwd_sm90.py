@@ -37,10 +37,10 @@ Status: its GPU tier (``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, again
 ``reverse_sweep_ref``: odd T, GVA, varlen, both state layouts, one and two warpgroups, the
 prefetch bitwise against synchronous loads) passes on the H200. Stage 2 of the opt-in training path
 (``gated_delta_rule_train_sm90``); ``CUDNN_TRAIN_GDN_SWEEP_WGS`` = 1 or 2 overrides the warpgroup
-choice at K = 128. Prepared, not yet GPU-run: the sweep split in two kernels
-(``gated_delta_rule_bwd_split_sm90``: P^T do for every chunk in parallel, then a chain over V blocks
-of 32 carrying dH [K, VB], twice this kernel's CTAs for one long sequence), opt-in with
-``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1`` (:func:`split_default`) where dvn and dH leave in the input dtype.
+choice at K = 128. Where this kernel's grid leaves SMs idle (one long sequence) the sweep runs split
+in two kernels instead (``gated_delta_rule_bwd_split_sm90``: P^T do for every chunk in parallel, then
+a chain over V blocks of 32 carrying dH [K, VB], twice this kernel's CTAs), where dvn and dH leave in
+the input dtype (:func:`split_default`; ``CUDNN_TRAIN_GDN_SWEEP_SPLIT`` = 1 / 0 forces it).
 """
 
 
@@ -317,11 +317,17 @@ def warpgroups(nseq: int, HV: int, V: int, device) -> int:
     return 2 if nseq * HV * (V // VBLOCK) < kc.num_sms(device) else 1
 
 
-def split_default() -> bool:
+def split_default(nseq: int, HV: int, V: int, device) -> bool:
     """Whether the sweep runs as the split pair of kernels of ``gated_delta_rule_bwd_split_sm90``
     (``dvl`` in parallel, then the ``dchain`` over V blocks of 32 or 64) where it serves (dvn and dH in
-    the input dtype): ``CUDNN_TRAIN_GDN_SWEEP_SPLIT`` = 1, or 0 (the default until it has run on a GPU)."""
-    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_SPLIT", False)
+    the input dtype): ``CUDNN_TRAIN_GDN_SWEEP_SPLIT`` = 1 / 0 always / never; unset, where the fused
+    kernel's N x HV x V/64 CTAs leave SMs idle (the chain then takes V blocks of 32, twice the CTAs).
+    Measured (H200, K = V = 128, bf16, ``tools/time_gdn_sweep.py --split-only``): B1 T16384 HV32 (64
+    fused CTAs) split 0.967 ms (VB 32) against 1.606 fused; B4 T4096 HV32 (256) 0.855 (VB 64) against 0.626."""
+    env = os.environ.get("CUDNN_TRAIN_GDN_SWEEP_SPLIT", "").strip()
+    if env:
+        return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_SPLIT", False)
+    return nseq * HV * (V // VBLOCK) < kc.num_sms(device)
 
 
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
@@ -364,7 +370,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     dh0 = torch.empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
     from . import gated_delta_rule_bwd_split_sm90 as sp
 
-    split = (split_default() if split is None else bool(split)) and sp.serves(out_dtype, q.dtype)
+    split = (split_default(nseq, HV, V, dev) if split is None else bool(split)) and sp.serves(out_dtype, q.dtype)
     if not split:
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
                                out_dtype, wgs, prefetch)

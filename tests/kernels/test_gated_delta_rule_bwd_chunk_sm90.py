@@ -33,7 +33,9 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     assert callable(B3.get_dchunk_kernel(torch.float16, 64, 64, True, False, dqk_dtype=torch.float16, pair=True))
     # the profile variant (tools/time_gdn_dchunk.py --profile)
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True, profile=True))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 7
+    # the synchronous loads (CUDNN_TRAIN_GDN_DCHUNK_ASYNC_LOADS=0), for comparison
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], async_loads=not B3.async_loads_default()))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 8
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -182,6 +184,31 @@ def test_chunk_gradients_dq_dk_in_the_input_dtype_are_the_float32_ones_rounded()
         assert torch.equal(a, b.to(torch.bfloat16)), name
     for a, b in zip(bf[2:], f32[2:]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense_wgs2", "dense_wgs1_fp16", "varlen_64", "pair_wgs4"])
+def test_chunk_gradients_async_loads_are_bitwise_the_synchronous_loads(case):
+    """The loads by cp.async in three groups, each waited for where it is first read (the default),
+    change no product and no order: every output bitwise equal to the synchronous loads', and the
+    default's against the float32 torch stage."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    if case == "varlen_64":
+        args, want = _case(1, sum([1, 63, 130, 64, 0, 7]), 4, 64, 64, torch.float16, lens=[1, 63, 130, 64, 0, 7], H=2)
+    else:
+        dt = torch.float16 if case.endswith("fp16") else torch.bfloat16
+        args, want = _case(2, 300, 4, 128, 128, dt, H=2 if case.startswith("pair") else None, l2norm=True)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"dense_wgs1_fp16": 1, "pair_wgs4": 4}.get(case))
+    if case.startswith("pair"):
+        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+    got = [B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, async_loads=a, **kw) for a in (True, False)]
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), *got):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{case}: {name} differs with the cp.async loads"
+    if not case.startswith("pair"):
+        _run(args, want, wgs=kw["wgs"])
 
 
 @pytest.mark.gpu

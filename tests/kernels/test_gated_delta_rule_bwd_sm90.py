@@ -184,7 +184,7 @@ def test_reverse_sweep_prefetch_is_bitwise_the_synchronous_loads(case, wgs):
     do = torch.randn(Bn, T, HV, K, device="cuda", dtype=dt)
     dht = torch.randn(Bn if lens is None else len(lens), HV, K, K, device="cuda")
     outs = [B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                              out_dtype=dt, wgs=wgs, prefetch=pf) for pf in (True, False)]
+                              out_dtype=dt, wgs=wgs, prefetch=pf, split=False) for pf in (True, False)]
     if lens is not None:  # dH rows past the varlen chunk count are never written: compare the written ones
         from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
