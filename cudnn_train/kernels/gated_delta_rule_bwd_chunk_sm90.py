@@ -137,6 +137,16 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         return parts[0] + parts[1]
 
     @cute.jit
+    def prefetch_l2(gX: cute.Tensor, rows: cutlass.Constexpr, cols: cutlass.Constexpr, nvalid: Int32, tidx: Int32):
+        # rows < nvalid of the [rows, cols] tile gX into L2, one 128-byte line a thread and step
+        LPR = cols * dtype.width // 1024  # lines a row
+        for p in cutlass.range_constexpr((rows * LPR + THREADS - 1) // THREADS):
+            line = p * THREADS + tidx
+            if line < rows * LPR and line // LPR < nvalid:
+                row = gX[line // LPR, None]
+                cute.arch.prefetch((row.iterator + (line % LPR) * (1024 // dtype.width)).llvm_ptr, cache_level="L2")
+
+    @cute.jit
     def row_sums(vals: cute.Tensor, cAcc: cute.Tensor, sOut: cute.Tensor, groups: cutlass.Constexpr, tidx: Int32,
                  accumulate: cutlass.Constexpr):
         # sOut[wg, row] (+)= this warpgroup's part of the sum over the row of vals (a float32 tensor in
@@ -358,14 +368,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             load_tiles(((gQ, sQ, K), (gK, sK, K)), length, tidx)
             load_tiles(((gV, sV, V), (gDo, sDo, V), (gDvn, sDvn, V)), length, tidx)
             load_rows(((mHs[cid, hv, None, None], sS, V),), K, tidx)
-        if cutlass.const_expr(OVERLAP):  # dH, read halfway through, into L2 now (one 128-byte line a thread)
-            LPR = V * dtype.width // 1024  # lines a row
-            for p in cutlass.range_constexpr((K * LPR + THREADS - 1) // THREADS):
-                line = p * THREADS + tidx
-                if line < K * LPR:
-                    row = mDH[cid, hv, line // LPR, None]
-                    cute.arch.prefetch((row.iterator + (line % LPR) * (1024 // dtype.width)).llvm_ptr,
-                                       cache_level="L2")
+        if cutlass.const_expr(OVERLAP):  # dH, read halfway through, into L2 now
+            prefetch_l2(mDH[cid, hv, None, None], K, V, K, tidx)
         if tidx < C:
             sGc[tidx] = mGc[b, t0 + cutlass.max(cutlass.min(tidx, length - 1), 0), hv]
             bval = Float32(0.0)
@@ -701,8 +705,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
         mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
         mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32, mProf: cute.Tensor,
-        stream,
+        scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32,
+        mProf: cute.Tensor, stream,
     ):
         _static_checks(dtype, K, V, WGS)
         HV = mV.shape[2]
@@ -762,7 +766,9 @@ def async_loads_default() -> bool:
     """The loads by ``cp.async`` in three groups, each waited for where it is first read (q, k, Sc before
     the l2norm rows; v, do before Z; dvn before dw) instead of three synchronous rounds before any work:
     the loads took 21% of a CTA's cycles (9.3K of 44.5K, H200, B4 T4096 H16 HV32,
-    ``tools/time_gdn_dchunk.py --profile``). ``CUDNN_TRAIN_GDN_DCHUNK_ASYNC_LOADS`` = 1 / 0 overrides."""
+    ``tools/time_gdn_dchunk.py --profile``). ``CUDNN_TRAIN_GDN_DCHUNK_ASYNC_LOADS`` = 1 / 0 overrides. (Also
+    prefetching, at the start, the inputs of the CTA one SM count further on into L2 made it slower: 1.70
+    against 1.48 ms, the loads phase 15K cycles; removed.)"""
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_ASYNC_LOADS", True)
 
 
