@@ -22,6 +22,7 @@
 #   bash tools/gpu_next.sh dprof    # stage 3's per-phase cycles (time_gdn_dchunk.py --profile)
 #   bash tools/gpu_next.sh s9       # split sweep cases + stage-3 tier, split sweep timing, stage-3 profile
 #   bash tools/gpu_next.sh s9b      # stage 3 cp.async loads: cases, timing vs synchronous, profile
+#   bash tools/gpu_next.sh s9d      # stage 3 reading the forward's vn: its cases + training cases, timing
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -192,6 +193,15 @@ s9b)
   echo "time rc=$?"; cut -c1-160 $OUT/time_loads.log
   timeout -k 10 ${DPROF_S:-100} python3 tools/time_gdn_dchunk.py --profile --shapes 1 > $OUT/dprof.log 2>&1
   echo "dprof rc=$?"; cut -c1-160 $OUT/dprof.log ;;
+s9d)
+  # stage 3 reading the forward's vn (CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD): its stage-3 cases and the training
+  # tier's, together, then its timing against recomputing vn (and its profile)
+  timeout -k 10 ${GDN_S:-170} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+    tests/kernels/test_gated_delta_rule_train_sm90.py -k "forwards_vn and not torch" > $OUT/s9d.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -cE " PASSED " $OUT/s9d.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s9d.log | tail -15
+  timeout -k 10 ${TIME_S:-60} python3 tools/time_gdn_dchunk.py --shapes 2 --vn > $OUT/time_vn.log 2>&1
+  echo "time rc=$?"; cut -c1-160 $OUT/time_vn.log ;;
 ssplit)
   # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the
   # default, then (SPLIT_TRAIN=1) the training tier's kernel half with it on

@@ -3,12 +3,14 @@ four warpgroups splitting every product's N, with and without the overlap varian
 two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs per q/k head) against
 the default call plus the training path's sum pass, on the same inputs.
 
-    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads]
+    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn]
 
 ``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
 (``DCHUNK_PHASES``, thread 0 of every CTA). ``--loads``: only the default call (as the training path
-makes it) with its loads by cp.async against synchronous loads (outputs checked bitwise).
+makes it) with its loads by cp.async against synchronous loads (outputs checked bitwise). ``--vn``: only the
+default call with the forward's vn read (``chunk_grads(vn=...)``) against recomputing it (vn = u - w Sc
+from the same random w, u; outputs compared by relative L2, the inputs being random, not a forward's).
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -54,6 +56,7 @@ def main():
     ap.add_argument("--pair-only", action="store_true", help="only the GVA pair sum rows")
     ap.add_argument("--profile", action="store_true", help="only the per-phase cycles of the profile variant")
     ap.add_argument("--loads", action="store_true", help="only cp.async against synchronous loads")
+    ap.add_argument("--vn", action="store_true", help="only the forward's vn read against recomputed")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         x = inputs(B, T, H, HV)
@@ -67,6 +70,9 @@ def main():
             continue
         if args.loads:
             loads(x, B, T, H, HV, scale)
+            continue
+        if args.vn:
+            vn_rows(x, B, T, H, HV, scale)
             continue
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))
@@ -116,6 +122,22 @@ def loads(x, B, T, H, HV, scale):
     print(f"B{B} T{T} H{H} HV{HV}: cp.async loads bitwise the synchronous loads: {same}")
     for name, on in (("synchronous loads", False), ("cp.async loads", True)):
         print(f"  {name:22s} {bench(lambda: B3.chunk_grads(*x, async_loads=on, **kw), warmup=10, rep=50):.3f} ms")
+
+
+def vn_rows(x, B, T, H, HV, scale):
+    """The default call recomputing vn against reading one (random, v's shape: the timing does not depend
+    on its values), and the profile of the reading variant."""
+    from time_gdn_fwd import _report
+
+    kw = default_kw(H, HV, scale)
+    vn = torch.randn_like(x[2])
+    for name, extra in (("vn recomputed", {}), ("vn read", dict(vn=vn))):
+        print(f"B{B} T{T}: {name:16s} {bench(lambda: B3.chunk_grads(*x, **kw, **extra), warmup=10, rep=50):.3f} ms")
+    ctas = B * (-(-T // 64)) * HV
+    buf = torch.zeros(ctas * (len(B3.DCHUNK_PHASES) + 1), dtype=torch.int64, device="cuda")
+    B3.chunk_grads(*x, profile=buf, vn=vn, **kw)
+    torch.cuda.synchronize()
+    _report("stage-3 kernel, vn read" + (", pair sum" if HV == 2 * H else ""), buf, B3.DCHUNK_PHASES, ctas)
 
 
 def profile(x, B, T, H, HV, scale):

@@ -51,6 +51,11 @@ local use and waits before the sends keep the peer from writing it early. (A fir
 group's value heads one after another in one CTA took 3.82 ms against 1.80 for the default plus the
 sum pass: half the CTAs, each twice as long and spilling; removed.)
 
+With ``vn`` (``chunk_grads(vn=...)``, VNIN compiled in; the training path's default) the forward's
+``vn = u - w Sc`` (as the split pass's chain wrote it, input dtype) is loaded into the vn tile instead of
+recomputed: no ``k Sc``, ``Z``, ``Tm Z``, and ``dP = do vn^T`` joins the products in flight during the solve
+(H200, B4 T4096 H16 HV32, pair sum: 1.420 against 1.491 ms; 39.8K against 42.3K cycles a CTA).
+
 Status: compiles for sm_90a (compile tier); its GPU test
 (``tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py``, against the float32 torch stage) and the
 training path's tier run it; the training path's default stage 3.
@@ -95,7 +100,8 @@ DCHUNK_PHASES = ("loads (+ l2norm rows)", "k k^T, A, k Sc, Z", "solve, Ae, Tm", 
 
 
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
-                  dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False):
+                  dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
+                  VNIN: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -252,9 +258,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     @cute.kernel
     def kernel(
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
-        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
-        mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, mProf: cute.Tensor,
+        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mVnI: cute.Tensor, mCu: cute.Tensor,
+        mCuC: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor,
+        mDb: cute.Tensor, scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, mProf: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cid, hv, _ = cute.arch.block_idx()
@@ -354,20 +360,29 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         gV = cute.domain_offset((t0, 0), mV[b, None, hv, None])
         gDo = cute.domain_offset((t0, 0), mDo[b, None, hv, None])
         gDvn = cute.domain_offset((t0, 0), mDvn[b, None, hv, None])
+        gVnI = cute.domain_offset((t0, 0), mVnI[b, None, hv, None])
         if cutlass.const_expr(ASYNC):
             # three cp.async groups in flight together, each waited for where it is first read: q, k and Sc
-            # (before the l2norm rows and k k^T), v and do (before Z), dvn (before dw)
+            # (before the l2norm rows and k k^T), v and do (before Z), dvn (before dw); with VNIN: the
+            # forward's vn and do (before the products that run during the solve), v and dvn (before dw)
             issue_tiles(((gQ, sQ, K, 0), (gK, sK, K, 0)), length, tidx)
             issue_rows(((mHs[cid, hv, None, None], sS, V, 0),), K, tidx)
             cute.arch.cp_async_commit_group()
-            issue_tiles(((gV, sV, V, 0), (gDo, sDo, V, 0)), length, tidx)
-            cute.arch.cp_async_commit_group()
-            issue_tiles(((gDvn, sDvn, V, 0),), length, tidx)
+            if cutlass.const_expr(VNIN):
+                issue_tiles(((gVnI, sVn, V, 0), (gDo, sDo, V, 0)), length, tidx)
+                cute.arch.cp_async_commit_group()
+                issue_tiles(((gV, sV, V, 0), (gDvn, sDvn, V, 0)), length, tidx)
+            else:
+                issue_tiles(((gV, sV, V, 0), (gDo, sDo, V, 0)), length, tidx)
+                cute.arch.cp_async_commit_group()
+                issue_tiles(((gDvn, sDvn, V, 0),), length, tidx)
             cute.arch.cp_async_commit_group()
         else:
             load_tiles(((gQ, sQ, K), (gK, sK, K)), length, tidx)
             load_tiles(((gV, sV, V), (gDo, sDo, V), (gDvn, sDvn, V)), length, tidx)
             load_rows(((mHs[cid, hv, None, None], sS, V),), K, tidx)
+            if cutlass.const_expr(VNIN):
+                load_tiles(((gVnI, sVn, V),), length, tidx)
         if cutlass.const_expr(OVERLAP):  # dH, read halfway through, into L2 now
             prefetch_l2(mDH[cid, hv, None, None], K, V, K, tidx)
         if tidx < C:
@@ -405,15 +420,18 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             cute.arch.sync_threads()
 
         pmark(prof, 0)
-        # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc
+        # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc (not with VNIN: vn is given)
         accKK = acc_cc()
         accY = acc_cv()
         mm(accKK, C, sK, False, sK, False, True)
-        if cutlass.const_expr(OVERLAP):
+        if cutlass.const_expr(VNIN):
+            done()
+        else:
+            if cutlass.const_expr(OVERLAP):
+                commit()
+            mm(accY, V, sK, False, tv(sS), True, True)  # B [N = v, K = d]: Sc [d, v] MN-major
             commit()
-        mm(accY, V, sK, False, tv(sS), True, True)  # B [N = v, K = d]: Sc [d, v] MN-major
-        commit()
-        warpgroup.wait_group(1 if OVERLAP else 0)  # with OVERLAP: k Sc still runs during A's loop
+            warpgroup.wait_group(1 if OVERLAP else 0)  # with OVERLAP: k Sc still runs during A's loop
         # (the elementwise loops below go row by row of the thread's accumulator elements, so that
         # the per-row factors are read and exponentiated once a row)
         for gi in cutlass.range_constexpr(len(grp_cc)):
@@ -426,26 +444,30 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 if i > j:
                     a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
                 sA[i, j] = bi * a
-        if cutlass.const_expr(OVERLAP):
+        if cutlass.const_expr(OVERLAP and not VNIN):
             warpgroup.wait_group(0)
         if cutlass.const_expr(ASYNC):
-            cute.arch.cp_async_wait_group(1)  # v, do
+            cute.arch.cp_async_wait_group(1)  # v and do (VNIN: vn and do)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
-        # Z = diag(beta) v - diag(beta eg) k Sc  -> sVn
-        for gi in cutlass.range_constexpr(len(grp_cv)):
-            i, _ = cCV[grp_cv[gi][0]]
-            eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-            bi = sB[i]
-            for e in grp_cv[gi]:
-                _, n = cCV[e]
-                sVn[i, n] = (bi * (sV[i, n].to(Float32) - eg * accY[e])).to(dtype)
+        if cutlass.const_expr(not VNIN):
+            # Z = diag(beta) v - diag(beta eg) k Sc  -> sVn
+            for gi in cutlass.range_constexpr(len(grp_cv)):
+                i, _ = cCV[grp_cv[gi][0]]
+                eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+                bi = sB[i]
+                for e in grp_cv[gi]:
+                    _, n = cCV[e]
+                    sVn[i, n] = (bi * (sV[i, n].to(Float32) - eg * accY[e])).to(dtype)
         cute.arch.sync_threads()
         accQK = acc_cc()
         accDq = acc_ck()
+        accDP = acc_cc()
         if cutlass.const_expr(OVERLAP):  # q k^T and dqg = do Sc^T need no solve: in flight during it
             mm(accQK, C, sQ, False, sK, False, True)
             mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
+            if cutlass.const_expr(VNIN):  # nor does dP = do vn^T with the forward's vn
+                mm(accDP, C, sDo, False, sVn, False, True)
             commit()
 
         pmark(prof, 1)
@@ -474,21 +496,23 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             cute.arch.cluster_arrive()  # sT is free: the peer may send dq into it
 
         pmark(prof, 2)
-        # ---- vn = Tm Z ; q k^T
+        # ---- vn = Tm Z (not with VNIN) ; q k^T
         accVn = acc_cv()
-        mm(accVn, V, sTm, False, tv(sVn), True, True)  # B [N = v, K = j]: Z [j, v] MN-major
+        if cutlass.const_expr(not VNIN):
+            mm(accVn, V, sTm, False, tv(sVn), True, True)  # B [N = v, K = j]: Z [j, v] MN-major
         if cutlass.const_expr(not OVERLAP):
             mm(accQK, C, sQ, False, sK, False, True)
         done()
-        cute.arch.sync_threads()  # every warp is done reading Z
-        acc_to_tile(accVn, cCV, sVn, False)
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(not VNIN):
+            cute.arch.sync_threads()  # every warp is done reading Z
+            acc_to_tile(accVn, cCV, sVn, False)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
 
         pmark(prof, 3)
         # ---- dP = do vn^T -> dQK = scale dP E (-> sX1), pair terms dP * P (-> sA) ; dqg = do Sc^T
-        accDP = acc_cc()
-        mm(accDP, C, sDo, False, sVn, False, True)
+        if cutlass.const_expr(not (OVERLAP and VNIN)):
+            mm(accDP, C, sDo, False, sVn, False, True)
         if cutlass.const_expr(not OVERLAP):
             mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
         done()
@@ -703,21 +727,22 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     @cute.jit
     def host(
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
-        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
-        mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32,
+        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mVnI: cute.Tensor, mCu: cute.Tensor,
+        mCuC: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor,
+        mDb: cute.Tensor, scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32,
         mProf: cute.Tensor, stream,
     ):
         _static_checks(dtype, K, V, WGS)
         HV = mV.shape[2]
-        kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T, NT, nseq,
-               group, mProf).launch(grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream,
+        kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mVnI, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T, NT,
+               nseq, group, mProf).launch(grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream,
                              **({"cluster": [1, 2, 1]} if PAIR else {}))
 
     f = fwd._fakes()
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.rows4(dtype, V),
-        f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
+        f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.vec(cutlass.Int32),
+        f.vec(cutlass.Int32),
         f.rows4(dqk_dtype or Float32, K), f.rows4(dqk_dtype or Float32, K), f.rows4(dtype, V), f.any3(Float32),
         f.any3(Float32), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64),
         f.stream(),
@@ -773,7 +798,7 @@ def async_loads_default() -> bool:
 
 
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
-                      profile=False, async_loads=None):
+                      profile=False, async_loads=None, vn_in=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     async_loads = async_loads_default() if async_loads is None else bool(async_loads)
@@ -781,19 +806,19 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
         raise ValueError(f"dqk_dtype {dqk_dtype}: float32 or the input dtype {dtype}")
     key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ()) + (
         () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ()) + (
-        ("profile",) if profile else ()) + (("async",) if async_loads else ())
+        ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
-                             async_loads)
+                             async_loads, bool(vn_in))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
 
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
-                sum_groups: bool = False, profile=None, async_loads: bool | None = None):
+                sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -810,7 +835,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     sum pass follows; without GVA it changes nothing. ``profile``: an int64 tensor of chunks x HV x
     (len(DCHUNK_PHASES) + 1) elements: runs the profile variant, which writes thread 0's clock64 cycles
     per phase and in total for every CTA there (``tools/time_gdn_dchunk.py --profile``). ``async_loads``: the
-    loads by ``cp.async`` (default :func:`async_loads_default`) or synchronous, for comparison."""
+    loads by ``cp.async`` (default :func:`async_loads_default`) or synchronous, for comparison. ``vn``: the
+    forward's ``vn = u - w Sc`` (v's shape and dtype, as the split pass's chain writes it), read instead
+    of recomputed (no ``k Sc``, ``Z``, ``Tm Z``; ``do vn^T`` in flight during the solve); None: recomputed."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -828,11 +855,14 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         raise Unsupported(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (HV a multiple of H)")
     if tuple(do.shape) != tuple(v.shape) or tuple(dvn.shape) != tuple(v.shape):
         raise Unsupported("do and dvn must have v's shape")
+    if vn is not None and (tuple(vn.shape) != tuple(v.shape) or vn.dtype != dt or vn.device != q.device):
+        raise Unsupported(f"vn: {tuple(vn.shape)} {vn.dtype} on {vn.device} (v's shape, dtype and device)")
     if tuple(gc.shape) != (B, T, HV) or tuple(beta.shape) != (B, T, HV):
         raise Unsupported("gc and beta must be [B, T, HV]")
     if cu_seqlens is not None and B != 1:
         raise Unsupported("cu_seqlens with B != 1")
-    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dvn", dvn), ("hs", hs), ("dH", dH)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dvn", dvn), ("hs", hs), ("dH", dH)) + (
+            () if vn is None else (("vn", vn),)):
         cm.check_rows_aligned(name, t)
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
@@ -867,8 +897,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     if profile is not None and (profile.dtype != torch.int64 or profile.device != dev
                                 or profile.numel() < grid * HV * (len(DCHUNK_PHASES) + 1)):
         raise ValueError(f"profile: int64 on {dev} with at least {grid * HV * (len(DCHUNK_PHASES) + 1)} elements")
-    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads)
+    fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
+                           vn is not None)
     prof = fwd._dummies(dev)[2] if profile is None else profile
-    fn(q, k, v, gc, beta, do, dvn, hs, dH, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid,
+    fn(q, k, v, gc, beta, do, dvn, hs, dH, dvn if vn is None else vn, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid,
        prof)
     return dq, dk, dv, dg, db

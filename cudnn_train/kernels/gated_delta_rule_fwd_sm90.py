@@ -978,6 +978,7 @@ def forward(
     chunk_size: int = 64,
     return_intermediates: bool = False,
     store_states: bool = False,
+    keep_vn: bool = False,
 ):
     """The chunked GDN forward on SM90. Returns ``Served((o, final_state), "sm90")``.
 
@@ -988,7 +989,9 @@ def forward(
     ``[B, T, HV]``); ``store_states`` adds the state entering every chunk (input dtype
     ``[chunks, HV, K, V]``, chunk ``b * NT + c``, with varlen ``cu_chunks[n] + c`` on the upper
     bound ``T // 64 + N`` of the chunk count; surplus rows are not written) as a fourth
-    intermediate, for the backward. Arguments follow ``fused.chunk_gated_delta_rule``; they
+    intermediate, for the backward; ``keep_vn`` (with ``store_states``) adds ``vn = u - w S`` of every chunk
+    (input dtype ``[B, T, HV, V]``, as the split pass's chain writes it; None where the fused state kernel
+    served) as a fifth, for the backward's stage 3. Arguments follow ``fused.chunk_gated_delta_rule``; they
     are assumed validated there. Declines with ``Unsupported`` before any
     device work for what it does not serve (see ``check_serve``).
     """
@@ -1047,6 +1050,7 @@ def forward(
     state_dummy = f32_dummy.view(1, 1, 1, 1)
     # chunk-start states [chunks, HV, K, V] (chunk b * NT + c, or cu_chunks[n] + c with varlen)
     hs = _empty(grid_chunks, HV, K, V, dtype=q.dtype, device=dev) if store_states else None
+    vn = _empty(B, T, HV, V, dtype=q.dtype, device=dev) if (store_states and keep_vn and split) else None
     alog = A_log.reshape(HV) if use_gate_in_kernel else f32_dummy
     dtb = dt_bias.reshape(HV) if (use_gate_in_kernel and dt_bias is not None) else f32_dummy
     group = HV // H
@@ -1063,13 +1067,13 @@ def forward(
             from . import gated_delta_rule_fwd_split_sm90 as sp
 
             sp.state_pass(q, k, w, u, gc, o, initial_state, ht, cu, cu_chunks, grid_chunks, NT, scale,
-                          use_qk_l2norm_in_kernel, state_v_first, group, nseq, hs=hs)
+                          use_qk_l2norm_in_kernel, state_v_first, group, nseq, hs=hs, vn=vn)
         else:
             st(q, k, w, u, gc, state_dummy if initial_state is None else initial_state, o,
                state_dummy if ht is None else ht, cu, cu_chunks, state_dummy if hs is None else hs, float(scale),
                T, NT, group, nseq, i64_dummy)
     if store_states:
-        return Served((o, ht, (w, u, gc, hs)), "sm90")
+        return Served((o, ht, (w, u, gc, hs) + ((vn,) if keep_vn else ())), "sm90")
     if return_intermediates:
         return Served((o, ht, (w, u, gc)), "sm90")
     return Served((o, ht), "sm90")

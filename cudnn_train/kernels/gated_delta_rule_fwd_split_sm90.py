@@ -473,11 +473,12 @@ def serves(rows: int, HV: int, K: int, V: int) -> bool:
 
 
 def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, rows, NT, scale, l2norm, state_vk, group, nseq,
-               vb=None, hs=None):
+               vb=None, hs=None, vn=None):
     """Run ``chain`` then ``out``: fills ``o`` (and ``ht`` when given) from the WY factors of the
     forward's first kernel. ``h0`` / ``ht``: float32 states or None. ``hs``: where the chunk-start
     states go (input dtype ``[rows, HV, K, V]``, kept for the backward), or None for a scratch
-    buffer."""
+    buffer; ``vn``: where ``vn = u - w S`` goes (input dtype ``[B, T, HV, V]``, kept for the backward),
+    or None for a scratch buffer."""
     B, T, HV, V = u.shape
     K = q.shape[-1]
     varlen = NT == 0
@@ -486,7 +487,8 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, rows, NT, scale, l2norm
     out = get_out_kernel(q.dtype, K, V, l2norm, varlen)
     if hs is None:
         hs = F._empty(rows, HV, K, V, dtype=q.dtype, device=q.device)
-    vn = F._empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    if vn is None:
+        vn = F._empty(B, T, HV, V, dtype=q.dtype, device=q.device)
     f32_dummy, _, _ = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)
     chain(k, w, u, gc, d4 if h0 is None else h0, d4 if ht is None else ht, cu, cu_chunks, hs, vn, T, NT, group,

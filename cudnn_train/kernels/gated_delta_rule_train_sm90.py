@@ -60,17 +60,20 @@ class Config:
 
 def kernel_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg: Config):
     """``(o, final_state, saved)``: the forward kernels; ``saved = (w, gc, chunk_states)``, the
-    chunk-start states in the input dtype."""
+    chunk-start states (always last) in the input dtype; with :func:`vn_from_forward`
+    ``(w, gc, vn, chunk_states)``, the forward's ``vn`` (input dtype ``[B, T, HV, V]``) for stage 3 to
+    read instead of recomputing it."""
     from . import gated_delta_rule_fwd_sm90 as fwd
 
-    o, ht, (w, _u, gc, hs) = fwd.forward(
+    keep = vn_from_forward()
+    o, ht, (w, _u, gc, hs, *vn) = fwd.forward(
         q, k, v, g, beta, scale=cfg.scale, initial_state=h0, output_final_state=cfg.output_final_state,
         use_qk_l2norm_in_kernel=cfg.l2norm, cu_seqlens=cu, use_gate_in_kernel=cfg.gate,
         A_log=A_log if cfg.gate else None, dt_bias=dt_bias if cfg.gate else None,
         use_beta_sigmoid_in_kernel=cfg.beta_sigmoid, allow_neg_eigval=cfg.neg_eigval,
-        state_v_first=cfg.state_v_first, store_states=True,
+        state_v_first=cfg.state_v_first, store_states=True, keep_vn=keep,
     ).value
-    return o, ht, (w, gc, hs)
+    return o, ht, (w, gc) + tuple(x for x in vn if x is not None) + (hs,)
 
 
 def kernel_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg: Config):
@@ -78,7 +81,7 @@ def kernel_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg: Conf
     the input dtype (what the stage-3 kernel reads), dh0 float32."""
     from . import gated_delta_rule_bwd_sm90 as bwd
 
-    w, gc, _ = saved
+    w, gc = saved[:2]
     return bwd.reverse_sweep(q, k, w, gc, do.contiguous(), None if dht is None else dht.contiguous(),
                              scale=cfg.scale, use_qk_l2norm_in_kernel=cfg.l2norm, cu_seqlens=cu,
                              state_v_first=cfg.state_v_first, out_dtype=q.dtype)
@@ -126,19 +129,35 @@ def stage3_torch(outs, inputs, saved, dH, dvn, do, cu, cfg: Config):
 def stage3_kernel(outs, inputs, saved, dH, dvn, do, cu, cfg: Config):
     """Stage 3 on the SM90 kernel (``gated_delta_rule_bwd_chunk_sm90``): q and k as the op got them
     (the kernel applies the l2norm and its backward), the forward's in-chunk cumulative gate and
-    chunk-start states, the sweep's dvn and dH."""
+    chunk-start states (and its vn, when kept: :func:`vn_from_forward`), the sweep's dvn and dH."""
     from . import gated_delta_rule_bwd_chunk_sm90 as b3
 
     q, k, v = (x.contiguous() for x in inputs[:3])
-    _w, gc, hs = saved
+    gc, hs = saved[1], saved[-1]
+    vn = saved[2] if len(saved) == 4 else None
     # without GVA, or with pairs of value heads summed in the kernel (GROUP_SUM_ENV), dq and dk leave the
     # kernel in the input dtype (no sum over value heads follows)
     gsum = group_sum_in_kernel() and v.shape[2] == 2 * q.shape[2]
     dqk = q.dtype if (q.shape[2] == v.shape[2] or gsum) and q.dtype == v.dtype else torch.float32
     dq, dk, dv, dg, dbeta = b3.chunk_grads(q, k, v, gc, outs[1].float().contiguous(), do.contiguous(), dvn, hs, dH,
                                            scale=cfg.scale, cu_seqlens=cu, l2norm=cfg.l2norm, dqk_dtype=dqk,
-                                           sum_groups=gsum)
+                                           sum_groups=gsum, vn=vn)
     return [dq, dk, dv, dg.unsqueeze(-1), dbeta]
+
+
+VN_ENV = "CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD"
+
+
+def vn_from_forward() -> bool:
+    """Whether the training forward keeps ``vn = u - w S`` (the split pass's chain writes it for its out
+    kernel anyway; one more saved tensor of v's size, half the size of the chunk-start states already
+    saved at K = V = 128, a third more saved bytes than w, gc and those states) and the stage-3 kernel reads it instead of recomputing it (no ``k Sc``,
+    ``Z``, ``Tm Z``; ``do vn^T`` in flight during the solve): the default (H200, stage 3 alone, B4 T4096
+    H16 HV32 with the pair sum: 1.420 against 1.491 ms); ``CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD=0`` turns it
+    off (less memory)."""
+    from . import gated_delta_rule_common_sm90 as cm
+
+    return cm.env_switch(VN_ENV, True)
 
 
 GROUP_SUM_ENV = "CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM"

@@ -35,7 +35,11 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True, profile=True))
     # the synchronous loads (CUDNN_TRAIN_GDN_DCHUNK_ASYNC_LOADS=0), for comparison
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], async_loads=not B3.async_loads_default()))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 8
+    # the forward's vn read instead of recomputed (CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD): with the overlap and the
+    # pair sum at K = 128, on one warpgroup without the overlap at K = 64
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True, vn_in=True))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 10
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -54,7 +58,7 @@ def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
 # ------------------------------------------------------------------ GPU tier
 
 
-def _case(B, T, HV, K, V, dtype, lens=None, H=None, l2norm=False):
+def _case(B, T, HV, K, V, dtype, lens=None, H=None, l2norm=False, with_vn=False):
     from cudnn_train.fused import delta_rule_bwd as db
     from cudnn_train.fused.gated_delta_rule import l2norm as l2n
     from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
@@ -86,8 +90,11 @@ def _case(B, T, HV, K, V, dtype, lens=None, H=None, l2norm=False):
     cfg = tr.Config(scale, True, l2norm, False, False, False, False)
     want = tr.stage3_torch(outs, (qx, kx, v), (hs,), dH, dvn, do, cu, cfg)
     # the kernel reads the states and dvn in the input dtype (as the forward and the sweep store them)
-    hs, dH, dvn = (x.to(dtype).contiguous() for x in (hs, dH, dvn))
-    return (qx, kx, v, gc, beta, do, dvn, hs, dH, scale, cu, l2norm), want
+    args = (qx, kx, v, gc, beta, do, dvn.to(dtype).contiguous(), hs.to(dtype).contiguous(), dH.to(dtype).contiguous(),
+            scale, cu, l2norm)
+    if with_vn:  # vn = u - w Sc of every chunk, as the forward's split pass writes it (input dtype)
+        return args, want, lay.from_chunks(r["u"] - r["w"] @ Sc).to(dtype).contiguous()
+    return args, want
 
 
 def _run(args, want, wgs=None, overlap=None):
@@ -209,6 +216,34 @@ def test_chunk_gradients_async_loads_are_bitwise_the_synchronous_loads(case):
         assert torch.equal(a, b), f"{case}: {name} differs with the cp.async loads"
     if not case.startswith("pair"):
         _run(args, want, wgs=kw["wgs"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["T300", "T65", "T1_fp16", "wgs1", "wgs4", "varlen_64", "pair"])
+def test_chunk_gradients_with_the_forwards_vn(case):
+    """The forward's vn read (``chunk_grads(vn=...)``, the training path's CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD)
+    instead of recomputed from Tm, v and Sc: against the float32 torch stage, and the pair sum's against
+    the recomputing kernel's (the two vn differ by their rounding only)."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    lens = [1, 63, 130, 64, 0, 7] if case == "varlen_64" else None
+    T = {"T65": 65, "T1_fp16": 1}.get(case, 300) if lens is None else sum(lens)
+    K = 64 if lens else 128
+    dt = torch.float16 if case.endswith("fp16") or lens else torch.bfloat16
+    args, want, vn = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2 if case in ("pair", "varlen_64") else None,
+                           l2norm=lens is None, with_vn=True)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs1": 1, "wgs4": 4}.get(case))
+    if case == "pair":
+        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+        want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw)
+    got = list(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, vn=vn, **kw))
+    if case != "pair":
+        got[3] = got[3].unsqueeze(-1)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert torch.isfinite(a).all(), name
+        assert rel_l2(a.float(), b.float()) <= 2e-2, (case, name, rel_l2(a.float(), b.float()))
 
 
 @pytest.mark.gpu

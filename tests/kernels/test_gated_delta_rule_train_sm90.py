@@ -112,6 +112,35 @@ def test_train_gva_group_sum_in_the_stage3_kernel(ratio, monkeypatch):
     assert calls and all(c == (ratio == 2) for c in calls), f"group sum asked for: {calls}"
 
 
+@pytest.mark.parametrize("case", ["dense_gva2", "varlen", "gate_no_l2norm", "dense_gva2_recomputed"])
+def test_train_stage3_reads_the_forwards_vn(case, monkeypatch):
+    """CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD=1 (the default): the training forward keeps vn and the stage-3
+    kernel reads it (``chunk_grads(vn=...)``) instead of recomputing it; =0 (``_recomputed``): it does not;
+    against the oracle and FLA as every case here."""
+    if os.environ["CUDNN_TRAIN_GDN_SM90_STAGE3"] != "kernel":
+        pytest.skip("the stage-3 kernel's variant")
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    keep = not case.endswith("_recomputed")
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD", "1" if keep else "0")
+    calls = []
+    orig = B3.chunk_grads
+    monkeypatch.setattr(B3, "chunk_grads", lambda *a, **kw: calls.append(kw.get("vn") is not None) or orig(*a, **kw))
+    if case == "varlen":
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        _compare(*_inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths)), cu)
+    elif case == "gate_no_l2norm":
+        q, k, v, g, beta, h0 = _inputs(2, 150, 2, 4, 128, 128, torch.bfloat16, raw_gate=True, beta_logits=True,
+                                       l2norm=False)
+        A_log = torch.rand(4, device="cuda") * 0.5
+        dt_bias = torch.randn(4, device="cuda") * 0.5
+        _compare(q, k, v, g, beta, h0, l2norm=False, A_log=A_log, dt_bias=dt_bias, beta_sigmoid=True)
+    else:
+        _compare(*_inputs(2, 200, 2, 4, 128, 128, torch.bfloat16))
+    assert calls and all(c == keep for c in calls), f"vn passed to stage 3: {calls}"
+
+
 @pytest.mark.parametrize("lengths", [[0, 1, 63, 130, 1, 257, 64, 0], [5, 0, 0, 77]])
 def test_train_varlen(lengths):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
