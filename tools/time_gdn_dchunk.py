@@ -9,8 +9,8 @@ the default call plus the training path's sum pass, on the same inputs.
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
 (``DCHUNK_PHASES``, thread 0 of every CTA). ``--loads``: only the default call (as the training path
 makes it) with its loads by cp.async against synchronous loads (outputs checked bitwise). ``--vn``: only the
-default call with the forward's vn read (``chunk_grads(vn=...)``) against recomputing it (vn = u - w Sc
-from the same random w, u; outputs compared by relative L2, the inputs being random, not a forward's).
+default call with a vn read (``chunk_grads(vn=...)``, random: the timing does not depend on its values)
+against recomputing it, then the reading variant's profile.
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,

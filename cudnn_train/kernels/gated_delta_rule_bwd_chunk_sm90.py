@@ -94,9 +94,9 @@ def _swizzle(K: int, wgs: int) -> int:
 
 
 # the profile variant's phases (tools/time_gdn_dchunk.py --profile): clock64 sums of thread 0 of every CTA
-DCHUNK_PHASES = ("loads (+ l2norm rows)", "k k^T, A, k Sc, Z", "solve, Ae, Tm", "vn = Tm Z", "dP, dQK, dq (+ store)",
-                 "dw, dH in", "dk: vn dH^T, dQK^T q, dkb, dvb, dv", "dTm, Tm^T dTm, dA, dKK", "dk: dKK k (+ store)",
-                 "dg pair sums, tail, dg / dbeta")
+DCHUNK_PHASES = ("loads (+ l2norm rows)", "k k^T, A (+ k Sc, Z)", "solve, Ae, Tm", "vn = Tm Z (not with vn)",
+                 "dP, dQK, dq (+ store)", "dw, dH in", "dk: vn dH^T, dQK^T q, dkb, dvb, dv", "dTm, Tm^T dTm, dA, dKK",
+                 "dk: dKK k (+ store)", "dg pair sums, tail, dg / dbeta")
 
 
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
@@ -874,7 +874,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         if t.shape[0] < grid:
             raise Unsupported(f"{name}: {t.shape[0]} chunk rows, {grid} needed")
     for name, t in (("q", q), ("k", k), ("v", v), ("gc", gc), ("beta", beta), ("do", do), ("dvn", dvn), ("hs", hs),
-                    ("dH", dH)):
+                    ("dH", dH)) + (() if vn is None else (("vn", vn),)):
         if t.device != q.device:
             raise Unsupported(f"{name} on {t.device}")
         cm.check_index_range(name, t)  # every offset in int32 (dq and dk have v's size: K == V)
@@ -900,6 +900,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
                            vn is not None)
     prof = fwd._dummies(dev)[2] if profile is None else profile
-    fn(q, k, v, gc, beta, do, dvn, hs, dH, dvn if vn is None else vn, cu, cu_chunks, dq, dk, dv, dg, db, float(scale), T, NT, nseq, HV // H, grid,
+    fn(q, k, v, gc, beta, do, dvn, hs, dH, dvn if vn is None else vn, cu, cu_chunks, dq, dk, dv, dg, db, float(scale),
+       T, NT, nseq, HV // H, grid,
        prof)
     return dq, dk, dv, dg, db

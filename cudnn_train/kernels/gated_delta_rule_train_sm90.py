@@ -65,7 +65,7 @@ def kernel_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg: Config):
     read instead of recomputing it."""
     from . import gated_delta_rule_fwd_sm90 as fwd
 
-    keep = vn_from_forward()
+    keep = vn_from_forward() and _stage3() is stage3_kernel  # the torch stage 3 recomputes it
     o, ht, (w, _u, gc, hs, *vn) = fwd.forward(
         q, k, v, g, beta, scale=cfg.scale, initial_state=h0, output_final_state=cfg.output_final_state,
         use_qk_l2norm_in_kernel=cfg.l2norm, cu_seqlens=cu, use_gate_in_kernel=cfg.gate,
@@ -149,12 +149,12 @@ VN_ENV = "CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD"
 
 
 def vn_from_forward() -> bool:
-    """Whether the training forward keeps ``vn = u - w S`` (the split pass's chain writes it for its out
-    kernel anyway; one more saved tensor of v's size, half the size of the chunk-start states already
-    saved at K = V = 128, a third more saved bytes than w, gc and those states) and the stage-3 kernel reads it instead of recomputing it (no ``k Sc``,
-    ``Z``, ``Tm Z``; ``do vn^T`` in flight during the solve): the default (H200, stage 3 alone, B4 T4096
-    H16 HV32 with the pair sum: 1.420 against 1.491 ms); ``CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD=0`` turns it
-    off (less memory)."""
+    """Whether the training forward keeps ``vn = u - w S`` for the stage-3 kernel, which then reads it
+    instead of recomputing it (no ``k Sc``, ``Z``, ``Tm Z``; ``do vn^T`` in flight during the solve). The
+    split pass's chain writes vn for its out kernel anyway; keeping it saves one more tensor of v's size
+    (half the chunk-start states' size at K = V = 128, a third more saved bytes than w, gc and those
+    states). The default with the stage-3 kernel (H200, stage 3 alone, B4 T4096 H16 HV32, pair sum:
+    1.420 against 1.491 ms); ``CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD=0`` turns it off (less memory)."""
     from . import gated_delta_rule_common_sm90 as cm
 
     return cm.env_switch(VN_ENV, True)
