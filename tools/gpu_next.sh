@@ -23,6 +23,7 @@
 #   bash tools/gpu_next.sh s9       # split sweep cases + stage-3 tier, split sweep timing, stage-3 profile
 #   bash tools/gpu_next.sh s9b      # stage 3 cp.async loads: cases, timing vs synchronous, profile
 #   bash tools/gpu_next.sh s9d      # stage 3 reading the forward's vn: its cases + training cases, timing
+#   bash tools/gpu_next.sh s10      # stage 3 reading the forward's Tm (+ vn): cases, training cases, timing
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -201,6 +202,16 @@ s9d)
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -cE " PASSED " $OUT/s9d.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s9d.log | tail -15
   timeout -k 10 ${TIME_S:-60} python3 tools/time_gdn_dchunk.py --shapes 2 --vn > $OUT/time_vn.log 2>&1
+  echo "time rc=$?"; cut -c1-160 $OUT/time_vn.log ;;
+s10)
+  # the ninth session's leftovers: stage 3 reading the forward's Tm (CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD) and vn, its
+  # stage-3 cases, the wy kernel's store_t compile, the training tier's vn / tm cases (FLA JIT: give it time), then
+  # the timing rows (recomputed, vn read, vn and Tm read) and profiles
+  timeout -k 10 ${GDN_S:-300} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+    tests/kernels/test_gated_delta_rule_train_sm90.py -k "(forwards_vn or forwards_tm) and not torch" > $OUT/s10.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -cE " PASSED " $OUT/s10.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s10.log | tail -15
+  timeout -k 10 ${TIME_S:-120} python3 tools/time_gdn_dchunk.py --shapes 2 --vn > $OUT/time_vn.log 2>&1
   echo "time rc=$?"; cut -c1-160 $OUT/time_vn.log ;;
 ssplit)
   # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the

@@ -10,7 +10,7 @@ against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
 (``DCHUNK_PHASES``, thread 0 of every CTA). ``--loads``: only the default call (as the training path
 makes it) with its loads by cp.async against synchronous loads (outputs checked bitwise). ``--vn``: only the
 default call with a vn read (``chunk_grads(vn=...)``, random: the timing does not depend on its values)
-against recomputing it, then the reading variant's profile.
+against recomputing it, and with the chunk inverses read too (``tm=``), then the reading variants' profiles.
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -131,13 +131,16 @@ def vn_rows(x, B, T, H, HV, scale):
 
     kw = default_kw(H, HV, scale)
     vn = torch.randn_like(x[2])
-    for name, extra in (("vn recomputed", {}), ("vn read", dict(vn=vn))):
+    tm = torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1
+    for name, extra in (("vn recomputed", {}), ("vn read", dict(vn=vn)), ("vn and Tm read", dict(vn=vn, tm=tm))):
         print(f"B{B} T{T}: {name:16s} {bench(lambda: B3.chunk_grads(*x, **kw, **extra), warmup=10, rep=50):.3f} ms")
     ctas = B * (-(-T // 64)) * HV
     buf = torch.zeros(ctas * (len(B3.DCHUNK_PHASES) + 1), dtype=torch.int64, device="cuda")
-    B3.chunk_grads(*x, profile=buf, vn=vn, **kw)
-    torch.cuda.synchronize()
-    _report("stage-3 kernel, vn read" + (", pair sum" if HV == 2 * H else ""), buf, B3.DCHUNK_PHASES, ctas)
+    for name, extra in (("vn read", dict(vn=vn)), ("vn and Tm read", dict(vn=vn, tm=tm))):
+        buf.zero_()
+        B3.chunk_grads(*x, profile=buf, **kw, **extra)
+        torch.cuda.synchronize()
+        _report(f"stage-3 kernel, {name}" + (", pair sum" if HV == 2 * H else ""), buf, B3.DCHUNK_PHASES, ctas)
 
 
 def profile(x, B, T, H, HV, scale):

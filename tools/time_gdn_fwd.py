@@ -60,7 +60,7 @@ def main():
         group = HV // H
 
         def run_wy():
-            wy(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, T, NT, B, group, rows, i64)
+            wy(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
 
         run_wy()
         # the wy kernel on two warpgroups (the default at K = V = 128), into its own outputs
@@ -69,7 +69,7 @@ def main():
         w2, u2, gc2 = torch.empty_like(w), torch.empty_like(u), torch.empty_like(gc)
 
         def run_wy2():
-            wy2(k, v, g, beta, f32, f32, cu, cuc, w2, u2, gc2, T, NT, B, group, rows, i64)
+            wy2(k, v, g, beta, f32, f32, cu, cuc, w2, u2, gc2, w2[..., :64], T, NT, B, group, rows, i64)
 
         run_wy2()
         torch.cuda.synchronize()
@@ -167,7 +167,7 @@ def profile(q, k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group, d4, outs)
                             False, 1.0, False, profile=True)
     ctas = rows * HV
     buf = torch.zeros(ctas * (len(F90.WY_PHASES) + 1), dtype=torch.int64, device=q.device)
-    wyp(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, T, NT, B, group, rows, buf)
+    wyp(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, buf)
     torch.cuda.synchronize()
     _report("wy kernel", buf, F90.WY_PHASES, ctas)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=q.dtype)

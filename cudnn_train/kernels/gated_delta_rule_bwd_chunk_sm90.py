@@ -101,7 +101,7 @@ DCHUNK_PHASES = ("loads (+ l2norm rows)", "k k^T, A (+ k Sc, Z)", "solve, Ae, Tm
 
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
-                  VNIN: bool = False):
+                  VNIN: bool = False, TMIN: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -258,9 +258,10 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     @cute.kernel
     def kernel(
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
-        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mVnI: cute.Tensor, mCu: cute.Tensor,
-        mCuC: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor,
-        mDb: cute.Tensor, scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, mProf: cute.Tensor,
+        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mVnI: cute.Tensor, mTmI: cute.Tensor,
+        mCu: cute.Tensor, mCuC: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor,
+        mDg: cute.Tensor, mDb: cute.Tensor, scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32,
+        mProf: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cid, hv, _ = cute.arch.block_idx()
@@ -361,6 +362,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         gDo = cute.domain_offset((t0, 0), mDo[b, None, hv, None])
         gDvn = cute.domain_offset((t0, 0), mDvn[b, None, hv, None])
         gVnI = cute.domain_offset((t0, 0), mVnI[b, None, hv, None])
+        gTmI = cute.domain_offset((t0, 0), mTmI[b, None, hv, None])
         if cutlass.const_expr(ASYNC):
             # three cp.async groups in flight together, each waited for where it is first read: q, k and Sc
             # (before the l2norm rows and k k^T), v and do (before Z), dvn (before dw); with VNIN: the
@@ -368,6 +370,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             issue_tiles(((gQ, sQ, K, 0), (gK, sK, K, 0)), length, tidx)
             issue_rows(((mHs[cid, hv, None, None], sS, V, 0),), K, tidx)
             cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(TMIN):  # the forward's Tm, first read after A's loop, with the second group
+                issue_tiles(((gTmI, sTm, C, 0),), length, tidx)
             if cutlass.const_expr(VNIN):
                 issue_tiles(((gVnI, sVn, V, 0), (gDo, sDo, V, 0)), length, tidx)
                 cute.arch.cp_async_commit_group()
@@ -383,6 +387,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             load_rows(((mHs[cid, hv, None, None], sS, V),), K, tidx)
             if cutlass.const_expr(VNIN):
                 load_tiles(((gVnI, sVn, V),), length, tidx)
+            if cutlass.const_expr(TMIN):
+                load_tiles(((gTmI, sTm, C),), length, tidx)
         if cutlass.const_expr(OVERLAP):  # dH, read halfway through, into L2 now
             prefetch_l2(mDH[cid, hv, None, None], K, V, K, tidx)
         if tidx < C:
@@ -434,16 +440,17 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             warpgroup.wait_group(1 if OVERLAP else 0)  # with OVERLAP: k Sc still runs during A's loop
         # (the elementwise loops below go row by row of the thread's accumulator elements, so that
         # the per-row factors are read and exponentiated once a row)
-        for gi in cutlass.range_constexpr(len(grp_cc)):
-            i, _ = cCC[grp_cc[gi][0]]
-            gi_ = sGc[i]
-            bi = sB[i]
-            for e in grp_cc[gi]:
-                _, j = cCC[e]
-                a = Float32(0.0)
-                if i > j:
-                    a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
-                sA[i, j] = bi * a
+        if cutlass.const_expr(not TMIN):  # A feeds only the solve
+            for gi in cutlass.range_constexpr(len(grp_cc)):
+                i, _ = cCC[grp_cc[gi][0]]
+                gi_ = sGc[i]
+                bi = sB[i]
+                for e in grp_cc[gi]:
+                    _, j = cCC[e]
+                    a = Float32(0.0)
+                    if i > j:
+                        a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
+                    sA[i, j] = bi * a
         if cutlass.const_expr(OVERLAP and not VNIN):
             warpgroup.wait_group(0)
         if cutlass.const_expr(ASYNC):
@@ -471,8 +478,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             commit()
 
         pmark(prof, 1)
-        # ---- Tm = (I + A)^-1 ; Ae -> sM (after the solve is done with its scratch)
-        solve(sA, sT, sM, tidx)
+        # ---- Tm = (I + A)^-1 (TMIN: the forward's, identity rows past the end) ; Ae -> sM (after the solve)
+        if cutlass.const_expr(TMIN):
+            if tidx < C and tidx >= length:
+                sTm[tidx, tidx] = Float32(1.0).to(dtype)
+        else:
+            solve(sA, sT, sM, tidx)
         for gi in cutlass.range_constexpr(len(grp_cc)):
             i, _ = cCC[grp_cc[gi][0]]
             gi_ = sGc[i]
@@ -482,14 +493,15 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 if i > j:
                     a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
                 sM[i, j] = a
-        for q in cutlass.range_constexpr(C * C // THREADS):
-            idx = q * THREADS + tidx
-            i = idx // C
-            j = idx % C
-            t = Float32(0.0)
-            if i >= j:
-                t = sT[i, j]
-            sTm[i, j] = t.to(dtype)
+        if cutlass.const_expr(not TMIN):
+            for q in cutlass.range_constexpr(C * C // THREADS):
+                idx = q * THREADS + tidx
+                i = idx // C
+                j = idx % C
+                t = Float32(0.0)
+                if i >= j:
+                    t = sT[i, j]
+                sTm[i, j] = t.to(dtype)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         if cutlass.const_expr(PAIR):
@@ -727,22 +739,23 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     @cute.jit
     def host(
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
-        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mVnI: cute.Tensor, mCu: cute.Tensor,
-        mCuC: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor,
-        mDb: cute.Tensor, scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32,
+        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mVnI: cute.Tensor, mTmI: cute.Tensor,
+        mCu: cute.Tensor, mCuC: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor,
+        mDg: cute.Tensor, mDb: cute.Tensor, scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32,
+        nchunks_grid: Int32,
         mProf: cute.Tensor, stream,
     ):
         _static_checks(dtype, K, V, WGS)
         HV = mV.shape[2]
-        kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mVnI, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T, NT,
-               nseq, group, mProf).launch(grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream,
+        kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mVnI, mTmI, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T,
+               NT, nseq, group, mProf).launch(grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream,
                              **({"cluster": [1, 2, 1]} if PAIR else {}))
 
     f = fwd._fakes()
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.rows4(dtype, V),
-        f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.vec(cutlass.Int32),
-        f.vec(cutlass.Int32),
+        f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, C),
+        f.vec(cutlass.Int32), f.vec(cutlass.Int32),
         f.rows4(dqk_dtype or Float32, K), f.rows4(dqk_dtype or Float32, K), f.rows4(dtype, V), f.any3(Float32),
         f.any3(Float32), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64),
         f.stream(),
@@ -798,7 +811,7 @@ def async_loads_default() -> bool:
 
 
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
-                      profile=False, async_loads=None, vn_in=False):
+                      profile=False, async_loads=None, vn_in=False, tm_in=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     async_loads = async_loads_default() if async_loads is None else bool(async_loads)
@@ -806,19 +819,21 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
         raise ValueError(f"dqk_dtype {dqk_dtype}: float32 or the input dtype {dtype}")
     key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ()) + (
         () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ()) + (
-        ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ())
+        ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ()) + (
+        ("tm_in",) if tm_in else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
-                             async_loads, bool(vn_in))
+                             async_loads, bool(vn_in), bool(tm_in))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
 
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
-                sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None):
+                sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
+                tm=None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -837,7 +852,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     per phase and in total for every CTA there (``tools/time_gdn_dchunk.py --profile``). ``async_loads``: the
     loads by ``cp.async`` (default :func:`async_loads_default`) or synchronous, for comparison. ``vn``: the
     forward's ``vn = u - w Sc`` (v's shape and dtype, as the split pass's chain writes it), read instead
-    of recomputed (no ``k Sc``, ``Z``, ``Tm Z``; ``do vn^T`` in flight during the solve); None: recomputed."""
+    of recomputed (no ``k Sc``, ``Z``, ``Tm Z``; ``do vn^T`` in flight during the solve); None: recomputed.
+    ``tm``: the forward's chunk inverses ``Tm = (I + A)^-1`` (``[B, T, HV, 64]``, q's dtype, row i of a chunk at
+    its token, as the wy kernel writes them with ``store_t``), read instead of solved again; None: solved."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -857,12 +874,14 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         raise Unsupported("do and dvn must have v's shape")
     if vn is not None and (tuple(vn.shape) != tuple(v.shape) or vn.dtype != dt or vn.device != q.device):
         raise Unsupported(f"vn: {tuple(vn.shape)} {vn.dtype} on {vn.device} (v's shape, dtype and device)")
+    if tm is not None and (tuple(tm.shape) != (B, T, HV, CHUNK) or tm.dtype != dt or tm.device != q.device):
+        raise Unsupported(f"tm: {tuple(tm.shape)} {tm.dtype} on {tm.device} ([B, T, HV, {CHUNK}], q's dtype and device)")
     if tuple(gc.shape) != (B, T, HV) or tuple(beta.shape) != (B, T, HV):
         raise Unsupported("gc and beta must be [B, T, HV]")
     if cu_seqlens is not None and B != 1:
         raise Unsupported("cu_seqlens with B != 1")
     for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dvn", dvn), ("hs", hs), ("dH", dH)) + (
-            () if vn is None else (("vn", vn),)):
+            () if vn is None else (("vn", vn),)) + (() if tm is None else (("tm", tm),)):
         cm.check_rows_aligned(name, t)
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
@@ -874,7 +893,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         if t.shape[0] < grid:
             raise Unsupported(f"{name}: {t.shape[0]} chunk rows, {grid} needed")
     for name, t in (("q", q), ("k", k), ("v", v), ("gc", gc), ("beta", beta), ("do", do), ("dvn", dvn), ("hs", hs),
-                    ("dH", dH)) + (() if vn is None else (("vn", vn),)):
+                    ("dH", dH)) + (() if vn is None else (("vn", vn),)) + (() if tm is None else (("tm", tm),)):
         if t.device != q.device:
             raise Unsupported(f"{name} on {t.device}")
         cm.check_index_range(name, t)  # every offset in int32 (dq and dk have v's size: K == V)
@@ -898,9 +917,10 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
                                 or profile.numel() < grid * HV * (len(DCHUNK_PHASES) + 1)):
         raise ValueError(f"profile: int64 on {dev} with at least {grid * HV * (len(DCHUNK_PHASES) + 1)} elements")
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
-                           vn is not None)
+                           vn is not None, tm is not None)
     prof = fwd._dummies(dev)[2] if profile is None else profile
-    fn(q, k, v, gc, beta, do, dvn, hs, dH, dvn if vn is None else vn, cu, cu_chunks, dq, dk, dv, dg, db, float(scale),
+    fn(q, k, v, gc, beta, do, dvn, hs, dH, dvn if vn is None else vn, dvn[..., :CHUNK] if tm is None else tm, cu,
+       cu_chunks, dq, dk, dv, dg, db, float(scale),
        T, NT, nseq, HV // H, grid,
        prof)
     return dq, dk, dv, dg, db

@@ -327,7 +327,7 @@ def _make_issue_chunk(dtype, K: int, VB: int, threads: int = THREADS):
 
 def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int, l2norm: bool, gate: bool,
               has_dt_bias: bool, beta_sigmoid: bool, beta_scale: float, varlen: bool, profile: bool = False,
-              WGS: int = 1):
+              WGS: int = 1, STORE_T: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -369,7 +369,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     @cute.kernel
     def kernel(
         mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAlog: cute.Tensor, mDtb: cute.Tensor,
-        mCu: cute.Tensor, mCuC: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
+        mCu: cute.Tensor, mCuC: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mTm: cute.Tensor,
         T: Int32, NT: Int32, nseq: Int32, group: Int32, mProf: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -409,6 +409,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
             gV = cute.domain_offset((t0, 0), mV[b, None, hv, None])
             gW = cute.domain_offset((t0, 0), mW[b, None, hv, None])
             gU = cute.domain_offset((t0, 0), mU[b, None, hv, None])
+            gTm = cute.domain_offset((t0, 0), mTm[b, None, hv, None])
             # g and beta first, so that their loads are in flight with the tiles'
             gval = Float32(0.0)
             bval = Float32(0.0)
@@ -500,6 +501,15 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                     tu[j] = (x * cu[j]).to(dtype)
                 cute.autovec_copy(tw, cute.local_tile(sTw, (1, 4), (i, cg)))
                 cute.autovec_copy(tu, cute.local_tile(sTu, (1, 4), (i, cg)))
+                if cutlass.const_expr(STORE_T):  # T itself, rounded once, for the backward's stage 3
+                    if i < length:
+                        tt = cute.make_rmem_tensor((1, 4), dtype)
+                        for j in cutlass.range_constexpr(4):
+                            x = tv[j]
+                            if i < cg * 4 + j:
+                                x = Float32(0.0)
+                            tt[j] = x.to(dtype)
+                        cute.autovec_copy(tt, cute.local_tile(gTm, (1, 4), (i, cg)))
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             pmark(prof, 4)
@@ -529,12 +539,12 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     @cute.jit
     def host(
         mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAlog: cute.Tensor, mDtb: cute.Tensor,
-        mCu: cute.Tensor, mCuC: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
+        mCu: cute.Tensor, mCuC: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mTm: cute.Tensor,
         T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32, mProf: cute.Tensor, stream,
     ):
         _static_checks(dtype, K, V)
         HV = mV.shape[2]
-        kernel(mK, mV, mG, mBeta, mAlog, mDtb, mCu, mCuC, mW, mU, mGc, T, NT, nseq, group, mProf).launch(
+        kernel(mK, mV, mG, mBeta, mAlog, mDtb, mCu, mCuC, mW, mU, mGc, mTm, T, NT, nseq, group, mProf).launch(
             grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
         )
 
@@ -542,7 +552,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     args = (
         f.rows4(dtype, K), f.rows4(dtype, V), f.any3(g_dtype), f.any3(beta_dtype), f.vec(alog_dtype), f.vec(dtb_dtype),
         f.vec(cutlass.Int32), f.vec(cutlass.Int32), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
-        Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.stream(),
+        f.rows4(dtype, C), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
@@ -851,15 +861,15 @@ def _wgs_choice(env: str, value: str, wgs, K: int, V: int) -> int:
 
 
 def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2norm, gate, has_dt_bias,
-                  beta_sigmoid, beta_scale, varlen, profile=False, wgs=None):
+                  beta_sigmoid, beta_scale, varlen, profile=False, wgs=None, store_t=False):
     wgs = _wgs_choice("CUDNN_TRAIN_GDN_WY_WGS", WY_WGS, wgs, K, V)
     key = ("wy", str(dtype), str(g_dtype), str(beta_dtype), str(alog_dtype), str(dtb_dtype), K, V, bool(l2norm),
            bool(gate), bool(has_dt_bias), bool(beta_sigmoid), float(beta_scale), bool(varlen)) + (
-           ("profile",) if profile else ()) + ((("wgs", wgs),) if wgs != 1 else ())
+           ("profile",) if profile else ()) + ((("wgs", wgs),) if wgs != 1 else ()) + (("store_t",) if store_t else ())
 
     def build():
         return _build_wy(_dt(dtype), _dt(g_dtype), _dt(beta_dtype), _dt(alog_dtype), _dt(dtb_dtype), K, V, l2norm,
-                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile), wgs)
+                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile), wgs, bool(store_t))
 
     return kc.get_kernel("gdn_fwd_wy", key, build, _SOURCES)
 
@@ -979,6 +989,7 @@ def forward(
     return_intermediates: bool = False,
     store_states: bool = False,
     keep_vn: bool = False,
+    keep_tm: bool = False,
 ):
     """The chunked GDN forward on SM90. Returns ``Served((o, final_state), "sm90")``.
 
@@ -991,7 +1002,9 @@ def forward(
     bound ``T // 64 + N`` of the chunk count; surplus rows are not written) as a fourth
     intermediate, for the backward; ``keep_vn`` (with ``store_states``) adds ``vn = u - w S`` of every chunk
     (input dtype ``[B, T, HV, V]``, as the split pass's chain writes it; None where the fused state kernel
-    served) as a fifth, for the backward's stage 3. Arguments follow ``fused.chunk_gated_delta_rule``; they
+    served) as a fifth, and ``keep_tm`` the chunks' ``Tm = (I + A)^-1`` (input dtype ``[B, T, HV, 64]``, row i of a
+    chunk at its token, as the wy kernel solved it; None without ``keep_tm``) as a sixth, for the backward's
+    stage 3. Arguments follow ``fused.chunk_gated_delta_rule``; they
     are assumed validated there. Declines with ``Unsupported`` before any
     device work for what it does not serve (see ``check_serve``).
     """
@@ -1017,7 +1030,7 @@ def forward(
         q.dtype, g.dtype, beta.dtype, A_log.dtype if use_gate_in_kernel else None,
         dt_bias.dtype if (use_gate_in_kernel and dt_bias is not None) else None,
         K, V, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_gate_in_kernel and dt_bias is not None,
-        use_beta_sigmoid_in_kernel, beta_scale, varlen,
+        use_beta_sigmoid_in_kernel, beta_scale, varlen, store_t=store_states and keep_tm,
     )
     cu, cu_chunks, grid_chunks, NT = chunk_map(cu_seqlens, B, T, dev)
     # the state pass: chain + out kernels (gated_delta_rule_fwd_split_sm90) where the fused kernel's
@@ -1051,6 +1064,7 @@ def forward(
     # chunk-start states [chunks, HV, K, V] (chunk b * NT + c, or cu_chunks[n] + c with varlen)
     hs = _empty(grid_chunks, HV, K, V, dtype=q.dtype, device=dev) if store_states else None
     vn = _empty(B, T, HV, V, dtype=q.dtype, device=dev) if (store_states and keep_vn and split) else None
+    tm = _empty(B, T, HV, CHUNK, dtype=q.dtype, device=dev) if (store_states and keep_tm) else None
     alog = A_log.reshape(HV) if use_gate_in_kernel else f32_dummy
     dtb = dt_bias.reshape(HV) if (use_gate_in_kernel and dt_bias is not None) else f32_dummy
     group = HV // H
@@ -1062,7 +1076,8 @@ def forward(
             else:
                 ht.copy_(initial_state)
     else:
-        wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, T, NT, nseq, group, grid_chunks, i64_dummy)
+        wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, w[..., :CHUNK] if tm is None else tm, T, NT, nseq, group,
+           grid_chunks, i64_dummy)
         if split:
             from . import gated_delta_rule_fwd_split_sm90 as sp
 
@@ -1073,7 +1088,7 @@ def forward(
                state_dummy if ht is None else ht, cu, cu_chunks, state_dummy if hs is None else hs, float(scale),
                T, NT, group, nseq, i64_dummy)
     if store_states:
-        return Served((o, ht, (w, u, gc, hs) + ((vn,) if keep_vn else ())), "sm90")
+        return Served((o, ht, (w, u, gc, hs) + ((vn,) if keep_vn else ()) + ((tm,) if keep_tm else ())), "sm90")
     if return_intermediates:
         return Served((o, ht, (w, u, gc)), "sm90")
     return Served((o, ht), "sm90")

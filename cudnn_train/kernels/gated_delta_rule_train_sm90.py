@@ -60,20 +60,24 @@ class Config:
 
 def kernel_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg: Config):
     """``(o, final_state, saved)``: the forward kernels; ``saved = (w, gc, chunk_states)``, the
-    chunk-start states (always last) in the input dtype; with :func:`vn_from_forward`
-    ``(w, gc, vn, chunk_states)``, the forward's ``vn`` (input dtype ``[B, T, HV, V]``) for stage 3 to
-    read instead of recomputing it."""
+    chunk-start states (always last) in the input dtype; with the stage-3 kernel
+    ``(w, gc, vn, tm, chunk_states)``: the forward's ``vn`` (input dtype ``[B, T, HV, V]``, with
+    :func:`vn_from_forward`) and its chunk inverses ``tm`` (``[B, T, HV, 64]``, with :func:`tm_from_forward`),
+    each None when not kept, for stage 3 to read instead of recomputing them."""
     from . import gated_delta_rule_fwd_sm90 as fwd
 
-    keep = vn_from_forward() and _stage3() is stage3_kernel  # the torch stage 3 recomputes it
-    o, ht, (w, _u, gc, hs, *vn) = fwd.forward(
+    kernel3 = _stage3() is stage3_kernel  # the torch stage 3 recomputes both
+    keep_vn, keep_tm = kernel3 and vn_from_forward(), kernel3 and tm_from_forward()
+    o, ht, (w, _u, gc, hs, *extra) = fwd.forward(
         q, k, v, g, beta, scale=cfg.scale, initial_state=h0, output_final_state=cfg.output_final_state,
         use_qk_l2norm_in_kernel=cfg.l2norm, cu_seqlens=cu, use_gate_in_kernel=cfg.gate,
         A_log=A_log if cfg.gate else None, dt_bias=dt_bias if cfg.gate else None,
         use_beta_sigmoid_in_kernel=cfg.beta_sigmoid, allow_neg_eigval=cfg.neg_eigval,
-        state_v_first=cfg.state_v_first, store_states=True, keep_vn=keep,
+        state_v_first=cfg.state_v_first, store_states=True, keep_vn=keep_vn, keep_tm=keep_tm,
     ).value
-    return o, ht, (w, gc) + tuple(x for x in vn if x is not None) + (hs,)
+    if not kernel3:
+        return o, ht, (w, gc, hs)
+    return o, ht, (w, gc, extra[0] if keep_vn else None, extra[-1] if keep_tm else None, hs)
 
 
 def kernel_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg: Config):
@@ -134,14 +138,14 @@ def stage3_kernel(outs, inputs, saved, dH, dvn, do, cu, cfg: Config):
 
     q, k, v = (x.contiguous() for x in inputs[:3])
     gc, hs = saved[1], saved[-1]
-    vn = saved[2] if len(saved) == 4 else None
+    vn, tm = saved[2:4] if len(saved) == 5 else (None, None)
     # without GVA, or with pairs of value heads summed in the kernel (GROUP_SUM_ENV), dq and dk leave the
     # kernel in the input dtype (no sum over value heads follows)
     gsum = group_sum_in_kernel() and v.shape[2] == 2 * q.shape[2]
     dqk = q.dtype if (q.shape[2] == v.shape[2] or gsum) and q.dtype == v.dtype else torch.float32
     dq, dk, dv, dg, dbeta = b3.chunk_grads(q, k, v, gc, outs[1].float().contiguous(), do.contiguous(), dvn, hs, dH,
                                            scale=cfg.scale, cu_seqlens=cu, l2norm=cfg.l2norm, dqk_dtype=dqk,
-                                           sum_groups=gsum, vn=vn)
+                                           sum_groups=gsum, vn=vn, tm=tm)
     return [dq, dk, dv, dg.unsqueeze(-1), dbeta]
 
 
@@ -158,6 +162,19 @@ def vn_from_forward() -> bool:
     from . import gated_delta_rule_common_sm90 as cm
 
     return cm.env_switch(VN_ENV, True)
+
+
+TM_ENV = "CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD"
+
+
+def tm_from_forward() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD=1``: the forward's wy kernel also writes each chunk's
+    ``Tm = (I + A)^-1`` (input dtype, ``[B, T, HV, 64]``: a quarter of v's size at V = 128) and the stage-3
+    kernel reads it instead of solving again (the solve was 14% of its cycles). Prepared in the ninth
+    session, not yet GPU-run: off."""
+    from . import gated_delta_rule_common_sm90 as cm
+
+    return cm.env_switch(TM_ENV, False)
 
 
 GROUP_SUM_ENV = "CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM"

@@ -39,7 +39,10 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     # pair sum at K = 128, on one warpgroup without the overlap at K = 64
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True, vn_in=True))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 10
+    # and the forward's chunk inverses read instead of solved (CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD)
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True, vn_in=True, tm_in=True))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[1], tm_in=True))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 12
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -92,8 +95,9 @@ def _case(B, T, HV, K, V, dtype, lens=None, H=None, l2norm=False, with_vn=False)
     # the kernel reads the states and dvn in the input dtype (as the forward and the sweep store them)
     args = (qx, kx, v, gc, beta, do, dvn.to(dtype).contiguous(), hs.to(dtype).contiguous(), dH.to(dtype).contiguous(),
             scale, cu, l2norm)
-    if with_vn:  # vn = u - w Sc of every chunk, as the forward's split pass writes it (input dtype)
-        return args, want, lay.from_chunks(r["u"] - r["w"] @ Sc).to(dtype).contiguous()
+    if with_vn:  # vn = u - w Sc of every chunk, as the forward's split pass writes it, and Tm (input dtype)
+        return args, want, lay.from_chunks(r["u"] - r["w"] @ Sc).to(dtype).contiguous(), \
+            lay.from_chunks(r["Tm"]).to(dtype).contiguous()
     return args, want
 
 
@@ -230,8 +234,8 @@ def test_chunk_gradients_with_the_forwards_vn(case):
     T = {"T65": 65, "T1_fp16": 1}.get(case, 300) if lens is None else sum(lens)
     K = 64 if lens else 128
     dt = torch.float16 if case.endswith("fp16") or lens else torch.bfloat16
-    args, want, vn = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2 if case in ("pair", "varlen_64") else None,
-                           l2norm=lens is None, with_vn=True)
+    args, want, vn, _ = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens,
+                              H=2 if case in ("pair", "varlen_64") else None, l2norm=lens is None, with_vn=True)
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs1": 1, "wgs4": 4}.get(case))
     if case == "pair":
@@ -239,6 +243,36 @@ def test_chunk_gradients_with_the_forwards_vn(case):
         want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw)
     got = list(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, vn=vn, **kw))
     if case != "pair":
+        got[3] = got[3].unsqueeze(-1)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert torch.isfinite(a).all(), name
+        assert rel_l2(a.float(), b.float()) <= 2e-2, (case, name, rel_l2(a.float(), b.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["T300_vn", "T65", "T1_fp16_vn", "wgs1_vn", "wgs4", "varlen_64_vn", "pair_vn"])
+def test_chunk_gradients_with_the_forwards_tm(case):
+    """The forward's chunk inverses read (``chunk_grads(tm=...)``, the training path's
+    CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD) instead of solved again, with (``_vn``) and without the forward's vn:
+    against the float32 torch stage, the pair sum's against the solving kernel's."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
+    T = {"T65": 65, "T1_fp16_vn": 1}.get(case, 300) if lens is None else sum(lens)
+    K = 64 if lens else 128
+    dt = torch.float16 if "fp16" in case or lens else torch.bfloat16
+    pair = case.startswith("pair")
+    args, want, vn, tm = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2 if pair or lens else None,
+                               l2norm=lens is None, with_vn=True)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs1_vn": 1, "wgs4": 4}.get(case))
+    if pair:
+        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+        want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw)
+    got = list(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, tm=tm, vn=vn if case.endswith("_vn") else None,
+                              **kw))
+    if not pair:
         got[3] = got[3].unsqueeze(-1)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert a.shape == b.shape, (name, a.shape, b.shape)

@@ -45,8 +45,12 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     for v in STATE_VARIANTS:  # each with and without the cp.async prefetch of the next chunk
         for pf in (True, False):
             assert callable(F90.get_state_kernel(*v, prefetch=pf))
+    # the training forward's wy kernel that also writes each chunk's Tm (CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD)
+    dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = WY_VARIANTS[0]
+    assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
+                                      K, V, l2, gate, dtb, sig, bscale, varlen, store_t=True))
     objs = sorted(p.name for p in tmp_path.rglob("*.o"))
-    assert len(objs) == len(WY_VARIANTS) + 2 * len(STATE_VARIANTS), objs
+    assert len(objs) == len(WY_VARIANTS) + 1 + 2 * len(STATE_VARIANTS), objs
     # another process loads them from disk without compiling
     kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0]))

@@ -112,20 +112,26 @@ def test_train_gva_group_sum_in_the_stage3_kernel(ratio, monkeypatch):
     assert calls and all(c == (ratio == 2) for c in calls), f"group sum asked for: {calls}"
 
 
-@pytest.mark.parametrize("case", ["dense_gva2", "varlen", "gate_no_l2norm", "dense_gva2_recomputed"])
+@pytest.mark.parametrize("case", ["dense_gva2", "varlen", "gate_no_l2norm", "dense_gva2_recomputed", "dense_gva2_tm",
+                                  "varlen_tm", "gate_no_l2norm_tm"])
 def test_train_stage3_reads_the_forwards_vn(case, monkeypatch):
     """CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD=1 (the default): the training forward keeps vn and the stage-3
     kernel reads it (``chunk_grads(vn=...)``) instead of recomputing it; =0 (``_recomputed``): it does not;
-    against the oracle and FLA as every case here."""
+    ``_tm``: also CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD=1, the wy kernel's chunk inverses read instead of solved
+    again; against the oracle and FLA as every case here."""
     if os.environ["CUDNN_TRAIN_GDN_SM90_STAGE3"] != "kernel":
         pytest.skip("the stage-3 kernel's variant")
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
     keep = not case.endswith("_recomputed")
+    with_tm = case.endswith("_tm")
     monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD", "1" if keep else "0")
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD", "1" if with_tm else "0")
+    case = case.removesuffix("_tm")
     calls = []
     orig = B3.chunk_grads
-    monkeypatch.setattr(B3, "chunk_grads", lambda *a, **kw: calls.append(kw.get("vn") is not None) or orig(*a, **kw))
+    monkeypatch.setattr(B3, "chunk_grads", lambda *a, **kw: calls.append(
+        (kw.get("vn") is not None, kw.get("tm") is not None)) or orig(*a, **kw))
     if case == "varlen":
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
@@ -138,7 +144,7 @@ def test_train_stage3_reads_the_forwards_vn(case, monkeypatch):
         _compare(q, k, v, g, beta, h0, l2norm=False, A_log=A_log, dt_bias=dt_bias, beta_sigmoid=True)
     else:
         _compare(*_inputs(2, 200, 2, 4, 128, 128, torch.bfloat16))
-    assert calls and all(c == keep for c in calls), f"vn passed to stage 3: {calls}"
+    assert calls and all(c == (keep, with_tm) for c in calls), f"(vn, tm) passed to stage 3: {calls}"
 
 
 @pytest.mark.parametrize("lengths", [[0, 1, 63, 130, 1, 257, 64, 0], [5, 0, 0, 77]])
