@@ -208,7 +208,8 @@ s10)
   # stage-3 cases, the wy kernel's store_t compile, the training tier's vn / tm cases (FLA JIT: give it time), then
   # the timing rows (recomputed, vn read, vn and Tm read) and profiles
   timeout -k 10 ${GDN_S:-300} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
-    tests/kernels/test_gated_delta_rule_train_sm90.py -k "(forwards_vn or forwards_tm) and not torch" > $OUT/s10.log 2>&1
+    tests/kernels/test_gated_delta_rule_train_sm90.py tests/kernels/test_gated_delta_rule_sm90.py \
+    -k "(forwards_vn or forwards_tm or keeps_the_chunk_inverses) and not torch" > $OUT/s10.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
   grep -cE " PASSED " $OUT/s10.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s10.log | tail -15
   timeout -k 10 ${TIME_S:-120} python3 tools/time_gdn_dchunk.py --shapes 2 --vn > $OUT/time_vn.log 2>&1

@@ -254,8 +254,9 @@ def test_chunk_gradients_with_the_forwards_vn(case):
 @pytest.mark.parametrize("case", ["T300_vn", "T65", "T1_fp16_vn", "wgs1_vn", "wgs4", "varlen_64_vn", "pair_vn"])
 def test_chunk_gradients_with_the_forwards_tm(case):
     """The forward's chunk inverses read (``chunk_grads(tm=...)``, the training path's
-    CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD) instead of solved again, with (``_vn``) and without the forward's vn:
-    against the float32 torch stage, the pair sum's against the solving kernel's."""
+    CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD) instead of solved again, with (``_vn``) and without the forward's vn
+    (``wgs1_vn``: synchronous loads): against the float32 torch stage, the pair sum's against the solving
+    kernel's; and (``T300_vn``) a wrong Tm read must show (so the kernel does read it)."""
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
     lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
@@ -270,8 +271,14 @@ def test_chunk_gradients_with_the_forwards_tm(case):
     if pair:
         kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
         want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw)
+    if case == "wgs1_vn":
+        kw.update(async_loads=False)
     got = list(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, tm=tm, vn=vn if case.endswith("_vn") else None,
                               **kw))
+    if case == "T300_vn":  # the negative control: Tm off by a factor of two
+        bad = list(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, tm=2 * tm, vn=vn, **kw))
+        bad[3] = bad[3].unsqueeze(-1)
+        assert max(rel_l2(a.float(), b.float()) for a, b in zip(bad, want)) > 2e-2, "a wrong Tm went unnoticed"
     if not pair:
         got[3] = got[3].unsqueeze(-1)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):

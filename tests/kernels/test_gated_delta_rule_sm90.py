@@ -635,3 +635,40 @@ def test_backend_function_serves_inference_and_declines_training(poisoned, monke
         assert F90.cutedsl_backend(q, k, v, g, beta, **kw).tag == "sm90"
     with pytest.raises(Unsupported, match="chunk_size"):
         F90.cutedsl_backend(q.detach(), k, v, g, beta, **{**kw, "chunk_size": 32})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense_128", "varlen_64_fp16", "no_l2norm_gva4"])
+def test_training_forward_keeps_the_chunk_inverses(case, poisoned):
+    """``forward(store_states=True, keep_tm=True)``: the wy kernel also writes every chunk's
+    ``Tm = (I + A)^-1`` (the training path's CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD), every row of every
+    sequence (outputs poisoned first), against the float32 torch recompute of the same matrices
+    (zeros above the diagonal included); o bitwise the forward's without the store."""
+    from cudnn_train.fused import delta_rule_bwd as db
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels.gated_delta_rule_train_sm90 import expand_heads
+
+    K, dtype, l2, cu, H, HV = 128, torch.bfloat16, True, None, 2, 4
+    if case == "varlen_64_fp16":
+        K, dtype = 64, torch.float16
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, K, dtype, nseq=len(lengths))
+    else:
+        if case == "no_l2norm_gva4":
+            l2, H, HV = False, 1, 4
+        q, k, v, g, beta, h0 = _inputs(2, 333, H, HV, K, K, dtype, l2norm=l2)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                store_states=True)
+    got = F90.forward(q, k, v, g, beta, keep_tm=True, **args).value
+    plain = F90.forward(q, k, v, g, beta, **args).value
+    tm = got[2][-1]
+    assert tm.shape == (*v.shape[:3], 64) and tm.dtype == dtype
+    assert torch.equal(got[0], plain[0]), "o changed by the Tm store"
+    qf, kf = (expand_heads((_l2n(x.float()) if l2 else x.float()), HV) for x in (q, k))
+    lay = db.ChunkLayout(q.shape[0], q.shape[1], 64, cu)
+    r = db._recompute(lay.to_chunks(qf), lay.to_chunks(kf), lay.to_chunks(v.float()), lay.to_chunks(g.unsqueeze(-1)),
+                      lay.to_chunks(beta.float().unsqueeze(-1)), K**-0.5, 64)
+    ref = lay.from_chunks(r["Tm"])
+    assert torch.isfinite(tm).all(), f"{case}: Tm rows the wy kernel did not write"
+    assert rel_l2(tm.float(), ref) <= 1e-2, (case, rel_l2(tm.float(), ref))
