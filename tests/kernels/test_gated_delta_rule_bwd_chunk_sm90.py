@@ -222,69 +222,49 @@ def test_chunk_gradients_async_loads_are_bitwise_the_synchronous_loads(case):
         _run(args, want, wgs=kw["wgs"])
 
 
+# (case, what is read): the forward's vn (the training path's default), its chunk inverses Tm, or both
+FORWARD_VALUE_CASES = [("T300", "vn"), ("T65", "vn"), ("T1_fp16", "vn"), ("wgs1", "vn"), ("wgs4", "vn"),
+                       ("varlen_64", "vn"), ("pair", "vn"), ("T300", "vn_tm"), ("T65", "tm"), ("T1_fp16", "vn_tm"),
+                       ("wgs1_sync", "vn_tm"), ("wgs4", "tm"), ("varlen_64", "vn_tm"), ("pair", "vn_tm")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["T300", "T65", "T1_fp16", "wgs1", "wgs4", "varlen_64", "pair"])
-def test_chunk_gradients_with_the_forwards_vn(case):
-    """The forward's vn read (``chunk_grads(vn=...)``, the training path's CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD)
-    instead of recomputed from Tm, v and Sc: against the float32 torch stage, and the pair sum's against
-    the recomputing kernel's (the two vn differ by their rounding only)."""
+@pytest.mark.parametrize("case, reads", FORWARD_VALUE_CASES)
+def test_chunk_gradients_with_the_forwards_values(case, reads):
+    """Stage 3 reading what the training forward kept instead of recomputing it: vn (``chunk_grads(vn=...)``,
+    CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD) and / or the chunk inverses Tm (``tm=``, CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD),
+    here the torch recompute's values rounded to the input dtype: against the float32 torch stage, the pair
+    sum's against the recomputing kernel's (the values differ by their rounding only); ``wgs1_sync``:
+    synchronous loads; at T300 with Tm, a Tm off by a factor of two must show (the kernel does read it)."""
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
     lens = [1, 63, 130, 64, 0, 7] if case == "varlen_64" else None
     T = {"T65": 65, "T1_fp16": 1}.get(case, 300) if lens is None else sum(lens)
     K = 64 if lens else 128
     dt = torch.float16 if case.endswith("fp16") or lens else torch.bfloat16
-    args, want, vn, _ = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens,
-                              H=2 if case in ("pair", "varlen_64") else None, l2norm=lens is None, with_vn=True)
-    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
-    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs1": 1, "wgs4": 4}.get(case))
-    if case == "pair":
-        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
-        want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw)
-    got = list(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, vn=vn, **kw))
-    if case != "pair":
-        got[3] = got[3].unsqueeze(-1)
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
-        assert a.shape == b.shape, (name, a.shape, b.shape)
-        assert torch.isfinite(a).all(), name
-        assert rel_l2(a.float(), b.float()) <= 2e-2, (case, name, rel_l2(a.float(), b.float()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", ["T300_vn", "T65", "T1_fp16_vn", "wgs1_vn", "wgs4", "varlen_64_vn", "pair_vn"])
-def test_chunk_gradients_with_the_forwards_tm(case):
-    """The forward's chunk inverses read (``chunk_grads(tm=...)``, the training path's
-    CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD) instead of solved again, with (``_vn``) and without the forward's vn
-    (``wgs1_vn``: synchronous loads): against the float32 torch stage, the pair sum's against the solving
-    kernel's; and (``T300_vn``) a wrong Tm read must show (so the kernel does read it)."""
-    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
-
-    lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
-    T = {"T65": 65, "T1_fp16_vn": 1}.get(case, 300) if lens is None else sum(lens)
-    K = 64 if lens else 128
-    dt = torch.float16 if "fp16" in case or lens else torch.bfloat16
-    pair = case.startswith("pair")
+    pair = case == "pair"
     args, want, vn, tm = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2 if pair or lens else None,
                                l2norm=lens is None, with_vn=True)
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
-    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs1_vn": 1, "wgs4": 4}.get(case))
+    wgs = 1 if case.startswith("wgs1") else (4 if case == "wgs4" else None)
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs=wgs)
     if pair:
         kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
         want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw)
-    if case == "wgs1_vn":
+    if case == "wgs1_sync":
         kw.update(async_loads=False)
-    got = list(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, tm=tm, vn=vn if case.endswith("_vn") else None,
-                              **kw))
-    if case == "T300_vn":  # the negative control: Tm off by a factor of two
-        bad = list(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, tm=2 * tm, vn=vn, **kw))
-        bad[3] = bad[3].unsqueeze(-1)
-        assert max(rel_l2(a.float(), b.float()) for a, b in zip(bad, want)) > 2e-2, "a wrong Tm went unnoticed"
+    kw.update(vn=vn if "vn" in reads else None, tm=tm if "tm" in reads else None)
+    got = list(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw))
     if not pair:
         got[3] = got[3].unsqueeze(-1)
+    if case == "T300" and kw["tm"] is not None:  # the negative control
+        bad = list(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **{**kw, "tm": 2 * tm}))
+        bad[3] = bad[3].unsqueeze(-1)
+        assert max(rel_l2(a.float(), b.float()) for a, b in zip(bad, want)) > 2e-2, "a wrong Tm went unnoticed"
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert a.shape == b.shape, (name, a.shape, b.shape)
         assert torch.isfinite(a).all(), name
-        assert rel_l2(a.float(), b.float()) <= 2e-2, (case, name, rel_l2(a.float(), b.float()))
+        assert rel_l2(a.float(), b.float()) <= 2e-2, (case, reads, name, rel_l2(a.float(), b.float()))
 
 
 @pytest.mark.gpu
