@@ -43,6 +43,17 @@ if [ -f .gpu/jit_caches.tgz ] && [ ! -f /tmp/jit_caches.restored ]; then
   tar xzf .gpu/jit_caches.tgz -C "$HOME" && touch /tmp/jit_caches.restored && echo "jit caches restored"
 fi
 P="python3 -m pytest -p no:cacheprovider -p no:benchmark -m gpu -v -rfE --durations=15"
+tier() {  # tier NAME LIMIT pytest-args...: a GPU tier on 12 workers, its log $OUT/NAME.log, the counts and failures
+  local name=$1 limit=$2; shift 2
+  timeout -k 10 "$limit" $P -n 12 "$@" > "$OUT/$name.log" 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -cE " PASSED " "$OUT/$name.log"; grep -E " (FAILED|ERROR) |passed|failed" "$OUT/$name.log" | tail -15
+}
+timed() {  # timed NAME LIMIT command...: a timing tool, its log $OUT/NAME.log, also printed
+  local name=$1 limit=$2; shift 2
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$?"; cut -c1-160 "$OUT/$name.log"
+}
 case "$1" in
 verify)
   timeout -k 10 150 $P -n 12 tests/fused/test_rms_norm_gated.py tests/fused/test_swiglu_mlp.py tests/fused/test_dsa.py \
@@ -175,46 +186,31 @@ dprof)
 s9)
   # the eighth session's prepared work in one call: the split sweep's cases and the stage-3 tier together,
   # then the split sweep's timing and stage 3's per-phase profile
-  timeout -k 10 ${GDN_S:-260} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "split or bwd_chunk_sm90" > $OUT/s9.log 2>&1
-  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
-  grep -cE " PASSED " $OUT/s9.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s9.log | tail -15
-  timeout -k 10 ${TIME_S:-90} python3 tools/time_gdn_sweep.py --shapes 2 --split-only > $OUT/time_sweep.log 2>&1
-  echo "time rc=$?"; cut -c1-160 $OUT/time_sweep.log
-  timeout -k 10 ${DPROF_S:-120} python3 tools/time_gdn_dchunk.py --profile --shapes 1 > $OUT/dprof.log 2>&1
-  echo "dprof rc=$?"; cut -c1-160 $OUT/dprof.log ;;
+  tier s9 ${GDN_S:-260} tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "split or bwd_chunk_sm90"
+  timed time_sweep ${TIME_S:-90} python3 tools/time_gdn_sweep.py --shapes 2 --split-only
+  timed dprof ${DPROF_S:-120} python3 tools/time_gdn_dchunk.py --profile --shapes 1 ;;
 s9b)
   # stage 3's loads by cp.async: its bitwise cases and the stage-3 tier's defaults, then the two loads' timing
   # and the per-phase profile (the default call, now with the cp.async loads)
-  timeout -k 10 ${GDN_S:-200} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
-    -k "async or match_the_torch or group_sum or reproducible" > $OUT/s9b.log 2>&1
-  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
-  grep -cE " PASSED " $OUT/s9b.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s9b.log | tail -15
-  timeout -k 10 ${TIME_S:-90} python3 tools/time_gdn_dchunk.py --shapes 2 --loads > $OUT/time_loads.log 2>&1
-  echo "time rc=$?"; cut -c1-160 $OUT/time_loads.log
-  timeout -k 10 ${DPROF_S:-100} python3 tools/time_gdn_dchunk.py --profile --shapes 1 > $OUT/dprof.log 2>&1
-  echo "dprof rc=$?"; cut -c1-160 $OUT/dprof.log ;;
+  tier s9b ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+    -k "async or match_the_torch or group_sum or reproducible"
+  timed time_loads ${TIME_S:-90} python3 tools/time_gdn_dchunk.py --shapes 2 --loads
+  timed dprof ${DPROF_S:-100} python3 tools/time_gdn_dchunk.py --profile --shapes 1 ;;
 s9d)
   # stage 3 reading the forward's vn (CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD): its stage-3 cases and the training
   # tier's, together, then its timing against recomputing vn (and its profile)
-  timeout -k 10 ${GDN_S:-170} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
-    tests/kernels/test_gated_delta_rule_train_sm90.py -k "(forwards_values or forwards_vn) and not torch and not tm" \
-    > $OUT/s9d.log 2>&1
-  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
-  grep -cE " PASSED " $OUT/s9d.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s9d.log | tail -15
-  timeout -k 10 ${TIME_S:-60} python3 tools/time_gdn_dchunk.py --shapes 2 --vn > $OUT/time_vn.log 2>&1
-  echo "time rc=$?"; cut -c1-160 $OUT/time_vn.log ;;
+  tier s9d ${GDN_S:-170} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+    tests/kernels/test_gated_delta_rule_train_sm90.py -k "(forwards_values or forwards_vn) and not torch and not tm"
+  timed time_vn ${TIME_S:-60} python3 tools/time_gdn_dchunk.py --shapes 2 --vn ;;
 s10)
   # the ninth session's leftovers: stage 3 reading the forward's Tm (CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD) and vn, its
   # stage-3 cases, the wy kernel's store_t compile, the training tier's vn / tm cases (FLA JIT: give it time), then
   # the timing rows (recomputed, vn read, vn and Tm read) and profiles
-  timeout -k 10 ${GDN_S:-300} $P -n 12 tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+  tier s10 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
     tests/kernels/test_gated_delta_rule_train_sm90.py tests/kernels/test_gated_delta_rule_sm90.py \
-    -k "(forwards_values or forwards_vn or keeps_the_chunk_inverses) and not torch" > $OUT/s10.log 2>&1
-  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
-  grep -cE " PASSED " $OUT/s10.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s10.log | tail -15
-  timeout -k 10 ${TIME_S:-120} python3 tools/time_gdn_dchunk.py --shapes 2 --vn > $OUT/time_vn.log 2>&1
-  echo "time rc=$?"; cut -c1-160 $OUT/time_vn.log ;;
+    -k "(forwards_values or forwards_vn or keeps_the_chunk_inverses) and not torch"
+  timed time_vn ${TIME_S:-120} python3 tools/time_gdn_dchunk.py --shapes 2 --vn ;;
 ssplit)
   # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the
   # default, then (SPLIT_TRAIN=1) the training tier's kernel half with it on

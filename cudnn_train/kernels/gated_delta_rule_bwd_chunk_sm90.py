@@ -880,8 +880,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         raise Unsupported("gc and beta must be [B, T, HV]")
     if cu_seqlens is not None and B != 1:
         raise Unsupported("cu_seqlens with B != 1")
-    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dvn", dvn), ("hs", hs), ("dH", dH)) + (
-            () if vn is None else (("vn", vn),)) + (() if tm is None else (("tm", tm),)):
+    kept = tuple((name, t) for name, t in (("vn", vn), ("tm", tm)) if t is not None)  # the forward's, when given
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dvn", dvn), ("hs", hs), ("dH", dH)) + kept:
         cm.check_rows_aligned(name, t)
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
@@ -893,7 +893,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         if t.shape[0] < grid:
             raise Unsupported(f"{name}: {t.shape[0]} chunk rows, {grid} needed")
     for name, t in (("q", q), ("k", k), ("v", v), ("gc", gc), ("beta", beta), ("do", do), ("dvn", dvn), ("hs", hs),
-                    ("dH", dH)) + (() if vn is None else (("vn", vn),)) + (() if tm is None else (("tm", tm),)):
+                    ("dH", dH)) + kept:
         if t.device != q.device:
             raise Unsupported(f"{name} on {t.device}")
         cm.check_index_range(name, t)  # every offset in int32 (dq and dk have v's size: K == V)

@@ -493,22 +493,19 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                 cute.autovec_copy(cute.local_tile(sT, (1, 4), (i, cg)), tv)
                 tw = cute.make_rmem_tensor((1, 4), dtype)
                 tu = cute.make_rmem_tensor((1, 4), dtype)
+                tt = cute.make_rmem_tensor((1, 4), dtype)  # STORE_T: T itself, rounded once, for stage 3
                 for j in cutlass.range_constexpr(4):
                     x = tv[j]
                     if i < cg * 4 + j:  # T is lower triangular; blocks above the diagonal are never written
                         x = Float32(0.0)
                     tw[j] = (x * cw[j]).to(dtype)
                     tu[j] = (x * cu[j]).to(dtype)
+                    if cutlass.const_expr(STORE_T):
+                        tt[j] = x.to(dtype)
                 cute.autovec_copy(tw, cute.local_tile(sTw, (1, 4), (i, cg)))
                 cute.autovec_copy(tu, cute.local_tile(sTu, (1, 4), (i, cg)))
-                if cutlass.const_expr(STORE_T):  # T itself, rounded once, for the backward's stage 3
+                if cutlass.const_expr(STORE_T):
                     if i < length:
-                        tt = cute.make_rmem_tensor((1, 4), dtype)
-                        for j in cutlass.range_constexpr(4):
-                            x = tv[j]
-                            if i < cg * 4 + j:
-                                x = Float32(0.0)
-                            tt[j] = x.to(dtype)
                         cute.autovec_copy(tt, cute.local_tile(gTm, (1, 4), (i, cg)))
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
@@ -1000,11 +997,11 @@ def forward(
     ``[B, T, HV]``); ``store_states`` adds the state entering every chunk (input dtype
     ``[chunks, HV, K, V]``, chunk ``b * NT + c``, with varlen ``cu_chunks[n] + c`` on the upper
     bound ``T // 64 + N`` of the chunk count; surplus rows are not written) as a fourth
-    intermediate, for the backward; ``keep_vn`` (with ``store_states``) adds ``vn = u - w S`` of every chunk
-    (input dtype ``[B, T, HV, V]``, as the split pass's chain writes it; None where the fused state kernel
-    served) as a fifth, and ``keep_tm`` the chunks' ``Tm = (I + A)^-1`` (input dtype ``[B, T, HV, 64]``, row i of a
-    chunk at its token, as the wy kernel solved it; None without ``keep_tm``) as a sixth, for the backward's
-    stage 3. Arguments follow ``fused.chunk_gated_delta_rule``; they
+    intermediate, for the backward, and two more for the backward's stage 3: ``vn = u - w S`` of every chunk
+    (input dtype ``[B, T, HV, V]``, as the split pass's chain writes it) with ``keep_vn``, and the chunks'
+    ``Tm = (I + A)^-1`` (input dtype ``[B, T, HV, 64]``, row i of a chunk at its token, as the wy kernel
+    solved it) with ``keep_tm``; each None when not asked for (vn also where the fused state kernel
+    served). Arguments follow ``fused.chunk_gated_delta_rule``; they
     are assumed validated there. Declines with ``Unsupported`` before any
     device work for what it does not serve (see ``check_serve``).
     """
@@ -1088,7 +1085,7 @@ def forward(
                state_dummy if ht is None else ht, cu, cu_chunks, state_dummy if hs is None else hs, float(scale),
                T, NT, group, nseq, i64_dummy)
     if store_states:
-        return Served((o, ht, (w, u, gc, hs) + ((vn,) if keep_vn else ()) + ((tm,) if keep_tm else ())), "sm90")
+        return Served((o, ht, (w, u, gc, hs, vn, tm)), "sm90")
     if return_intermediates:
         return Served((o, ht, (w, u, gc)), "sm90")
     return Served((o, ht), "sm90")

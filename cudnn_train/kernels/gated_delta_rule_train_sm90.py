@@ -68,7 +68,7 @@ def kernel_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg: Config):
 
     kernel3 = _stage3() is stage3_kernel  # the torch stage 3 recomputes both
     keep_vn, keep_tm = kernel3 and vn_from_forward(), kernel3 and tm_from_forward()
-    o, ht, (w, _u, gc, hs, *extra) = fwd.forward(
+    o, ht, (w, _u, gc, hs, vn, tm) = fwd.forward(
         q, k, v, g, beta, scale=cfg.scale, initial_state=h0, output_final_state=cfg.output_final_state,
         use_qk_l2norm_in_kernel=cfg.l2norm, cu_seqlens=cu, use_gate_in_kernel=cfg.gate,
         A_log=A_log if cfg.gate else None, dt_bias=dt_bias if cfg.gate else None,
@@ -77,7 +77,7 @@ def kernel_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg: Config):
     ).value
     if not kernel3:
         return o, ht, (w, gc, hs)
-    return o, ht, (w, gc, extra[0] if keep_vn else None, extra[-1] if keep_tm else None, hs)
+    return o, ht, (w, gc, vn, tm, hs)
 
 
 def kernel_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg: Config):
