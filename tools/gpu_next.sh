@@ -24,6 +24,8 @@
 #   bash tools/gpu_next.sh s9b      # stage 3 cp.async loads: cases, timing vs synchronous, profile
 #   bash tools/gpu_next.sh s9d      # stage 3 reading the forward's vn: its cases + training cases, timing
 #   bash tools/gpu_next.sh s10      # stage 3 reading the forward's Tm (+ vn): cases, training cases, timing
+#   bash tools/gpu_next.sh s11      # the tenth session: size-1-dim strides (T = 1) cases, then the training tier's
+#                                   # kernel half with Tm read by default (TRAIN_S limit)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -211,6 +213,10 @@ s10)
     tests/kernels/test_gated_delta_rule_train_sm90.py tests/kernels/test_gated_delta_rule_sm90.py \
     -k "(forwards_values or forwards_vn or keeps_the_chunk_inverses) and not torch"
   timed time_vn ${TIME_S:-120} python3 tools/time_gdn_dchunk.py --shapes 2 --vn ;;
+s11)
+  tier s11 ${GDN_S:-110} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_sm90.py \
+    -k "forwards_values or unit_dim_strides or strided_inputs"
+  TRAIN_K=1 TRAIN_S=${TRAIN_S:-400} bash "$0" gdn_train ;;
 ssplit)
   # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the
   # default, then (SPLIT_TRAIN=1) the training tier's kernel half with it on

@@ -880,9 +880,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         raise Unsupported("gc and beta must be [B, T, HV]")
     if cu_seqlens is not None and B != 1:
         raise Unsupported("cu_seqlens with B != 1")
+    q, k, v, do, dvn, hs, dH, vn, tm = (None if t is None else cm.check_rows_aligned(name, t) for name, t in (
+        ("q", q), ("k", k), ("v", v), ("do", do), ("dvn", dvn), ("hs", hs), ("dH", dH), ("vn", vn), ("tm", tm)))
     kept = tuple((name, t) for name, t in (("vn", vn), ("tm", tm)) if t is not None)  # the forward's, when given
-    for name, t in (("q", q), ("k", k), ("v", v), ("do", do), ("dvn", dvn), ("hs", hs), ("dH", dH)) + kept:
-        cm.check_rows_aligned(name, t)
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
     dev = q.device

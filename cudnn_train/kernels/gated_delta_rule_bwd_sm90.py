@@ -349,8 +349,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     HV, V = do.shape[2], do.shape[3]
     if K not in fwd.HEAD_DIMS or V not in fwd.HEAD_DIMS:
         raise Unsupported(f"head dims K={K}, V={V}")
-    for name, t in (("q", q), ("k", k), ("w", w), ("do", do)):
-        cm.check_rows_aligned(name, t)
+    q, k, w, do = (cm.check_rows_aligned(name, t) for name, t in (("q", q), ("k", k), ("w", w), ("do", do)))
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
     dev = q.device

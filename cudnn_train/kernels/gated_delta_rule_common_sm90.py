@@ -57,16 +57,23 @@ def check_device(t: torch.Tensor) -> None:
         raise Unsupported(f"sm_{cap[0]}{cap[1]} is not SM90")
 
 
-def check_rows_aligned(name: str, t: torch.Tensor) -> None:
-    """Decline unless the last dim is contiguous and every row starts on 16 bytes."""
+def check_rows_aligned(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Decline unless the last dim is contiguous and every row starts on 16 bytes; return ``t`` with the strides
+    of its size-1 dims (never used to address anything, and free in torch: a [B, 1, H, K] tensor can carry stride
+    1 there and still be contiguous) set as a contiguous tensor would have them, so the kernels' stride
+    divisibility holds."""
     if t.stride(-1) != 1:
         raise Unsupported(f"{name}: last dim not contiguous")
     if t.data_ptr() % 16:
         raise Unsupported(f"{name}: not 16-byte aligned")
+    st = list(t.stride())
+    for d in reversed(range(t.dim() - 1)):
+        if t.shape[d] == 1:
+            st[d] = st[d + 1] * t.shape[d + 1]
     el = t.element_size()
-    for d in range(t.dim() - 1):
-        if (t.stride(d) * el) % 16:
-            raise Unsupported(f"{name}: stride {t.stride()} not a multiple of 16 bytes")
+    if any((s * el) % 16 for s in st[:-1]):
+        raise Unsupported(f"{name}: stride {t.stride()} not a multiple of 16 bytes")
+    return t if st == list(t.stride()) else t.as_strided(t.shape, st)
 
 
 def check_index_range(name: str, t: torch.Tensor) -> None:

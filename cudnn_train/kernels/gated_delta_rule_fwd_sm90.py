@@ -925,8 +925,9 @@ def chunk_map(cu_seqlens, B: int, T: int, dev: torch.device):
 
 
 def check_serve(q, k, v, g, beta, initial_state=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                cu_seqlens=None, chunk_size=64) -> None:
-    """Raise Unsupported (touching no memory) for what these kernels do not serve."""
+                cu_seqlens=None, chunk_size=64):
+    """Raise Unsupported (touching no memory) for what these kernels do not serve; return q, k, v as the kernels
+    take them (``check_rows_aligned``: the strides of size-1 dims set)."""
     cm.check_device(q)
     if chunk_size != CHUNK:
         raise Unsupported(f"chunk_size={chunk_size} (kernels use {CHUNK})")
@@ -954,8 +955,7 @@ def check_serve(q, k, v, g, beta, initial_state=None, use_gate_in_kernel=False, 
         raise Unsupported(f"initial_state dtype {initial_state.dtype} (float32 served)")
     if cu_seqlens is not None and q.shape[0] != 1:
         raise Unsupported("cu_seqlens with B != 1")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        cm.check_rows_aligned(name, t)
+    q, k, v = (cm.check_rows_aligned(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if t is not None:
             if t.device != q.device:
@@ -963,6 +963,7 @@ def check_serve(q, k, v, g, beta, initial_state=None, use_gate_in_kernel=False, 
             cm.check_index_range(name, t)
     if q.shape[0] * q.shape[1] * HV * max(K, V) >= 2**31:
         raise Unsupported("more than 2**31 elements in an intermediate")
+    return q, k, v
 
 
 def forward(
@@ -1005,7 +1006,7 @@ def forward(
     are assumed validated there. Declines with ``Unsupported`` before any
     device work for what it does not serve (see ``check_serve``).
     """
-    check_serve(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, cu_seqlens, chunk_size)
+    q, k, v = check_serve(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias, cu_seqlens, chunk_size)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None

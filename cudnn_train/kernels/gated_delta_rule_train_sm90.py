@@ -168,13 +168,14 @@ TM_ENV = "CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD"
 
 
 def tm_from_forward() -> bool:
-    """``CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD=1``: the forward's wy kernel also writes each chunk's
-    ``Tm = (I + A)^-1`` (input dtype, ``[B, T, HV, 64]``: a quarter of v's size at V = 128) and the stage-3
-    kernel reads it instead of solving again (the solve was 14% of its cycles). Prepared in the ninth
-    session, not yet GPU-run: off."""
+    """Whether the training forward's wy kernel also writes each chunk's ``Tm = (I + A)^-1`` (input dtype,
+    ``[B, T, HV, 64]``: a quarter of v's size at V = 128) and the stage-3 kernel reads it instead of building
+    A and solving again (the solve was 14% of its cycles). The default with the stage-3 kernel (H200, stage 3
+    alone, B4 T4096 H16 HV32, pair sum, vn read: 1.258 against 1.427 ms);
+    ``CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD=0`` turns it off (less memory)."""
     from . import gated_delta_rule_common_sm90 as cm
 
-    return cm.env_switch(TM_ENV, False)
+    return cm.env_switch(TM_ENV, True)
 
 
 GROUP_SUM_ENV = "CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM"

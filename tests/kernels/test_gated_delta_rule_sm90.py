@@ -149,6 +149,24 @@ def test_layout_facts_the_kernels_rely_on():
         assert sorted(m3) == list(range(len(m3)))
 
 
+def test_row_check_ignores_the_strides_of_size1_dims():
+    """A [B, 1, H, K] tensor may carry any stride on its size-1 dim (torch calls it contiguous): the row check
+    serves it with that stride set as a contiguous tensor has it; a real misaligned stride still declines."""
+    from cudnn_train.backend import Unsupported
+    from cudnn_train.kernels import gated_delta_rule_common_sm90 as cm
+
+    t = torch.randn(2, 4, 64, 1, dtype=torch.bfloat16).permute(0, 3, 1, 2)  # [2, 1, 4, 64], strides (256, 1, 64, 1)
+    assert t.is_contiguous() and t.stride(1) == 1
+    got = cm.check_rows_aligned("q", t)
+    assert got.stride() == (256, 256, 64, 1) and got.data_ptr() == t.data_ptr() and torch.equal(got, t)
+    same = torch.randn(2, 3, 4, 64, dtype=torch.bfloat16)
+    assert cm.check_rows_aligned("q", same) is same
+    odd = torch.randn(2, 3, 4, 72, dtype=torch.bfloat16)[..., :64]  # rows 144 bytes apart: 16-aligned
+    assert cm.check_rows_aligned("q", odd) is odd
+    with pytest.raises(Unsupported, match="q: stride"):
+        cm.check_rows_aligned("q", torch.randn(2, 3, 4, 68, dtype=torch.bfloat16)[..., :64])
+
+
 def test_forward_declines_before_touching_memory():
     from cudnn_train.backend import Unsupported
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
@@ -349,6 +367,18 @@ def test_forward_strided_inputs_and_bf16_gate(poisoned):
     beta = torch.rand(B, T, 2 * HV, device="cuda", dtype=torch.bfloat16)[..., ::2]
     h0 = torch.randn(B, HV, K, V, device="cuda")
     _run_and_compare(q, k, v, g, beta, h0)
+
+
+@pytest.mark.gpu
+def test_forward_one_token_with_unit_dim_strides(poisoned):
+    # T = 1 tensors whose size-1 dim has stride 1 (a permute of [B, H, K, 1]): served as contiguous ones
+    B, H, HV, K = 2, 2, 4, 128
+    q, k = (torch.randn(B, H, K, 1, device="cuda", dtype=torch.bfloat16).permute(0, 3, 1, 2) for _ in range(2))
+    v = torch.randn(B, HV, K, 1, device="cuda", dtype=torch.bfloat16).permute(0, 3, 1, 2)
+    assert q.stride(1) == 1 and v.stride(1) == 1
+    g = F.logsigmoid(torch.randn(B, 1, HV, device="cuda"))
+    beta = torch.rand(B, 1, HV, device="cuda")
+    _run_and_compare(q, k, v, g, beta, torch.randn(B, HV, K, K, device="cuda"))
 
 
 @pytest.mark.gpu

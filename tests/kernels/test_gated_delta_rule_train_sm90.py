@@ -115,10 +115,10 @@ def test_train_gva_group_sum_in_the_stage3_kernel(ratio, monkeypatch):
 @pytest.mark.parametrize("case", ["dense_gva2", "varlen", "gate_no_l2norm", "dense_gva2_recomputed", "dense_gva2_tm",
                                   "varlen_tm", "gate_no_l2norm_tm"])
 def test_train_stage3_reads_the_forwards_vn(case, monkeypatch):
-    """CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD=1 (the default): the training forward keeps vn and the stage-3
-    kernel reads it (``chunk_grads(vn=...)``) instead of recomputing it; =0 (``_recomputed``): it does not;
-    ``_tm``: also CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD=1, the wy kernel's chunk inverses read instead of solved
-    again; against the oracle and FLA as every case here."""
+    """CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD=1: the training forward keeps vn and the stage-3 kernel reads it
+    (``chunk_grads(vn=...)``) instead of recomputing it; =0 (``_recomputed``): it does not; ``_tm``: also
+    CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD=1 (both are the defaults), the wy kernel's chunk inverses read instead
+    of solved again, else =0; against the oracle and FLA as every case here."""
     if os.environ["CUDNN_TRAIN_GDN_SM90_STAGE3"] != "kernel":
         pytest.skip("the stage-3 kernel's variant")
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
