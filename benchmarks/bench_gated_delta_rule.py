@@ -13,8 +13,10 @@ B * T tokens.
 Rows: ``cutedsl`` is the SM90 kernel forward called directly (no dispatch);
 ``op`` is ``cudnn_train.fused.chunk_gated_delta_rule`` with its own backend choice,
 reported with ``last_path``; forward+backward of the op (gradients to q, k, v, g, beta)
-runs whatever backend serves a differentiable call. ``sm90-train`` is the op with the
-opt-in SM90 training path switched on (``CUDNN_TRAIN_GDN_SM90_TRAIN=1`` around each call),
+runs whatever backend serves a differentiable call (with FlashQLA installed and enabled in FLA, the
+plain calls timed here go to FLA and FlashQLA; this benchmark sets ``FLA_FLASH_QLA=0`` unless given,
+so FLA's row is FLA's own kernels and the op serves them on ours). ``sm90-train`` is the op with the
+SM90 training path forced on (``CUDNN_TRAIN_GDN_SM90_TRAIN=1`` around each call),
 its stage 3 on the kernel (the default; ``--torch-stage3`` adds ``sm90-train-t3``, stage 3 in
 torch, for comparison). ``fla`` is FLA's
 ``chunk_gated_delta_rule`` and ``flashqla`` FlashQLA's (``flash-qla``), when they import.
@@ -38,7 +40,7 @@ TRAIN_ROWS = {"sm90-train": "kernel"}  # row -> its stage 3 (main() adds "sm90-t
 
 
 def with_train_path(f, stage3):
-    """``f`` with the opt-in SM90 training path on during the call, stage 3 as given."""
+    """``f`` with the SM90 training path forced on during the call, stage 3 as given."""
 
     def g():
         old = {k: os.environ.get(k) for k in (TRAIN_ENV, STAGE3_ENV)}

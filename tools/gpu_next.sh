@@ -26,6 +26,8 @@
 #   bash tools/gpu_next.sh s10      # stage 3 reading the forward's Tm (+ vn): cases, training cases, timing
 #   bash tools/gpu_next.sh s11      # the tenth session: size-1-dim strides (T = 1) cases, then the training tier's
 #                                   # kernel half with Tm read by default (TRAIN_S limit)
+#   bash tools/gpu_next.sh s12      # the op's new dispatch (ours unless FLA would hand the call to FlashQLA): its
+#                                   # cases and the demo test, then the GPU demo on the defaults (DEMO_S, steps)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -217,6 +219,12 @@ s11)
   tier s11 ${GDN_S:-110} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_sm90.py \
     -k "forwards_values or unit_dim_strides or strided_inputs"
   TRAIN_K=1 TRAIN_S=${TRAIN_S:-400} bash "$0" gdn_train ;;
+s12)
+  tier s12 ${GDN_S:-220} tests/kernels/test_gated_delta_rule_sm90.py tests/test_demo.py \
+    -k "dispatch or backend_function or cuda_bf16"
+  timed demo ${DEMO_S:-180} python3 -m cudnn_train.demo --preset gpu --steps ${STEPS:-40} --out /tmp/demo_s12
+  python3 -c "import json; d = json.load(open('/tmp/demo_s12/log.json')); print({k: v for k, v in d.items() if not isinstance(v, list)})" \
+    2>&1 | cut -c1-3000 ;;
 ssplit)
   # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the
   # default, then (SPLIT_TRAIN=1) the training tier's kernel half with it on

@@ -34,10 +34,11 @@ In-kernel flags (all applied in float32 before the recurrence):
 Backends (op ``chunk_gated_delta_rule``), in order:
 
 * ``cutedsl``: the SM90 kernels (``kernels/gated_delta_rule_*_sm90.py``): calls without
-  gradients when FLA is not installed or when opted in (``CUDNN_TRAIN_GDN_SM90_FWD=1``: FLA's
-  forward is faster for now); calls with gradients only when opted in
-  (``CUDNN_TRAIN_GDN_SM90_TRAIN=1``, path ``cutedsl:sm90-train``: see
-  ``kernels/gated_delta_rule_train_sm90.py``). A backend receives
+  gradients (path ``cutedsl:sm90``) and with them (``cutedsl:sm90-train``: see
+  ``kernels/gated_delta_rule_train_sm90.py``), except those the next backend is faster for: FLA
+  when it would hand the call to FlashQLA, and with FLA installed K or V = 64 (not yet timed
+  against it); ``CUDNN_TRAIN_GDN_SM90_FWD`` / ``CUDNN_TRAIN_GDN_SM90_TRAIN`` = 1 / 0 force it
+  (``kernels/gated_delta_rule_fwd_sm90.cutedsl_backend``). A backend receives
   exactly the keyword arguments of :func:`_torch_backend` and returns ``(o, final_state)``
   carrying its own autograd.
 * ``fla``: FLA's Triton ``chunk_gated_delta_rule`` (only for CUDA tensors, when ``fla``
@@ -620,9 +621,8 @@ def _fla_backend(q, k, v, g, beta, *, scale, initial_state, output_final_state, 
 
 @chunk_op.register("cutedsl")
 def _cutedsl_backend(q, k, v, g, beta, **kw):
-    """The SM90 kernels: inference (when FLA is absent, or ``CUDNN_TRAIN_GDN_SM90_FWD=1``), and
-    training when opted in (``CUDNN_TRAIN_GDN_SM90_TRAIN=1``); otherwise the call declines to the
-    next backend."""
+    """The SM90 kernels, inference and training, unless the next backend is faster for the call
+    (``kernels.gated_delta_rule_fwd_sm90.cutedsl_backend``); then the call declines to it."""
     from ..kernels import gated_delta_rule_fwd_sm90 as k90
 
     return k90.cutedsl_backend(q, k, v, g, beta, **kw)

@@ -35,7 +35,7 @@ them in), and the initial state's gradient (float32, either layout).
 
 Status: its GPU tier (``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, against
 ``reverse_sweep_ref``: odd T, GVA, varlen, both state layouts, one and two warpgroups, the
-prefetch bitwise against synchronous loads) passes on the H200. Stage 2 of the opt-in training path
+prefetch bitwise against synchronous loads) passes on the H200. Stage 2 of the training path
 (``gated_delta_rule_train_sm90``); ``CUDNN_TRAIN_GDN_SWEEP_WGS`` = 1 or 2 overrides the warpgroup
 choice at K = 128. Where this kernel's grid leaves SMs idle (one long sequence) the sweep runs split
 in two kernels instead (``gated_delta_rule_bwd_split_sm90``: P^T do for every chunk in parallel, then

@@ -67,7 +67,7 @@ states in the input dtype (the precision the backward reads them in) as 16-byte 
 shared state tile, cheaper than kernel 2's element-wise stores from its accumulators. Not yet: splitting one sequence across
 CTAs; TMA and warp specialization. The backward lives in
 ``gated_delta_rule_bwd_sm90.py`` / ``gated_delta_rule_bwd_chunk_sm90.py`` and the
-opt-in training path in ``gated_delta_rule_train_sm90.py``.
+training path in ``gated_delta_rule_train_sm90.py``.
 
 Layout: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``
 (any strides, last dim of q/k/v contiguous with 16-byte aligned rows); states
@@ -1114,8 +1114,48 @@ def _fla_serves() -> bool:
     return True
 
 
-def fwd_opted_in() -> bool:
-    return env_flag(FWD_OPT_IN)
+def serve_switch(name: str) -> bool | None:
+    """``CUDNN_TRAIN_GDN_SM90_FWD`` (calls without gradients) / ``CUDNN_TRAIN_GDN_SM90_TRAIN`` (with):
+    True (1 / true / yes / on) serves every call the kernels can, False (any other value) none,
+    None (unset or empty) leaves it to :func:`peer_is_faster`."""
+    return env_flag(name) if os.environ.get(name, "").strip() else None
+
+
+def flash_qla_takes(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                    use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, scale) -> bool:
+    """Whether FLA's chunk_gated_delta_rule would hand this call to FlashQLA (FLA 0.6 routes there when
+    ``flash_qla`` is installed, ``FLA_FLASH_QLA`` is not 0 and FlashQLA's own check accepts the call: K = V
+    = 128, half precision, none of the in-kernel gate / beta flags). Asked of FLA's FlashQLA backend
+    itself; False when that cannot be asked (an FLA without it)."""
+    try:
+        from fla.ops.gated_delta_rule.backends.flash_qla import FlashQLABackend
+
+        peer = FlashQLABackend()
+        if not (peer.is_available() and peer.is_enabled()):
+            return False
+        extra = {"use_gate_in_kernel": True} if use_gate_in_kernel else {}
+        ok, _ = peer.verify("chunk_gated_delta_rule", q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                            state_v_first=state_v_first, cu_seqlens=cu_seqlens, **extra)
+        return bool(ok)
+    except Exception:  # an FLA without the backend registry, or one that fails to import it
+        return False
+
+
+def peer_is_faster(q, v, initial_state, flash_qla: bool) -> str | None:
+    """Why the op's next backend should serve this call rather than these kernels, or None. H200, K = V =
+    128 (docs/PERFORMANCE.md, tenth session): FlashQLA is faster than us (forward 0.65 vs 0.81 ms,
+    forward+backward 2.04 vs 2.79 at B4 T4096 H16 HV32), FLA's own Triton kernels are slower (0.91 and
+    3.84 ms); at K or V = 64 we have not timed FLA, so FLA keeps those calls; without FLA the next backend
+    is the torch one, far slower: these kernels serve. ``flash_qla``: :func:`flash_qla_takes`."""
+    if not _fla_serves():
+        return None
+    if flash_qla and (initial_state is None or initial_state.dtype == torch.float32):  # FLA takes float32 states
+        return "FlashQLA (through FLA) is faster on SM90 for this call"
+    if q.shape[-1] != 128 or v.shape[-1] != 128:
+        return f"K={q.shape[-1]}, V={v.shape[-1]}: not yet timed against FLA's kernels"
+    return None
 
 
 def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -1123,23 +1163,29 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
                     cu_seqlens, chunk_size, cu_seqlens_cpu=None):
     """The ``cutedsl`` backend of op ``chunk_gated_delta_rule`` (keyword arguments of its torch backend).
 
-    A call that needs gradients goes to the training path (``gated_delta_rule_train_sm90``)
-    when it is opted in, and declines otherwise, so training falls through to the next
-    backend. A call without gradients declines too while FLA imports, unless
-    ``CUDNN_TRAIN_GDN_SM90_FWD=1``: FLA's forward is faster on the H200 for now (0.65 vs 0.94 ms
-    at B4 T4096 H16 HV32, docs/PERFORMANCE.md); without FLA these kernels serve it (the torch
-    backend is far slower). ``cu_seqlens`` values are trusted as FLA does (never read on the host;
-    ``cu_seqlens_cpu`` is not needed). A half-precision initial state is read as float32.
+    A call that needs gradients goes to the training path (``gated_delta_rule_train_sm90``), one
+    without to the forward kernels, unless the op's next backend is faster for it
+    (:func:`peer_is_faster`: FLA when it would hand the call to FlashQLA, and at head dims not yet
+    timed against FLA); ``CUDNN_TRAIN_GDN_SM90_TRAIN`` / ``CUDNN_TRAIN_GDN_SM90_FWD`` = 1 serve
+    every call the kernels can, = 0 none (:func:`serve_switch`). ``cu_seqlens`` values are trusted
+    as FLA does (never read on the host; ``cu_seqlens_cpu`` is not needed). A half-precision initial
+    state is read as float32.
     """
     from . import gated_delta_rule_train_sm90 as tr
 
     if not q.is_cuda:
         raise Unsupported("no GPU" if not torch.cuda.is_available() else f"tensor on {q.device}")
     training = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
-    if training:
-        tr.check_train_serve()
-    elif not fwd_opted_in() and _fla_serves():
-        raise Unsupported(f"FLA's forward is faster on SM90 for now ({FWD_OPT_IN}=1 serves this one)")
+    env = tr.OPT_IN if training else FWD_OPT_IN
+    switch = serve_switch(env)
+    if switch is False:
+        raise Unsupported(f"{env}={os.environ[env].strip()}")
+    if switch is None:
+        fq = flash_qla_takes(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                             use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, scale)
+        why = peer_is_faster(q, v, initial_state, fq)
+        if why is not None:
+            raise Unsupported(f"{why} ({env}=1 serves it here)")
     if torch.compiler.is_compiling():
         raise Unsupported("traced by torch.compile (kernels launch on real tensors only)")
     if initial_state is not None and initial_state.dtype in (torch.float16, torch.bfloat16):

@@ -19,11 +19,11 @@ kernel reads them in that precision, as FLA's backward does.
 No host read of ``cu_seqlens`` anywhere (the chunk maps are built on the device), so a varlen
 forward+backward can be captured in a CUDA graph. No float atomics: deterministic.
 
-Status: **opt-in** (``CUDNN_TRAIN_GDN_SM90_TRAIN=1``) until its GPU tier
-(``tests/kernels/test_gated_delta_rule_train_sm90.py``) has passed on the H200 and it has been
-timed against FLA; without the variable the cutedsl backend declines calls that need
-gradients, as before. The composition is checked on the CPU with reference implementations
-of the kernel steps (``tests/fused/test_gdn_train_path.py``).
+Status: served by default where the op's dispatch picks it (``fwd.cutedsl_backend``: unless FLA
+would hand the call to FlashQLA, faster on the H200, or the head dims are 64, not yet timed against
+FLA); ``CUDNN_TRAIN_GDN_SM90_TRAIN=1`` serves every call it can, ``=0`` none. GPU tier:
+``tests/kernels/test_gated_delta_rule_train_sm90.py``; the composition is also checked on the CPU
+with reference implementations of the kernel steps (``tests/fused/test_gdn_train_path.py``).
 """
 
 from __future__ import annotations
@@ -34,17 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from .._validate import compute_dtype
-from ..backend import Unsupported, env_flag
 from ..fused import delta_rule_bwd as db
 from ..fused.gated_delta_rule import _gdn_log_decay, beta_in_kernel, l2norm, l2norm_bwd
 
 OPT_IN = "CUDNN_TRAIN_GDN_SM90_TRAIN"
 STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"  # "kernel" (default) or "torch"
 CHUNK = 64
-
-
-def opted_in() -> bool:
-    return env_flag(OPT_IN)
 
 
 @dataclass(frozen=True)
@@ -261,9 +256,3 @@ def train(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_
     if not use_gate_in_kernel:
         A_log = dt_bias = None
     return _Train.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg)
-
-
-def check_train_serve() -> None:
-    """What the training path adds to the forward's declines (``check_serve``)."""
-    if not opted_in():
-        raise Unsupported(f"the SM90 GDN training path is opt-in until measured ({OPT_IN}=1)")

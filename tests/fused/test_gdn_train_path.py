@@ -156,14 +156,64 @@ def test_training_path_matches_autograd_of_the_torch_op(monkeypatch, name, varle
         assert rel_l2(a, b) <= 1e-10, (n, rel_l2(a, b))
 
 
-def test_training_path_is_opt_in(monkeypatch):
-    from cudnn_train.backend import Unsupported
+def test_the_serve_switches_and_the_peer_rule(monkeypatch):
+    """CUDNN_TRAIN_GDN_SM90_TRAIN / _FWD: unset leaves the call to the peer rule, 1 / true serve, anything else
+    does not; the rule declines only to a faster peer: FLA when it would hand the call to FlashQLA (its
+    float32 initial state), or at head dims not timed against FLA; without FLA, never."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    monkeypatch.delenv(tr.OPT_IN, raising=False)
-    with pytest.raises(Unsupported, match=tr.OPT_IN):
-        tr.check_train_serve()
-    monkeypatch.setenv(tr.OPT_IN, "1")
-    tr.check_train_serve()
+    for name in (tr.OPT_IN, F90.FWD_OPT_IN):
+        monkeypatch.delenv(name, raising=False)
+        assert F90.serve_switch(name) is None
+        for val, want in (("1", True), ("true", True), ("0", False), ("off", False), (" ", None)):
+            monkeypatch.setenv(name, val)
+            assert F90.serve_switch(name) is want, (name, val)
+    q, v = torch.zeros(1, 2, 1, 128), torch.zeros(1, 2, 2, 128)
+    h32, h16 = torch.zeros(1, 2, 128, 128), torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(F90, "_fla_serves", lambda: True)
+    assert "FlashQLA" in F90.peer_is_faster(q, v, None, True)
+    assert "FlashQLA" in F90.peer_is_faster(q, v, h32, True)
+    assert F90.peer_is_faster(q, v, h16, True) is None  # FLA declines half-precision states: we serve
+    assert F90.peer_is_faster(q, v, None, False) is None
+    assert "K=64" in F90.peer_is_faster(q[..., :64], v, None, False)
+    assert "V=64" in F90.peer_is_faster(q, v[..., :64], None, False)
+    monkeypatch.setattr(F90, "_fla_serves", lambda: False)
+    assert F90.peer_is_faster(q, v, None, True) is None and F90.peer_is_faster(q[..., :64], v, None, False) is None
+
+
+def test_flash_qla_takes_asks_flas_own_backend(monkeypatch):
+    """flash_qla_takes asks FLA's FlashQLA backend (installed, enabled, its verifier); False where it cannot."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    q, v = torch.zeros(1, 2, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 2, 2, 128, dtype=torch.bfloat16)
+    g, beta = torch.zeros(1, 2, 2), torch.zeros(1, 2, 2)
+    flags = dict(initial_state=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
+                 use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
+                 scale=None)
+    try:
+        from fla.ops.gated_delta_rule.backends.flash_qla import FlashQLABackend
+    except Exception:
+        assert not F90.flash_qla_takes(q, q, v, g, beta, **flags)
+        return
+    seen = []
+
+    def verify(self, name, *args, **kw):
+        seen.append((name, kw))
+        return (not kw.get("use_gate_in_kernel") and not kw["use_beta_sigmoid_in_kernel"]), None
+
+    monkeypatch.setattr(FlashQLABackend, "is_available", classmethod(lambda cls: True))
+    monkeypatch.setattr(FlashQLABackend, "verify", verify)
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    assert F90.flash_qla_takes(q, q, v, g, beta, **flags)
+    assert seen[-1][0] == "chunk_gated_delta_rule" and seen[-1][1]["use_qk_l2norm_in_kernel"]
+    assert not F90.flash_qla_takes(q, q, v, g, beta, **{**flags, "use_gate_in_kernel": True})
+    assert not F90.flash_qla_takes(q, q, v, g, beta, **{**flags, "use_beta_sigmoid_in_kernel": True})
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")  # FLA's own switch: then FLA keeps the call on its kernels
+    n = len(seen)
+    assert not F90.flash_qla_takes(q, q, v, g, beta, **flags) and len(seen) == n
+    monkeypatch.delenv("FLA_FLASH_QLA")
+    monkeypatch.setattr(FlashQLABackend, "is_available", classmethod(lambda cls: False))
+    assert not F90.flash_qla_takes(q, q, v, g, beta, **flags)
 
 
 def test_the_stage3_group_sum_knob(monkeypatch):

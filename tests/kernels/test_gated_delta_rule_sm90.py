@@ -618,30 +618,68 @@ def test_forward_is_bitwise_reproducible():
 
 
 @pytest.mark.gpu
-def test_op_inference_goes_to_fla_unless_opted_in(monkeypatch):
-    """While FLA's forward is the faster one, the op serves inference on it; opting in selects ours."""
+@pytest.mark.parametrize("grad", [False, True])
+def test_op_dispatch_leaves_a_call_to_flashqla_only(grad, monkeypatch):
+    """Unset switches: the op serves a call on these kernels unless FLA would hand it to FlashQLA (faster);
+    FLA_FLASH_QLA=0 or the in-kernel gate flags (FlashQLA rejects them) bring it here; the switch at 1
+    serves it here, at 0 sends it on. Outputs (and gradients) against the oracle each time."""
     import importlib.util
 
     from cudnn_train import last_path
     from cudnn_train.fused import chunk_gated_delta_rule
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    if importlib.util.find_spec("fla") is None:
-        pytest.skip("FLA is not installed: the SM90 forward serves inference without opting in")
-    monkeypatch.delenv("CUDNN_TRAIN_GDN_SM90_FWD", raising=False)
+    env = "CUDNN_TRAIN_GDN_SM90_TRAIN" if grad else "CUDNN_TRAIN_GDN_SM90_FWD"
+    ours = "cutedsl:sm90-train" if grad else "cutedsl:sm90"
     q, k, v, g, beta, _ = _inputs(1, 100, 2, 4, 128, 128, torch.bfloat16)
-    with torch.no_grad():
-        o_fla, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-        assert last_path("chunk_gated_delta_rule").startswith("fla:fallback(FLA's forward is faster")
-        monkeypatch.setenv("CUDNN_TRAIN_GDN_SM90_FWD", "1")
-        o_ours, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-        assert last_path("chunk_gated_delta_rule") == "cutedsl:sm90"
-    ref_o, _ = oracle(q, k, v, g, beta, 128**-0.5, None, None, l2norm=True)
-    _check("o", o_ours.float(), ref_o, o_fla.float())
+    leaves = [t.requires_grad_(grad) for t in (q, k, v)]
+    do = torch.randn_like(v)
+
+    def run(flags=None):
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        if grad:
+            o.backward(do)
+            grads = [t.grad.clone() for t in leaves]
+            for t in leaves:
+                t.grad = None
+            return o.detach(), grads
+        return o.detach(), []
+
+    with torch.set_grad_enabled(grad):
+        monkeypatch.delenv(env, raising=False)
+        fla = importlib.util.find_spec("fla") is not None
+        flashqla = fla and F90.flash_qla_takes(q, k, v, g, beta, None, True, False, False, False, False, None, None)
+        outs = [run()]
+        path = last_path("chunk_gated_delta_rule")
+        assert path.startswith("fla:fallback(FlashQLA") if flashqla else path == ours, path
+        monkeypatch.setenv("FLA_FLASH_QLA", "0")  # FLA keeps the call on its own kernels: slower than ours
+        outs.append(run())
+        assert last_path("chunk_gated_delta_rule") == ours
+        monkeypatch.delenv("FLA_FLASH_QLA")
+        monkeypatch.setenv(env, "1")
+        outs.append(run())
+        assert last_path("chunk_gated_delta_rule") == ours
+        monkeypatch.setenv(env, "0")
+        outs.append(run())
+        assert last_path("chunk_gated_delta_rule").startswith(f"fla:fallback({env}=0)" if fla else "torch:"), \
+            last_path("chunk_gated_delta_rule")
+    # the last call went to the next backend (FLA, else torch): the peer of the FLA-compat rule
+    ref_o, _ = oracle(q.detach(), k.detach(), v.detach(), g, beta, 128**-0.5, None, None, l2norm=True)
+    peer_o, peer_grads = outs[3]
+    for o, grads in outs:
+        _check("o", o.float(), ref_o, peer_o.float())
+        for a, b in zip(grads, peer_grads):  # every path's gradients near the peer's (each vs the oracle below)
+            assert rel_l2(a.float(), b.float()) < 2e-2
+    if grad:
+        qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+        of, _ = oracle(qf, kf, vf, g, beta, 128**-0.5, None, None, l2norm=True)
+        want = torch.autograd.grad(of, [qf, kf, vf], do.float())
+        for name, a, b, p in zip("qkv", outs[2][1], want, peer_grads):
+            _check(f"d{name}", a.float(), b, p.float())
 
 
 @pytest.mark.gpu
 def test_backend_function_serves_inference_and_declines_training(poisoned, monkeypatch):
-    monkeypatch.delenv("CUDNN_TRAIN_GDN_SM90_TRAIN", raising=False)
     from cudnn_train.backend import Unsupported
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
@@ -659,7 +697,8 @@ def test_backend_function_serves_inference_and_declines_training(poisoned, monke
     fla = peer(q, k, v, g, beta, 128**-0.5, h0.to(torch.bfloat16).float(), None, use_qk_l2norm_in_kernel=True)
     _check("o", o.float(), ref_o, None if fla is None else fla[0].float())
     _check("final_state", ht, ref_h, None if fla is None else fla[1].float())
-    with pytest.raises(Unsupported, match="opt-in"):  # the training path is opt-in (CUDNN_TRAIN_GDN_SM90_TRAIN)
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SM90_TRAIN", "0")
+    with pytest.raises(Unsupported, match="CUDNN_TRAIN_GDN_SM90_TRAIN=0"):  # the training path switched off
         F90.cutedsl_backend(q.requires_grad_(), k, v, g, beta, **kw)
     with torch.no_grad():
         assert F90.cutedsl_backend(q, k, v, g, beta, **kw).tag == "sm90"
