@@ -1,9 +1,12 @@
 """Gated DeltaNet (chunked, K = V = 128, bf16): cutedsl SM90 kernels vs FLA and FlashQLA, in one run.
 
-    python -m benchmarks.bench_gated_delta_rule [--json out.json] [--quick]
+    python -m benchmarks.bench_gated_delta_rule [--json out.json] [--quick] [--head-dim 64] [--layer-flags]
 
 Inputs as a GDN layer feeds the op: q, k, v bf16, ``use_qk_l2norm_in_kernel=True``,
 g = logsigmoid(.) float32, beta = sigmoid(.) bf16, no initial state, no final state.
+``--layer-flags``: the call FLA's and our GatedDeltaNet layers make instead (raw gate input and beta
+logits, bf16, ``use_gate_in_kernel`` with A_log and dt_bias, ``use_beta_sigmoid_in_kernel``; gradients
+also to A_log and dt_bias). ``--head-dim 64``: K = V = 64. FlashQLA serves neither, so its row is left out.
 
 FLOP model (cuDNN's, ANCHORS.md): ``2 * (3 C^2 K + 2 C^2 V + 2 C K V)`` per chunk of
 C = 64 tokens and value head (chunks counted per sequence, a partial chunk counting
@@ -63,13 +66,19 @@ def flops_forward(lengths: list[int], HV: int, K: int, V: int) -> float:
     return chunks * HV * 2.0 * (3 * C * C * K + 2 * C * C * V + 2 * C * K * V)
 
 
-def make_inputs(B, T, H, HV, K, V, requires_grad=False):
+def make_inputs(B, T, H, HV, K, V, requires_grad=False, layer_flags=False):
+    """q, k, v, g, beta; with ``layer_flags`` g is the raw gate input and beta logits (bf16 projections, as a
+    GatedDeltaNet layer passes them with ``use_gate_in_kernel`` and ``use_beta_sigmoid_in_kernel``)."""
     dev = "cuda"
     q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
     k = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
     v = torch.randn(B, T, HV, V, device=dev, dtype=torch.bfloat16)
-    g = F.logsigmoid(torch.rand(B, T, HV, device=dev, dtype=torch.float32))
-    beta = torch.rand(B, T, HV, device=dev, dtype=torch.bfloat16).sigmoid()
+    if layer_flags:
+        g = torch.randn(B, T, HV, device=dev, dtype=torch.bfloat16)
+        beta = torch.randn(B, T, HV, device=dev, dtype=torch.bfloat16)
+    else:
+        g = F.logsigmoid(torch.rand(B, T, HV, device=dev, dtype=torch.float32))
+        beta = torch.rand(B, T, HV, device=dev, dtype=torch.bfloat16).sigmoid()
     ts = (q, k, v, g, beta)
     if requires_grad:
         ts = tuple(t.requires_grad_() for t in ts)
@@ -108,6 +117,9 @@ def main() -> None:
     ap.add_argument("--shapes", type=int, default=None, help="time only the first N shapes")
     ap.add_argument("--skip", default="", help="comma-separated rows to leave out (e.g. flashqla,sm90-train)")
     ap.add_argument("--torch-stage3", action="store_true", help="also time the training path with stage 3 in torch")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="K = V (default 128)")
+    ap.add_argument("--layer-flags", action="store_true",
+                    help="the GatedDeltaNet layer's call: gate and beta sigmoid in the kernel (FlashQLA rejects it)")
     args = ap.parse_args()
     if args.torch_stage3:
         TRAIN_ROWS["sm90-train-t3"] = "torch"
@@ -121,7 +133,9 @@ def main() -> None:
     ceil = ceilings(args.quick)
     peers = load_peers()
     broken: set[str] = set()
-    K = V = 128
+    K = V = args.head_dim
+    if args.layer_flags or K != 128:  # FlashQLA serves neither (K = V = 128, no in-kernel gate or beta flags)
+        peers.pop("flashqla", None)
     # (label, B, T, H, HV, varlen lengths or None)
     shapes = [(f"B{B} T{T}", B, T, H, HV, None) for B, T, H, HV in SHAPES]
     gen = torch.Generator().manual_seed(0)
@@ -140,9 +154,15 @@ def main() -> None:
         cu = None
         if lengths is not None:
             cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        q, k, v, g, beta = make_inputs(B, T, H, HV, K, V)
+        q, k, v, g, beta = make_inputs(B, T, H, HV, K, V, layer_flags=args.layer_flags)
         do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
         kw = dict(use_qk_l2norm_in_kernel=True)
+        params = ()  # A_log, dt_bias: trained by the layer, gradients asked for with the others
+        if args.layer_flags:
+            A_log = torch.log(torch.empty(HV, device="cuda").uniform_(1, 16))
+            dt_bias = torch.randn(HV, device="cuda") * 0.1
+            kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+            params = (A_log, dt_bias)
 
         def fwd_fn(name):
             if name == "cutedsl":
@@ -154,15 +174,16 @@ def main() -> None:
             return lambda: fn(q, k, v, g, beta, cu_seqlens=cul, **kw)
 
         def fb_fn(name):
-            leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v, g, beta))
+            leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, *params))
+            kwl = dict(kw, **dict(zip(("A_log", "dt_bias"), leaves[5:])))
             if name == "op" or name in TRAIN_ROWS:
-                f = lambda: chunk_gated_delta_rule(*leaves, cu_seqlens=cu, **kw)[0]  # noqa: E731
+                f = lambda: chunk_gated_delta_rule(*leaves[:5], cu_seqlens=cu, **kwl)[0]  # noqa: E731
                 if name in TRAIN_ROWS:
                     return with_train_path(lambda: torch.autograd.grad(f(), leaves, do), TRAIN_ROWS[name])
             else:
                 fn = peers[name]
                 cul = None if cu is None else cu.long()
-                f = lambda: fn(*leaves, cu_seqlens=cul, **kw)[0]  # noqa: E731
+                f = lambda: fn(*leaves[:5], cu_seqlens=cul, **kwl)[0]  # noqa: E731
             return lambda: torch.autograd.grad(f(), leaves, do)
 
         times = {}
@@ -210,7 +231,8 @@ def main() -> None:
             )
         del q, k, v, g, beta, do
         torch.cuda.empty_cache()
-    report(rows, args, ceil, "chunk_gated_delta_rule, K=V=128, bf16, l2norm in kernel")
+    flags = "l2norm, gate and beta sigmoid in kernel" if args.layer_flags else "l2norm in kernel"
+    report(rows, args, ceil, f"chunk_gated_delta_rule, K=V={K}, bf16, {flags}")
 
 
 if __name__ == "__main__":
