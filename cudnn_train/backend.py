@@ -121,6 +121,12 @@ class Op:
     def backends(self) -> tuple[str, ...]:
         return self._backends
 
+    def after(self, backend: str) -> tuple[str, ...]:
+        """The backends a call would try after ``backend`` now (the forced list where one is set; none
+        where ``backend`` is not in the plan), for a backend that declines to a faster next one."""
+        plan = self._plan()[0]
+        return plan[plan.index(backend) + 1:] if backend in plan else ()
+
     def _plan(self) -> tuple[tuple[str, ...], bool]:
         forced = _forced_names()
         if forced is None:

@@ -80,7 +80,7 @@ import os
 
 import torch
 
-from ..backend import Served, Unsupported, env_flag
+from ..backend import Served, Unsupported, env_flag, get_op
 from . import compile as kc
 from . import gated_delta_rule_common_sm90 as cm
 
@@ -1121,15 +1121,19 @@ def serve_switch(name: str) -> bool | None:
     return env_flag(name) if os.environ.get(name, "").strip() else None
 
 
-def flash_qla_takes(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+def flash_qla_takes(q, k, v, g, beta, *, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                     use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, scale) -> bool:
     """Whether FLA's chunk_gated_delta_rule would hand this call to FlashQLA (FLA 0.6 routes there when
-    ``flash_qla`` is installed, ``FLA_FLASH_QLA`` is not 0 and FlashQLA's own check accepts the call: K = V
-    = 128, half precision, none of the in-kernel gate / beta flags). Asked of FLA's FlashQLA backend
-    itself; False when that cannot be asked (an FLA without it)."""
+    ``flash_qla`` is installed, FLA's backend dispatch is on (``FLA_DISABLE_BACKEND_DISPATCH`` not 1),
+    ``FLA_FLASH_QLA`` is not 0 and FlashQLA's own check accepts the call: SM90 / SM100 / SM120, half
+    precision, K = V = 128, none of the in-kernel gate / beta flags nor ``allow_neg_eigval``). Asked of
+    FLA's FlashQLA backend itself; False when that cannot be asked (an FLA without it)."""
     try:
+        import fla.backends as fla_backends
         from fla.ops.gated_delta_rule.backends.flash_qla import FlashQLABackend
 
+        if getattr(fla_backends, "_DISPATCH_DISABLED", False):
+            return False
         peer = FlashQLABackend()
         if not (peer.is_available() and peer.is_enabled()):
             return False
@@ -1143,15 +1147,26 @@ def flash_qla_takes(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, us
         return False
 
 
-def peer_is_faster(q, v, initial_state, flash_qla: bool) -> str | None:
-    """Why the op's next backend should serve this call rather than these kernels, or None. H200, K = V =
-    128 (docs/PERFORMANCE.md, tenth session): FlashQLA is faster than us (forward 0.65 vs 0.81 ms,
-    forward+backward 2.04 vs 2.79 at B4 T4096 H16 HV32), FLA's own Triton kernels are slower (0.91 and
-    3.84 ms); at K or V = 64 we have not timed FLA, so FLA keeps those calls; without FLA the next backend
-    is the torch one, far slower: these kernels serve. ``flash_qla``: :func:`flash_qla_takes`."""
-    if not _fla_serves():
+def fla_takes(q, initial_state, chunk_size) -> bool:
+    """Whether the op's fla backend would serve the call (its declines without the host read of
+    ``cu_seqlens``): FLA imports, half or float32 inputs, chunk size 16 / 32 / 64, a float32 initial state
+    or none, T > 0."""
+    return (_fla_serves() and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and chunk_size in (16, 32, 64)
+            and (initial_state is None or initial_state.dtype == torch.float32) and q.shape[1] > 0)
+
+
+def peer_is_faster(q, v, *, fla_next: bool, fla_ok: bool, flash_qla: bool, host_read: bool) -> str | None:
+    """Why the op's next backend should serve this call rather than these kernels, or None. Only FLA can
+    be faster, and only where it comes next (``fla_next``: not left out of a forced backend list), would
+    serve the call (``fla_ok``: :func:`fla_takes`) and would not read ``cu_seqlens`` on the host during
+    a CUDA-graph capture (``host_read``). H200, K = V = 128 (docs/PERFORMANCE.md, tenth session):
+    FlashQLA, where FLA hands the call to it (``flash_qla``: :func:`flash_qla_takes`), is faster than us
+    (forward 0.65 vs 0.81 ms, forward+backward 2.04 vs 2.79 at B4 T4096 H16 HV32); FLA's own kernels are
+    slower (0.91 and 3.84 ms); at K or V = 64 we have not timed FLA, so FLA keeps those calls. Otherwise
+    the next backend is the torch one, far slower: these kernels serve."""
+    if not (fla_next and fla_ok) or host_read:
         return None
-    if flash_qla and (initial_state is None or initial_state.dtype == torch.float32):  # FLA takes float32 states
+    if flash_qla:
         return "FlashQLA (through FLA) is faster on SM90 for this call"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
         return f"K={q.shape[-1]}, V={v.shape[-1]}: not yet timed against FLA's kernels"
@@ -1173,6 +1188,8 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
     """
     from . import gated_delta_rule_train_sm90 as tr
 
+    if torch.compiler.is_compiling():  # first: nothing below is traced (FLA's cached lookups among it)
+        raise Unsupported("traced by torch.compile (kernels launch on real tensors only)")
     if not q.is_cuda:
         raise Unsupported("no GPU" if not torch.cuda.is_available() else f"tensor on {q.device}")
     training = _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
@@ -1181,13 +1198,16 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
     if switch is False:
         raise Unsupported(f"{env}={os.environ[env].strip()}")
     if switch is None:
-        fq = flash_qla_takes(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                             use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, scale)
-        why = peer_is_faster(q, v, initial_state, fq)
+        fla_next = "fla" in get_op("chunk_gated_delta_rule").after("cutedsl")
+        fla_ok = fla_next and fla_takes(q, initial_state, chunk_size)
+        fq = fla_ok and flash_qla_takes(
+            q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens, scale=scale)
+        host_read = cu_seqlens is not None and cu_seqlens_cpu is None and torch.cuda.is_current_stream_capturing()
+        why = peer_is_faster(q, v, fla_next=fla_next, fla_ok=fla_ok, flash_qla=fq, host_read=host_read)
         if why is not None:
             raise Unsupported(f"{why} ({env}=1 serves it here)")
-    if torch.compiler.is_compiling():
-        raise Unsupported("traced by torch.compile (kernels launch on real tensors only)")
     if initial_state is not None and initial_state.dtype in (torch.float16, torch.bfloat16):
         # every other decline first: nothing is copied for a call that is not served
         check_serve(q, k, v, g, beta, None, use_gate_in_kernel, A_log, dt_bias, cu_seqlens, chunk_size)

@@ -158,8 +158,9 @@ def test_training_path_matches_autograd_of_the_torch_op(monkeypatch, name, varle
 
 def test_the_serve_switches_and_the_peer_rule(monkeypatch):
     """CUDNN_TRAIN_GDN_SM90_TRAIN / _FWD: unset leaves the call to the peer rule, 1 / true serve, anything else
-    does not; the rule declines only to a faster peer: FLA when it would hand the call to FlashQLA (its
-    float32 initial state), or at head dims not timed against FLA; without FLA, never."""
+    does not; the rule declines only to FLA, only where FLA comes next and would take the call (no host
+    read of cu_seqlens during a graph capture): when FLA would hand it to FlashQLA, or at head dims not
+    timed against FLA."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     for name in (tr.OPT_IN, F90.FWD_OPT_IN):
@@ -169,51 +170,132 @@ def test_the_serve_switches_and_the_peer_rule(monkeypatch):
             monkeypatch.setenv(name, val)
             assert F90.serve_switch(name) is want, (name, val)
     q, v = torch.zeros(1, 2, 1, 128), torch.zeros(1, 2, 2, 128)
+    rule = dict(fla_next=True, fla_ok=True, flash_qla=True, host_read=False)
+    assert "FlashQLA" in F90.peer_is_faster(q, v, **rule)
+    for off in ({"fla_next": False}, {"fla_ok": False}, {"host_read": True}, {"flash_qla": False}):
+        assert F90.peer_is_faster(q, v, **{**rule, **off}) is None, off
+    assert "K=64" in F90.peer_is_faster(q[..., :64], v, **{**rule, "flash_qla": False})
+    assert "V=64" in F90.peer_is_faster(q, v[..., :64], **{**rule, "flash_qla": False})
+    for off in ({"fla_next": False}, {"fla_ok": False}, {"host_read": True}):
+        assert F90.peer_is_faster(q[..., :64], v, **{**rule, "flash_qla": False, **off}) is None, off
+
+
+def test_fla_takes_mirrors_the_fla_backends_declines(monkeypatch):
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    q = torch.zeros(1, 2, 1, 128, dtype=torch.bfloat16)
     h32, h16 = torch.zeros(1, 2, 128, 128), torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16)
     monkeypatch.setattr(F90, "_fla_serves", lambda: True)
-    assert "FlashQLA" in F90.peer_is_faster(q, v, None, True)
-    assert "FlashQLA" in F90.peer_is_faster(q, v, h32, True)
-    assert F90.peer_is_faster(q, v, h16, True) is None  # FLA declines half-precision states: we serve
-    assert F90.peer_is_faster(q, v, None, False) is None
-    assert "K=64" in F90.peer_is_faster(q[..., :64], v, None, False)
-    assert "V=64" in F90.peer_is_faster(q, v[..., :64], None, False)
+    assert F90.fla_takes(q, None, 64) and F90.fla_takes(q, h32, 64) and F90.fla_takes(q.float(), None, 16)
+    assert not F90.fla_takes(q, h16, 64)  # FLA declines half-precision states: ours serve them
+    assert not F90.fla_takes(q, None, 128) and not F90.fla_takes(q.double(), None, 64)
+    assert not F90.fla_takes(q[:, :0], None, 64)
     monkeypatch.setattr(F90, "_fla_serves", lambda: False)
-    assert F90.peer_is_faster(q, v, None, True) is None and F90.peer_is_faster(q[..., :64], v, None, False) is None
+    assert not F90.fla_takes(q, None, 64)
+
+
+def test_the_rule_follows_a_forced_backend_list(monkeypatch):
+    """Op.after: the backends a call would try after one, under a forced list too."""
+    from cudnn_train import backend
+    from cudnn_train.fused import gated_delta_rule  # noqa: F401  (registers the op)
+
+    op = backend.get_op("chunk_gated_delta_rule")
+    monkeypatch.delenv("CUDNN_TRAIN_BACKEND", raising=False)
+    assert op.after("cutedsl") == ("fla", "torch")
+    with backend.use_backend("cutedsl"):
+        assert op.after("cutedsl") == ()
+    with backend.use_backend("cutedsl,torch"):
+        assert op.after("cutedsl") == ("torch",)
+    with backend.use_backend("torch"):
+        assert op.after("cutedsl") == ()
+    monkeypatch.setenv("CUDNN_TRAIN_BACKEND", "cutedsl,fla")
+    assert op.after("cutedsl") == ("fla",)
+
+
+def _flash_qla_flags(**kw):
+    return dict(dict(initial_state=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
+                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
+                     scale=None), **kw)
 
 
 def test_flash_qla_takes_asks_flas_own_backend(monkeypatch):
-    """flash_qla_takes asks FLA's FlashQLA backend (installed, enabled, its verifier); False where it cannot."""
+    """flash_qla_takes asks FLA's FlashQLA backend (installed, enabled, dispatch on, its real verifier with
+    the GPU generation set to Hopper); False where it cannot be asked."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     q, v = torch.zeros(1, 2, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 2, 2, 128, dtype=torch.bfloat16)
     g, beta = torch.zeros(1, 2, 2), torch.zeros(1, 2, 2)
-    flags = dict(initial_state=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False,
-                 use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
-                 scale=None)
     try:
-        from fla.ops.gated_delta_rule.backends.flash_qla import FlashQLABackend
+        import fla.backends as fla_backends
+        from fla.ops.gated_delta_rule.backends import flash_qla as fq
     except Exception:
-        assert not F90.flash_qla_takes(q, q, v, g, beta, **flags)
-        return
-    seen = []
-
-    def verify(self, name, *args, **kw):
-        seen.append((name, kw))
-        return (not kw.get("use_gate_in_kernel") and not kw["use_beta_sigmoid_in_kernel"]), None
-
-    monkeypatch.setattr(FlashQLABackend, "is_available", classmethod(lambda cls: True))
-    monkeypatch.setattr(FlashQLABackend, "verify", verify)
+        assert not F90.flash_qla_takes(q, q, v, g, beta, **_flash_qla_flags())
+        pytest.skip("FLA without its FlashQLA backend: flash_qla_takes says False")
+    monkeypatch.setattr(fq.FlashQLABackend, "is_available", classmethod(lambda cls: True))
+    monkeypatch.setattr(fq, "IS_NVIDIA_HOPPER", True)
+    monkeypatch.setattr(fla_backends, "_DISPATCH_DISABLED", False)
     monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
-    assert F90.flash_qla_takes(q, q, v, g, beta, **flags)
-    assert seen[-1][0] == "chunk_gated_delta_rule" and seen[-1][1]["use_qk_l2norm_in_kernel"]
-    assert not F90.flash_qla_takes(q, q, v, g, beta, **{**flags, "use_gate_in_kernel": True})
-    assert not F90.flash_qla_takes(q, q, v, g, beta, **{**flags, "use_beta_sigmoid_in_kernel": True})
+    assert F90.flash_qla_takes(q, q, v, g, beta, **_flash_qla_flags())
+    assert F90.flash_qla_takes(q, q, v, g, beta, **_flash_qla_flags(initial_state=torch.zeros(1, 2, 128, 128)))
+    for bad in (dict(use_gate_in_kernel=True), dict(use_beta_sigmoid_in_kernel=True),
+                dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True), dict(allow_neg_eigval=True)):
+        assert not F90.flash_qla_takes(q, q, v, g, beta, **_flash_qla_flags(**bad)), bad
+    assert not F90.flash_qla_takes(q.float(), q.float(), v.float(), g, beta, **_flash_qla_flags())
+    assert not F90.flash_qla_takes(q[..., :64], q[..., :64], v, g, beta, **_flash_qla_flags())
+    assert not F90.flash_qla_takes(q, q, v[..., :64], g, beta, **_flash_qla_flags())
     monkeypatch.setenv("FLA_FLASH_QLA", "0")  # FLA's own switch: then FLA keeps the call on its kernels
-    n = len(seen)
-    assert not F90.flash_qla_takes(q, q, v, g, beta, **flags) and len(seen) == n
+    assert not F90.flash_qla_takes(q, q, v, g, beta, **_flash_qla_flags())
     monkeypatch.delenv("FLA_FLASH_QLA")
-    monkeypatch.setattr(FlashQLABackend, "is_available", classmethod(lambda cls: False))
-    assert not F90.flash_qla_takes(q, q, v, g, beta, **flags)
+    monkeypatch.setattr(fla_backends, "_DISPATCH_DISABLED", True)  # FLA_DISABLE_BACKEND_DISPATCH=1
+    assert not F90.flash_qla_takes(q, q, v, g, beta, **_flash_qla_flags())
+    monkeypatch.setattr(fla_backends, "_DISPATCH_DISABLED", False)
+    monkeypatch.setattr(fq, "IS_NVIDIA_HOPPER", False)  # a GPU FlashQLA does not serve (the CPU here)
+    assert not F90.flash_qla_takes(q, q, v, g, beta, **_flash_qla_flags())
+    monkeypatch.setattr(fq, "IS_NVIDIA_HOPPER", True)
+    monkeypatch.setattr(fq.FlashQLABackend, "is_available", classmethod(lambda cls: False))
+    assert not F90.flash_qla_takes(q, q, v, g, beta, **_flash_qla_flags())
+
+
+def test_flash_qla_takes_agrees_with_flas_dispatch(monkeypatch):
+    """Over a grid of calls, flash_qla_takes says True exactly where FLA's own dispatched
+    chunk_gated_delta_rule runs FlashQLA's implementation (a sentinel here; GPU generation set to Hopper)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    try:
+        import fla.backends as fla_backends
+        from fla.ops.gated_delta_rule import chunk as fla_chunk
+        from fla.ops.gated_delta_rule.backends import flash_qla as fq
+    except Exception:
+        pytest.skip("FLA without its FlashQLA backend")
+    sentinel = object()
+    monkeypatch.setattr(fq.FlashQLABackend, "is_available", classmethod(lambda cls: True))
+    monkeypatch.setattr(fq.FlashQLABackend, "chunk_gated_delta_rule", lambda self, *a, **kw: sentinel)
+    monkeypatch.setattr(fq, "IS_NVIDIA_HOPPER", True)
+    monkeypatch.setattr(fla_backends, "_DISPATCH_DISABLED", False)
+    fla_fn = getattr(fla_chunk.chunk_gated_delta_rule, "_cudnn_train_original", fla_chunk.chunk_gated_delta_rule)
+    seen = set()
+    for dt in (torch.bfloat16, torch.float32):
+        for K, V in ((128, 128), (64, 128), (128, 64)):
+            for flags in ({}, dict(use_gate_in_kernel=True), dict(use_beta_sigmoid_in_kernel=True),
+                          dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True), dict(state_v_first=True)):
+                for env in (None, "0"):
+                    if env is None:
+                        monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+                    else:
+                        monkeypatch.setenv("FLA_FLASH_QLA", env)
+                    q, v = torch.randn(1, 64, 1, K, dtype=dt), torch.randn(1, 64, 2, V, dtype=dt)
+                    g, beta = torch.randn(1, 64, 2), torch.rand(1, 64, 2)
+                    gate = flags.get("use_gate_in_kernel")
+                    extra = dict(A_log=torch.zeros(2), dt_bias=torch.zeros(2)) if gate else {}
+                    try:
+                        routed = fla_fn(q=q, k=q, v=v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, **flags,
+                                        **extra) is sentinel
+                    except Exception:  # FLA's own kernels, which cannot run here
+                        routed = False
+                    ours = F90.flash_qla_takes(q, q, v, g, beta, **_flash_qla_flags(**flags))
+                    assert ours == routed, (dt, K, V, flags, env, ours, routed)
+                    seen.add(routed)
+    assert seen == {True, False}
 
 
 def test_the_stage3_group_sum_knob(monkeypatch):

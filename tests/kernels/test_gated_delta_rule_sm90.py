@@ -620,9 +620,10 @@ def test_forward_is_bitwise_reproducible():
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad", [False, True])
 def test_op_dispatch_leaves_a_call_to_flashqla_only(grad, monkeypatch):
-    """Unset switches: the op serves a call on these kernels unless FLA would hand it to FlashQLA (faster);
-    FLA_FLASH_QLA=0 or the in-kernel gate flags (FlashQLA rejects them) bring it here; the switch at 1
-    serves it here, at 0 sends it on. Outputs (and gradients) against the oracle each time."""
+    """Unset switches: the op serves a call on these kernels unless FLA would hand it to FlashQLA (faster;
+    FlashQLABackend spied on); FLA_FLASH_QLA=0 or the in-kernel gate flags (FlashQLA rejects them) bring it
+    here; the switch at 1 serves it here, at 0 sends it on. Outputs (and gradients) of the plain call against
+    the oracle and the next backend's each time."""
     import importlib.util
 
     from cudnn_train import last_path
@@ -647,11 +648,25 @@ def test_op_dispatch_leaves_a_call_to_flashqla_only(grad, monkeypatch):
 
     with torch.set_grad_enabled(grad):
         monkeypatch.delenv(env, raising=False)
+        monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
         fla = importlib.util.find_spec("fla") is not None
-        flashqla = fla and F90.flash_qla_takes(q, k, v, g, beta, None, True, False, False, False, False, None, None)
+        flashqla = fla and importlib.util.find_spec("flash_qla") is not None  # FLA 0.6 then routes this call there
+        ran = []
+        if flashqla:  # FLA's FlashQLA backend, spied on: it must be what served the call we declined
+            from fla.ops.gated_delta_rule.backends.flash_qla import FlashQLABackend
+
+            real = FlashQLABackend.chunk_gated_delta_rule
+            monkeypatch.setattr(FlashQLABackend, "chunk_gated_delta_rule",
+                                lambda self, *a, **kw: ran.append(1) or real(self, *a, **kw))
         outs = [run()]
         path = last_path("chunk_gated_delta_rule")
         assert path.startswith("fla:fallback(FlashQLA") if flashqla else path == ours, path
+        assert len(ran) == (1 if flashqla else 0)
+        # the layers' call (in-kernel gate and beta sigmoid): FlashQLA rejects it, ours serves it
+        A_log, dt_bias = torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")
+        chunk_gated_delta_rule(q, k, v, g, torch.randn_like(beta), use_qk_l2norm_in_kernel=True,
+                               use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+        assert last_path("chunk_gated_delta_rule") == ours and len(ran) == (1 if flashqla else 0)
         monkeypatch.setenv("FLA_FLASH_QLA", "0")  # FLA keeps the call on its own kernels: slower than ours
         outs.append(run())
         assert last_path("chunk_gated_delta_rule") == ours
