@@ -28,6 +28,8 @@
 #                                   # kernel half with Tm read by default (TRAIN_S limit)
 #   bash tools/gpu_next.sh s12      # the op's new dispatch (ours unless FLA would hand the call to FlashQLA): its
 #                                   # cases and the demo test, then the GPU demo on the defaults (DEMO_S, steps)
+#   bash tools/gpu_next.sh s13      # stage 3's persistent variant (CUDNN_TRAIN_GDN_DCHUNK_PERSIST): its bitwise cases,
+#                                   # then time_gdn_dchunk.py --persist; the re-reviewed dispatch cases (s12's)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -226,6 +228,10 @@ s12)
   timed demo ${DEMO_S:-180} python3 -m cudnn_train.demo --preset gpu --steps ${STEPS:-40} --out /tmp/demo_s12
   python3 -c "import json; d = json.load(open('/tmp/demo_s12/log.json')); print({k: v for k, v in d.items() if not isinstance(v, list)})" \
     2>&1 | cut -c1-3000 ;;
+s13)
+  tier s13 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_sm90.py \
+    -k "persistent or dispatch or backend_function"
+  timed time_persist ${TIME_S:-100} python3 tools/time_gdn_dchunk.py --shapes 2 --persist ;;
 ssplit)
   # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the
   # default, then (SPLIT_TRAIN=1) the training tier's kernel half with it on

@@ -3,7 +3,7 @@ four warpgroups splitting every product's N, with and without the overlap varian
 two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs per q/k head) against
 the default call plus the training path's sum pass, on the same inputs.
 
-    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn]
+    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn] [--persist]
 
 ``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
@@ -11,6 +11,8 @@ against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
 makes it) with its loads by cp.async against synchronous loads (outputs checked bitwise). ``--vn``: only the
 default call with a vn read (``chunk_grads(vn=...)``, random: the timing does not depend on its values)
 against recomputing it, and with the chunk inverses read too (``tm=``), then the reading variants' profiles.
+``--persist``: only the training path's call (vn and Tm read) per tile against the persistent variant
+(``persist=True``; outputs checked bitwise).
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -57,6 +59,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="only the per-phase cycles of the profile variant")
     ap.add_argument("--loads", action="store_true", help="only cp.async against synchronous loads")
     ap.add_argument("--vn", action="store_true", help="only the forward's vn read against recomputed")
+    ap.add_argument("--persist", action="store_true", help="only the persistent variant against the per-tile one")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         x = inputs(B, T, H, HV)
@@ -73,6 +76,9 @@ def main():
             continue
         if args.vn:
             vn_rows(x, B, T, H, HV, scale)
+            continue
+        if args.persist:
+            persist_rows(x, B, T, H, HV, scale)
             continue
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))
@@ -141,6 +147,19 @@ def vn_rows(x, B, T, H, HV, scale):
         B3.chunk_grads(*x, profile=buf, **kw, **extra)
         torch.cuda.synchronize()
         _report(f"stage-3 kernel, {name}" + (", pair sum" if HV == 2 * H else ""), buf, B3.DCHUNK_PHASES, ctas)
+
+
+def persist_rows(x, B, T, H, HV, scale):
+    """The training path's call (vn and Tm read; random: the timing does not depend on their values) per tile
+    against the persistent variant: bitwise the same outputs, then the two timings."""
+    kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
+              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+    a, b = (B3.chunk_grads(*x, persist=on, **kw) for on in (False, True))
+    torch.cuda.synchronize()
+    same = all(torch.equal(u, w) for u, w in zip(a, b))
+    print(f"B{B} T{T} H{H} HV{HV}: persistent variant bitwise the per-tile kernel: {same}")
+    for name, on in (("per tile", False), ("persistent", True)):
+        print(f"  {name:22s} {bench(lambda: B3.chunk_grads(*x, persist=on, **kw), warmup=10, rep=50):.3f} ms")
 
 
 def profile(x, B, T, H, HV, scale):

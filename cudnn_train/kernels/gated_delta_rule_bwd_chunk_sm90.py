@@ -69,6 +69,7 @@ from ..backend import Unsupported
 from . import compile as kc
 from . import gated_delta_rule_common_sm90 as cm
 from . import gated_delta_rule_fwd_sm90 as fwd
+from . import gated_delta_rule_fwd_split_sm90 as fwd_split
 
 CHUNK = cm.CHUNK
 _SOURCES = (__file__, cm.__file__, fwd.__file__)
@@ -101,7 +102,7 @@ DCHUNK_PHASES = ("loads (+ l2norm rows)", "k k^T, A (+ k Sc, Z)", "solve, Ae, Tm
 
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
-                  VNIN: bool = False, TMIN: bool = False):
+                  VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -119,6 +120,39 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     locate = cm.make_chunk_locator(varlen)
     store_rows = cm.make_store_pairs()  # rows < nvalid of a float32 accumulator, element pairs, into gX
+    PW = 2 if PAIR else 1  # value heads a CTA column covers (PAIR: the cluster's two)
+    if PERSIST and (PROFILE or not ASYNC):
+        raise ValueError("the persistent variant loads by cp.async and has no profile variant")
+
+    def tile_of(u, by, ngrid, group):
+        # PERSIST: tile unit u (chunk fastest) of CTA column by -> chunk, value head, q/k head
+        hv = (u // ngrid) * PW + by
+        return u % ngrid, hv, hv // group
+
+    @cute.jit
+    def next_inputs(ins, smem_in, u: Int32, nunits: Int32, by: Int32, ngrid: Int32, group: Int32, mCu: cute.Tensor,
+                    mCuC: cute.Tensor, T: Int32, NT: Int32, nseq: Int32, tidx: Int32, k_only: cutlass.Constexpr):
+        # PERSIST: tile unit u's inputs (if u < nunits) by cp.async as one group: k alone, or every other one
+        # (the tiles of the loads below), rows past the chunk's length zero; every thread commits a group
+        if u < nunits:
+            cid, hv, h = tile_of(u, by, ngrid, group)
+            b, t0, tend, _ = locate(cid, mCu, mCuC, T, NT, nseq)
+            length = cutlass.max(cutlass.min(tend - t0, C), 0)
+            mQ, mK, mV, mDo, mDvn, mHs, mVnI, mTmI = ins
+            sQ, sK, sV, sDo, sDvn, sVn, sS, sTm = smem_in
+            if cutlass.const_expr(k_only):
+                issue_tiles(((cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),), length, tidx)
+            else:
+                issue_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
+                             (cute.domain_offset((t0, 0), mV[b, None, hv, None]), sV, V, 0),
+                             (cute.domain_offset((t0, 0), mDo[b, None, hv, None]), sDo, V, 0),
+                             (cute.domain_offset((t0, 0), mDvn[b, None, hv, None]), sDvn, V, 0)), length, tidx)
+                issue_rows(((mHs[cid, hv, None, None], sS, V, 0),), K, tidx)
+                if cutlass.const_expr(VNIN):
+                    issue_tiles(((cute.domain_offset((t0, 0), mVnI[b, None, hv, None]), sVn, V, 0),), length, tidx)
+                if cutlass.const_expr(TMIN):
+                    issue_tiles(((cute.domain_offset((t0, 0), mTmI[b, None, hv, None]), sTm, C, 0),), length, tidx)
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def swap_in_dot(gX: cute.Tensor, sX: cute.Tensor, tidx: Int32):
@@ -261,11 +295,18 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mVnI: cute.Tensor, mTmI: cute.Tensor,
         mCu: cute.Tensor, mCuC: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor,
         mDg: cute.Tensor, mDb: cute.Tensor, scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32,
-        mProf: cute.Tensor,
+        ngrid: Int32, mProf: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cid, hv, _ = cute.arch.block_idx()
         h = hv // group
+        niter = 1  # PERSIST: this CTA's tiles
+        bx, by = cid, hv
+        nctas = Int32(1)
+        if cutlass.const_expr(PERSIST):
+            nctas = cute.arch.grid_dim()[0]
+            niter = (ngrid * (mV.shape[2] // PW) - bx + nctas - 1) // nctas
+            by = cute.arch.block_idx()[1]
         pstart, pmark, pfinish = fwd.make_profile(PROFILE, len(DCHUNK_PHASES))
         prof = pstart()
 
@@ -321,420 +362,441 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 cute.arch.mbarrier_init(mbar, 1)
             cute.arch.mbarrier_init_fence()
 
-        thr_cc = mma_cc.get_slice(tidx)
-        thr_ck = mma_ck.get_slice(tidx)
-        thr_cv = mma_cv.get_slice(tidx)
-        cCC = thr_cc.partition_C(cute.make_identity_tensor((C, C)))
-        cCK = thr_ck.partition_C(cute.make_identity_tensor((C, K)))
-        cCV = thr_cv.partition_C(cute.make_identity_tensor((C, V)))
+        # the tile loop: one tile (chunk, value head) a CTA, or with PERSIST a CTA per SM (a cluster of two per
+        # two SMs with PAIR) walking its tiles, the next tile's inputs loaded during this one's last phases
+        ins = (mQ, mK, mV, mDo, mDvn, mHs, mVnI, mTmI)
+        smem_in = (sQ, sK, sV, sDo, sDvn, sVn, sS, sTm)
+        nunits = ngrid * (mV.shape[2] // PW)
+        if cutlass.const_expr(PERSIST):  # the first tile's inputs
+            next_inputs(ins, smem_in, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq, tidx, False)
+            next_inputs(ins, smem_in, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq, tidx, True)
+        for it in cutlass.range(niter, unroll=1):
+            if cutlass.const_expr(PERSIST):
+                cid, hv, h = tile_of(bx + it * nctas, by, ngrid, group)
+            thr_cc = mma_cc.get_slice(tidx)
+            thr_ck = mma_ck.get_slice(tidx)
+            thr_cv = mma_cv.get_slice(tidx)
+            cCC = thr_cc.partition_C(cute.make_identity_tensor((C, C)))
+            cCK = thr_ck.partition_C(cute.make_identity_tensor((C, K)))
+            cCV = thr_cv.partition_C(cute.make_identity_tensor((C, V)))
 
-        def acc_cc():
-            return cute.make_rmem_tensor(thr_cc.partition_shape_C((C, C)), Float32)
+            def acc_cc():
+                return cute.make_rmem_tensor(thr_cc.partition_shape_C((C, C)), Float32)
 
-        def acc_ck():
-            return cute.make_rmem_tensor(thr_ck.partition_shape_C((C, K)), Float32)
+            def acc_ck():
+                return cute.make_rmem_tensor(thr_ck.partition_shape_C((C, K)), Float32)
 
-        def acc_cv():
-            return cute.make_rmem_tensor(thr_cv.partition_shape_C((C, V)), Float32)
+            def acc_cv():
+                return cute.make_rmem_tensor(thr_cv.partition_shape_C((C, V)), Float32)
 
-        def mm(acc, n, a_tile, a_mn, b_tile, b_mn, zero):
-            # acc (+)= A B, each warpgroup its columns; A [64, k] / B [n, k] as views of smem tiles
-            m = mma(n, a_mn, b_mn)
-            thr = m.get_slice(tidx)
-            gemm(m, acc, m.make_fragment_A(thr.partition_A(a_tile)), m.make_fragment_B(thr.partition_B(b_tile)), zero)
+            def mm(acc, n, a_tile, a_mn, b_tile, b_mn, zero):
+                # acc (+)= A B, each warpgroup its columns; A [64, k] / B [n, k] as views of smem tiles
+                m = cm.make_mma(dtype, n, a_regs=False, b_mn_major=b_mn, a_mn_major=a_mn, wgs=WGS)
+                thr = m.get_slice(tidx)
+                gemm(m, acc, m.make_fragment_A(thr.partition_A(a_tile)), m.make_fragment_B(thr.partition_B(b_tile)), zero)
 
-        def done():
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            def done():
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
 
-        def commit():
-            warpgroup.commit_group()
+            def commit():
+                warpgroup.commit_group()
 
-        tv = cm.transpose_view
-        b, t0, tend, _ = locate(cid, mCu, mCuC, T, NT, nseq)
-        length = cutlass.max(cutlass.min(tend - t0, C), 0)
-        # surplus CTAs of a varlen grid (past the last chunk) have length 0: their token loads are zeros,
-        # their chunk rows (never written by the forward or the sweep) are read but only into
-        # values that are never stored, since every store is predicated on length
-        gQ = cute.domain_offset((t0, 0), mQ[b, None, h, None])
-        gK = cute.domain_offset((t0, 0), mK[b, None, h, None])
-        gV = cute.domain_offset((t0, 0), mV[b, None, hv, None])
-        gDo = cute.domain_offset((t0, 0), mDo[b, None, hv, None])
-        gDvn = cute.domain_offset((t0, 0), mDvn[b, None, hv, None])
-        gVnI = cute.domain_offset((t0, 0), mVnI[b, None, hv, None])
-        gTmI = cute.domain_offset((t0, 0), mTmI[b, None, hv, None])
-        if cutlass.const_expr(ASYNC):
-            # three cp.async groups in flight together, each waited for where it is first read: q, k and Sc
-            # (before the l2norm rows and k k^T), v and do (before Z), dvn (before dw); with VNIN: the
-            # forward's vn and do (before the products that run during the solve), v and dvn (before dw)
-            issue_tiles(((gQ, sQ, K, 0), (gK, sK, K, 0)), length, tidx)
-            issue_rows(((mHs[cid, hv, None, None], sS, V, 0),), K, tidx)
-            cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(TMIN):  # the forward's Tm, first read after A's loop, with the second group
-                issue_tiles(((gTmI, sTm, C, 0),), length, tidx)
-            if cutlass.const_expr(VNIN):
-                issue_tiles(((gVnI, sVn, V, 0), (gDo, sDo, V, 0)), length, tidx)
+            tv = cm.transpose_view
+            b, t0, tend, _ = locate(cid, mCu, mCuC, T, NT, nseq)
+            length = cutlass.max(cutlass.min(tend - t0, C), 0)
+            # surplus CTAs of a varlen grid (past the last chunk) have length 0: their token loads are zeros,
+            # their chunk rows (never written by the forward or the sweep) are read but only into
+            # values that are never stored, since every store is predicated on length
+            gQ = cute.domain_offset((t0, 0), mQ[b, None, h, None])
+            gK = cute.domain_offset((t0, 0), mK[b, None, h, None])
+            gV = cute.domain_offset((t0, 0), mV[b, None, hv, None])
+            gDo = cute.domain_offset((t0, 0), mDo[b, None, hv, None])
+            gDvn = cute.domain_offset((t0, 0), mDvn[b, None, hv, None])
+            gVnI = cute.domain_offset((t0, 0), mVnI[b, None, hv, None])
+            gTmI = cute.domain_offset((t0, 0), mTmI[b, None, hv, None])
+            if cutlass.const_expr(ASYNC and not PERSIST):
+                # three cp.async groups in flight together, each waited for where it is first read: q, k and Sc
+                # (before the l2norm rows and k k^T), v and do (before Z), dvn (before dw); with VNIN: the
+                # forward's vn and do (before the products that run during the solve), v and dvn (before dw)
+                issue_tiles(((gQ, sQ, K, 0), (gK, sK, K, 0)), length, tidx)
+                issue_rows(((mHs[cid, hv, None, None], sS, V, 0),), K, tidx)
                 cute.arch.cp_async_commit_group()
-                issue_tiles(((gV, sV, V, 0), (gDvn, sDvn, V, 0)), length, tidx)
-            else:
-                issue_tiles(((gV, sV, V, 0), (gDo, sDo, V, 0)), length, tidx)
+                if cutlass.const_expr(TMIN):  # the forward's Tm, first read after A's loop, with the second group
+                    issue_tiles(((gTmI, sTm, C, 0),), length, tidx)
+                if cutlass.const_expr(VNIN):
+                    issue_tiles(((gVnI, sVn, V, 0), (gDo, sDo, V, 0)), length, tidx)
+                    cute.arch.cp_async_commit_group()
+                    issue_tiles(((gV, sV, V, 0), (gDvn, sDvn, V, 0)), length, tidx)
+                else:
+                    issue_tiles(((gV, sV, V, 0), (gDo, sDo, V, 0)), length, tidx)
+                    cute.arch.cp_async_commit_group()
+                    issue_tiles(((gDvn, sDvn, V, 0),), length, tidx)
                 cute.arch.cp_async_commit_group()
-                issue_tiles(((gDvn, sDvn, V, 0),), length, tidx)
-            cute.arch.cp_async_commit_group()
-        else:
-            load_tiles(((gQ, sQ, K), (gK, sK, K)), length, tidx)
-            load_tiles(((gV, sV, V), (gDo, sDo, V), (gDvn, sDvn, V)), length, tidx)
-            load_rows(((mHs[cid, hv, None, None], sS, V),), K, tidx)
-            if cutlass.const_expr(VNIN):
-                load_tiles(((gVnI, sVn, V),), length, tidx)
-            if cutlass.const_expr(TMIN):
-                load_tiles(((gTmI, sTm, C),), length, tidx)
-        if cutlass.const_expr(OVERLAP):  # dH, read halfway through, into L2 now
-            prefetch_l2(mDH[cid, hv, None, None], K, V, K, tidx)
-        if tidx < C:
-            sGc[tidx] = mGc[b, t0 + cutlass.max(cutlass.min(tidx, length - 1), 0), hv]
-            bval = Float32(0.0)
-            if tidx < length:
-                bval = mB[b, t0 + tidx, hv]
-            sB[tidx] = bval
-            for w_ in cutlass.range_constexpr(WGS):
-                sDgc[w_, tidx] = Float32(0.0)
-                sDb[w_, tidx] = Float32(0.0)
-        if cutlass.const_expr(ASYNC):
-            cute.arch.cp_async_wait_group(2)  # q, k, Sc
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
-        glast = sGc[C - 1]
-        if cutlass.const_expr(l2norm):  # q, k -> their l2-normalized rows, in place (input dtype)
+            elif cutlass.const_expr(not PERSIST):  # (PERSIST: loaded before the loop or by the last tile)
+                load_tiles(((gQ, sQ, K), (gK, sK, K)), length, tidx)
+                load_tiles(((gV, sV, V), (gDo, sDo, V), (gDvn, sDvn, V)), length, tidx)
+                load_rows(((mHs[cid, hv, None, None], sS, V),), K, tidx)
+                if cutlass.const_expr(VNIN):
+                    load_tiles(((gVnI, sVn, V),), length, tidx)
+                if cutlass.const_expr(TMIN):
+                    load_tiles(((gTmI, sTm, C),), length, tidx)
+            if cutlass.const_expr(OVERLAP):  # dH, read halfway through, into L2 now
+                prefetch_l2(mDH[cid, hv, None, None], K, V, K, tidx)
             if tidx < C:
-                sRq[tidx] = row_inv_norm(sQ, tidx)
-            elif tidx < 2 * C:
-                sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+                sGc[tidx] = mGc[b, t0 + cutlass.max(cutlass.min(tidx, length - 1), 0), hv]
+                bval = Float32(0.0)
+                if tidx < length:
+                    bval = mB[b, t0 + tidx, hv]
+                sB[tidx] = bval
+                for w_ in cutlass.range_constexpr(WGS):
+                    sDgc[w_, tidx] = Float32(0.0)
+                    sDb[w_, tidx] = Float32(0.0)
+            if cutlass.const_expr(PERSIST):
+                cute.arch.cp_async_wait_group(0)  # every input, loaded during the last tile (or before the loop)
+            elif cutlass.const_expr(ASYNC):
+                cute.arch.cp_async_wait_group(2)  # q, k, Sc
+            cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
-            TPR = THREADS // C  # threads a row, 1 / TPR of a row each
-            nr = tidx // TPR
-            tiles = ((sQ, sRq), (sK, sRk))
-            for vc in cutlass.range_constexpr(K // 8 // TPR):
-                c = (tidx % TPR) * (K // 8 // TPR) + vc
-                for w_ in cutlass.range_constexpr(2):
-                    sX, sR = tiles[w_]
-                    frag = cute.make_rmem_tensor((1, 8), dtype)
-                    cute.autovec_copy(cute.local_tile(sX, (1, 8), (nr, c)), frag)
-                    frag.store((frag.load().to(Float32) * sR[nr]).to(dtype))
-                    cute.autovec_copy(frag, cute.local_tile(sX, (1, 8), (nr, c)))
+            glast = sGc[C - 1]
+            if cutlass.const_expr(l2norm):  # q, k -> their l2-normalized rows, in place (input dtype)
+                if tidx < C:
+                    sRq[tidx] = row_inv_norm(sQ, tidx)
+                elif tidx < 2 * C:
+                    sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+                cute.arch.sync_threads()
+                TPR = THREADS // C  # threads a row, 1 / TPR of a row each
+                nr = tidx // TPR
+                tiles = ((sQ, sRq), (sK, sRk))
+                for vc in cutlass.range_constexpr(K // 8 // TPR):
+                    c = (tidx % TPR) * (K // 8 // TPR) + vc
+                    for w_ in cutlass.range_constexpr(2):
+                        sX, sR = tiles[w_]
+                        frag = cute.make_rmem_tensor((1, 8), dtype)
+                        cute.autovec_copy(cute.local_tile(sX, (1, 8), (nr, c)), frag)
+                        frag.store((frag.load().to(Float32) * sR[nr]).to(dtype))
+                        cute.autovec_copy(frag, cute.local_tile(sX, (1, 8), (nr, c)))
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+
+            pmark(prof, 0)
+            # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc (not with VNIN: vn is given)
+            accKK = acc_cc()
+            accY = acc_cv()
+            mm(accKK, C, sK, False, sK, False, True)
+            if cutlass.const_expr(VNIN):
+                done()
+            else:
+                if cutlass.const_expr(OVERLAP):
+                    commit()
+                mm(accY, V, sK, False, tv(sS), True, True)  # B [N = v, K = d]: Sc [d, v] MN-major
+                commit()
+                warpgroup.wait_group(1 if OVERLAP else 0)  # with OVERLAP: k Sc still runs during A's loop
+            # (the elementwise loops below go row by row of the thread's accumulator elements, so that
+            # the per-row factors are read and exponentiated once a row)
+            if cutlass.const_expr(not TMIN):  # A feeds only the solve
+                for gi in cutlass.range_constexpr(len(grp_cc)):
+                    i, _ = cCC[grp_cc[gi][0]]
+                    gi_ = sGc[i]
+                    bi = sB[i]
+                    for e in grp_cc[gi]:
+                        _, j = cCC[e]
+                        a = Float32(0.0)
+                        if i > j:
+                            a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
+                        sA[i, j] = bi * a
+            if cutlass.const_expr(OVERLAP and not VNIN):
+                warpgroup.wait_group(0)
+            if cutlass.const_expr(ASYNC and not PERSIST):  # (PERSIST: every input is in at the top)
+                cute.arch.cp_async_wait_group(1)  # v and do (VNIN: vn and do)
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+            if cutlass.const_expr(not VNIN):
+                # Z = diag(beta) v - diag(beta eg) k Sc  -> sVn
+                for gi in cutlass.range_constexpr(len(grp_cv)):
+                    i, _ = cCV[grp_cv[gi][0]]
+                    eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+                    bi = sB[i]
+                    for e in grp_cv[gi]:
+                        _, n = cCV[e]
+                        sVn[i, n] = (bi * (sV[i, n].to(Float32) - eg * accY[e])).to(dtype)
+            cute.arch.sync_threads()
+            accQK = acc_cc()
+            accDq = acc_ck()
+            accDP = acc_cc()
+            if cutlass.const_expr(OVERLAP):  # q k^T and dqg = do Sc^T need no solve: in flight during it
+                mm(accQK, C, sQ, False, sK, False, True)
+                mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
+                if cutlass.const_expr(VNIN):  # nor does dP = do vn^T with the forward's vn
+                    mm(accDP, C, sDo, False, sVn, False, True)
+                commit()
+
+            pmark(prof, 1)
+            # ---- Tm = (I + A)^-1 (TMIN: the forward's, identity rows past the end) ; Ae -> sM (after the solve)
+            if cutlass.const_expr(TMIN):
+                if tidx < C and tidx >= length:
+                    sTm[tidx, tidx] = Float32(1.0).to(dtype)
+            else:
+                solve(sA, sT, sM, tidx)
+            for gi in cutlass.range_constexpr(len(grp_cc)):
+                i, _ = cCC[grp_cc[gi][0]]
+                gi_ = sGc[i]
+                for e in grp_cc[gi]:
+                    _, j = cCC[e]
+                    a = Float32(0.0)
+                    if i > j:
+                        a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
+                    sM[i, j] = a
+            if cutlass.const_expr(not TMIN):
+                for q in cutlass.range_constexpr(C * C // THREADS):
+                    idx = q * THREADS + tidx
+                    i = idx // C
+                    j = idx % C
+                    t = Float32(0.0)
+                    if i >= j:
+                        t = sT[i, j]
+                    sTm[i, j] = t.to(dtype)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+            if cutlass.const_expr(PAIR):
+                cute.arch.cluster_arrive()  # sT is free: the peer may send dq into it
+
+            pmark(prof, 2)
+            # ---- vn = Tm Z (not with VNIN) ; q k^T
+            accVn = acc_cv()
+            if cutlass.const_expr(not VNIN):
+                mm(accVn, V, sTm, False, tv(sVn), True, True)  # B [N = v, K = j]: Z [j, v] MN-major
+            if cutlass.const_expr(not OVERLAP):
+                mm(accQK, C, sQ, False, sK, False, True)
+            done()
+            if cutlass.const_expr(not VNIN):
+                cute.arch.sync_threads()  # every warp is done reading Z
+                acc_to_tile(accVn, cCV, sVn, False)
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+
+            pmark(prof, 3)
+            # ---- dP = do vn^T -> dQK = scale dP E (-> sX1), pair terms dP * P (-> sA) ; dqg = do Sc^T
+            if cutlass.const_expr(not (OVERLAP and VNIN)):
+                mm(accDP, C, sDo, False, sVn, False, True)
+            if cutlass.const_expr(not OVERLAP):
+                mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
+            done()
+            for e in cutlass.range_constexpr(cute.size(accDP)):
+                i, j = cCC[e]
+                dqk = Float32(0.0)
+                if j <= i:
+                    dqk = scale * accDP[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+                sX1[i, j] = dqk.to(dtype)
+                sA[i, j] = dqk * accQK[e]  # dP * P
+            # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
+            tmp = acc_ck()  # one scratch array for every row-sum operand below
+            for gi in cutlass.range_constexpr(len(grp_ck)):
+                i, _ = cCK[grp_ck[gi][0]]
+                f = scale * cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+                for e in grp_ck[gi]:
+                    _, d = cCK[e]
+                    accDq[e] = accDq[e] * f
+                    tmp[e] = accDq[e] * sQ[i, d].to(Float32)
+            row_sums(tmp, cCK, sDgc, grp_ck, tidx, True)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+            mm(accDq, K, sX1, False, tv(sK), True, False)  # B [N = d, K = j]: k [j, d] MN-major
+            done()
+            if cutlass.const_expr(l2norm):
+                l2norm_bwd(accDq, cCK, sQ, sRq, sRow, tmp, grp_ck, tidx)
+            store_dqk(accDq, cCK, mDq, sXch, mbar, b, t0, h, hv, rank, length, 0, tidx)
+
+            pmark(prof, 4)
+            # ---- dw = -dvn Sc^T -> sDw (over do, which is no longer read)
+            accDw = acc_ck()
+            if cutlass.const_expr(ASYNC and not PERSIST):
+                cute.arch.cp_async_wait_group(0)  # dvn
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+            mm(accDw, K, sDvn, False, sS, False, True)
+            done()
+            cute.arch.sync_threads()  # every warp is done with do and Sc
+            acc_to_tile(accDw, cCK, sDw, True)
+            # dH -> sS over Sc, and the tail's sum(Sc * dH) on the way
+            part = swap_in_dot(mDH[cid, hv, None, None], sS, tidx)
+            for off in cutlass.range_constexpr(5):
+                part = part + cute.arch.shuffle_sync_bfly(part, offset=1 << off)
+            if tidx % 32 == 0:
+                sRed[tidx // 32] = part
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
 
-        pmark(prof, 0)
-        # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc (not with VNIN: vn is given)
-        accKK = acc_cc()
-        accY = acc_cv()
-        mm(accKK, C, sK, False, sK, False, True)
-        if cutlass.const_expr(VNIN):
+            pmark(prof, 5)
+            # ---- dk = diag(kdec) vn dH^T + dQK^T q ; kdt = rowsum(kd * vn dH^T)
+            accDk = acc_ck()
+            mm(accDk, K, sVn, False, sS, False, True)  # B [N = d, K = v]: dH [d, v] K-major
             done()
-        else:
-            if cutlass.const_expr(OVERLAP):
+            for gi in cutlass.range_constexpr(len(grp_ck)):
+                i, _ = cCK[grp_ck[gi][0]]
+                f = cute.math.exp2((glast - sGc[i]) * LOG2E, fastmath=True)
+                for e in grp_ck[gi]:
+                    _, d = cCK[e]
+                    accDk[e] = accDk[e] * f
+                    tmp[e] = accDk[e] * sK[i, d].to(Float32)
+            row_sums(tmp, cCK, sKdt, grp_ck, tidx, False)
+            mm(accDk, K, tv(sX1), True, tv(sQ), True, False)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
+            # ---- dkb = Tm^T dw: dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
+            accDkb = acc_ck()
+            mm(accDkb, K, tv(sTm), True, tv(sDw), True, True)
+            accDvb = acc_cv()
+            if cutlass.const_expr(OVERLAP):  # Tm^T dvn in flight during dkb's loop
                 commit()
-            mm(accY, V, sK, False, tv(sS), True, True)  # B [N = v, K = d]: Sc [d, v] MN-major
-            commit()
-            warpgroup.wait_group(1 if OVERLAP else 0)  # with OVERLAP: k Sc still runs during A's loop
-        # (the elementwise loops below go row by row of the thread's accumulator elements, so that
-        # the per-row factors are read and exponentiated once a row)
-        if cutlass.const_expr(not TMIN):  # A feeds only the solve
+                mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
+                commit()
+                warpgroup.wait_group(1)
+            else:
+                done()
+            for gi in cutlass.range_constexpr(len(grp_ck)):
+                i, _ = cCK[grp_ck[gi][0]]
+                eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+                beg = sB[i] * eg
+                for e in grp_ck[gi]:
+                    _, d = cCK[e]
+                    accDk[e] = accDk[e] + beg * accDkb[e]
+                    accDkb[e] = accDkb[e] * sK[i, d].to(Float32) * eg
+            row_sums(accDkb, cCK, sDb, grp_ck, tidx, True)
+            for gi in cutlass.range_constexpr(len(grp_ck)):
+                i, _ = cCK[grp_ck[gi][0]]
+                bi = sB[i]
+                for e in grp_ck[gi]:
+                    accDkb[e] = accDkb[e] * bi
+            row_sums(accDkb, cCK, sDgc, grp_ck, tidx, True)
+            # ---- dvb = Tm^T dvn: dv = beta dvb ; dbeta += rowsum(v dvb)
+            if cutlass.const_expr(OVERLAP):
+                warpgroup.wait_group(0)
+            else:
+                mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
+                done()
+            for gi in cutlass.range_constexpr(len(grp_cv)):
+                i, _ = cCV[grp_cv[gi][0]]
+                bi = sB[i]
+                for e in grp_cv[gi]:
+                    _, n = cCV[e]
+                    tmp[e] = accDvb[e] * sV[i, n].to(Float32)
+                    accDvb[e] = accDvb[e] * bi
+            row_sums(tmp, cCV, sDb, grp_cv, tidx, True)
+            store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
+
+            pmark(prof, 6)
+            # ---- dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2
+            accX1 = acc_cc()
+            accX2 = acc_cc()
+            mm(accX1, C, sDw, False, sK, False, True)
+            mm(accX2, C, sDvn, False, sV, False, True)
+            done()
+            for e in cutlass.range_constexpr(cute.size(accX1)):
+                i, j = cCC[e]
+                bj = sB[j]
+                sX2[j, i] = (accX1[e] * bj * cute.math.exp2(sGc[j] * LOG2E, fastmath=True) + accX2[e] * bj).to(dtype)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+            # ---- M1 = Tm^T dTm -> sX2 ; dA = -strictly_lower(M1 Tm^T)
+            accM1 = acc_cc()
+            mm(accM1, C, tv(sTm), True, sX2, False, True)  # B [N = c, K = j]: dTm^T [c, j] K-major
+            done()
+            cute.arch.sync_threads()
+            acc_to_tile(accM1, cCC, sX2, False)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+            accDA = acc_cc()
+            mm(accDA, C, sX2, False, sTm, False, True)  # B [N = n, K = c]: Tm [n, c] K-major
+            done()
+            tdb = acc_cc()
             for gi in cutlass.range_constexpr(len(grp_cc)):
                 i, _ = cCC[grp_cc[gi][0]]
                 gi_ = sGc[i]
                 bi = sB[i]
                 for e in grp_cc[gi]:
                     _, j = cCC[e]
-                    a = Float32(0.0)
+                    da = Float32(0.0)
+                    ae = Float32(0.0)
+                    es = Float32(0.0)
                     if i > j:
-                        a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
-                    sA[i, j] = bi * a
-        if cutlass.const_expr(OVERLAP and not VNIN):
-            warpgroup.wait_group(0)
-        if cutlass.const_expr(ASYNC):
-            cute.arch.cp_async_wait_group(1)  # v and do (VNIN: vn and do)
-            cute.arch.fence_view_async_shared()
+                        da = -accDA[e]
+                        ae = sM[i, j]
+                        es = cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
+                    tdb[e] = da * ae
+                    sA[i, j] = sA[i, j] + bi * da * ae  # + dA * A
+                    sT[i, j] = bi * da * es  # dKK
+            row_sums(tdb, cCC, sDb, grp_cc, tidx, True)  # dbeta += rowsum(dA * Ae)
             cute.arch.sync_threads()
-        if cutlass.const_expr(not VNIN):
-            # Z = diag(beta) v - diag(beta eg) k Sc  -> sVn
-            for gi in cutlass.range_constexpr(len(grp_cv)):
-                i, _ = cCV[grp_cv[gi][0]]
-                eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-                bi = sB[i]
-                for e in grp_cv[gi]:
-                    _, n = cCV[e]
-                    sVn[i, n] = (bi * (sV[i, n].to(Float32) - eg * accY[e])).to(dtype)
-        cute.arch.sync_threads()
-        accQK = acc_cc()
-        accDq = acc_ck()
-        accDP = acc_cc()
-        if cutlass.const_expr(OVERLAP):  # q k^T and dqg = do Sc^T need no solve: in flight during it
-            mm(accQK, C, sQ, False, sK, False, True)
-            mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
-            if cutlass.const_expr(VNIN):  # nor does dP = do vn^T with the forward's vn
-                mm(accDP, C, sDo, False, sVn, False, True)
-            commit()
-
-        pmark(prof, 1)
-        # ---- Tm = (I + A)^-1 (TMIN: the forward's, identity rows past the end) ; Ae -> sM (after the solve)
-        if cutlass.const_expr(TMIN):
-            if tidx < C and tidx >= length:
-                sTm[tidx, tidx] = Float32(1.0).to(dtype)
-        else:
-            solve(sA, sT, sM, tidx)
-        for gi in cutlass.range_constexpr(len(grp_cc)):
-            i, _ = cCC[grp_cc[gi][0]]
-            gi_ = sGc[i]
-            for e in grp_cc[gi]:
-                _, j = cCC[e]
-                a = Float32(0.0)
-                if i > j:
-                    a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
-                sM[i, j] = a
-        if cutlass.const_expr(not TMIN):
+            # dKK + dKK^T -> sX1 (dQK is no longer read)
             for q in cutlass.range_constexpr(C * C // THREADS):
                 idx = q * THREADS + tidx
                 i = idx // C
                 j = idx % C
-                t = Float32(0.0)
-                if i >= j:
-                    t = sT[i, j]
-                sTm[i, j] = t.to(dtype)
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
-        if cutlass.const_expr(PAIR):
-            cute.arch.cluster_arrive()  # sT is free: the peer may send dq into it
-
-        pmark(prof, 2)
-        # ---- vn = Tm Z (not with VNIN) ; q k^T
-        accVn = acc_cv()
-        if cutlass.const_expr(not VNIN):
-            mm(accVn, V, sTm, False, tv(sVn), True, True)  # B [N = v, K = j]: Z [j, v] MN-major
-        if cutlass.const_expr(not OVERLAP):
-            mm(accQK, C, sQ, False, sK, False, True)
-        done()
-        if cutlass.const_expr(not VNIN):
-            cute.arch.sync_threads()  # every warp is done reading Z
-            acc_to_tile(accVn, cCV, sVn, False)
+                sX1[i, j] = (sT[i, j] + sT[j, i]).to(dtype)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
+            if cutlass.const_expr(PAIR):
+                cute.arch.cluster_arrive()  # sT (dKK) read: the peer may send dk into it
+            if cutlass.const_expr(PERSIST):  # the next tile's inputs but k, into the tiles no longer read
+                next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
+                            tidx, False)
+            pmark(prof, 7)
+            mm(accDk, K, sX1, False, tv(sK), True, False)  # dk += (dKK + dKK^T) k
+            done()
+            if cutlass.const_expr(l2norm):
+                l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx)
+            store_dqk(accDk, cCK, mDk, sXch, mbar, b, t0, h, hv, rank, length, 1, tidx)
 
-        pmark(prof, 3)
-        # ---- dP = do vn^T -> dQK = scale dP E (-> sX1), pair terms dP * P (-> sA) ; dqg = do Sc^T
-        if cutlass.const_expr(not (OVERLAP and VNIN)):
-            mm(accDP, C, sDo, False, sVn, False, True)
-        if cutlass.const_expr(not OVERLAP):
-            mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
-        done()
-        for e in cutlass.range_constexpr(cute.size(accDP)):
-            i, j = cCC[e]
-            dqk = Float32(0.0)
-            if j <= i:
-                dqk = scale * accDP[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
-            sX1[i, j] = dqk.to(dtype)
-            sA[i, j] = dqk * accQK[e]  # dP * P
-        # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
-        tmp = acc_ck()  # one scratch array for every row-sum operand below
-        for gi in cutlass.range_constexpr(len(grp_ck)):
-            i, _ = cCK[grp_ck[gi][0]]
-            f = scale * cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-            for e in grp_ck[gi]:
-                _, d = cCK[e]
-                accDq[e] = accDq[e] * f
-                tmp[e] = accDq[e] * sQ[i, d].to(Float32)
-        row_sums(tmp, cCK, sDgc, grp_ck, tidx, True)
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
-        mm(accDq, K, sX1, False, tv(sK), True, False)  # B [N = d, K = j]: k [j, d] MN-major
-        done()
-        if cutlass.const_expr(l2norm):
-            l2norm_bwd(accDq, cCK, sQ, sRq, sRow, tmp, grp_ck, tidx)
-        store_dqk(accDq, cCK, mDq, sXch, mbar, b, t0, h, hv, rank, length, 0, tidx)
-
-        pmark(prof, 4)
-        # ---- dw = -dvn Sc^T -> sDw (over do, which is no longer read)
-        accDw = acc_ck()
-        if cutlass.const_expr(ASYNC):
-            cute.arch.cp_async_wait_group(0)  # dvn
-            cute.arch.fence_view_async_shared()
+            pmark(prof, 8)
+            # ---- dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
+            # the pair sums: R adjacent threads a row, each over C / R columns, then butterfly shuffles
+            R = THREADS // C
+            pi = tidx // R
+            ps = Float32(0.0)
+            for jj in cutlass.range_constexpr(C // R):
+                j = (tidx % R) * (C // R) + jj
+                ps = ps + (sA[pi, j] - sA[j, pi])
+            for o in cutlass.range_constexpr(R.bit_length() - 1):
+                ps = ps + cute.arch.shuffle_sync_bfly(ps, offset=1 << o)
+            if tidx % R == 0:
+                kt = wg_sum(sKdt, pi)
+                sKdt[0, pi] = kt  # the row's kdt, for the tail below (only this thread reads row pi of sKdt)
+                sDgc[0, pi] = wg_sum(sDgc, pi) + ps - kt
             cute.arch.sync_threads()
-        mm(accDw, K, sDvn, False, sS, False, True)
-        done()
-        cute.arch.sync_threads()  # every warp is done with do and Sc
-        acc_to_tile(accDw, cCK, sDw, True)
-        # dH -> sS over Sc, and the tail's sum(Sc * dH) on the way
-        part = swap_in_dot(mDH[cid, hv, None, None], sS, tidx)
-        for off in cutlass.range_constexpr(5):
-            part = part + cute.arch.shuffle_sync_bfly(part, offset=1 << off)
-        if tidx % 32 == 0:
-            sRed[tidx // 32] = part
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
-
-        pmark(prof, 5)
-        # ---- dk = diag(kdec) vn dH^T + dQK^T q ; kdt = rowsum(kd * vn dH^T)
-        accDk = acc_ck()
-        mm(accDk, K, sVn, False, sS, False, True)  # B [N = d, K = v]: dH [d, v] K-major
-        done()
-        for gi in cutlass.range_constexpr(len(grp_ck)):
-            i, _ = cCK[grp_ck[gi][0]]
-            f = cute.math.exp2((glast - sGc[i]) * LOG2E, fastmath=True)
-            for e in grp_ck[gi]:
-                _, d = cCK[e]
-                accDk[e] = accDk[e] * f
-                tmp[e] = accDk[e] * sK[i, d].to(Float32)
-        row_sums(tmp, cCK, sKdt, grp_ck, tidx, False)
-        mm(accDk, K, tv(sX1), True, tv(sQ), True, False)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
-        # ---- dkb = Tm^T dw: dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
-        accDkb = acc_ck()
-        mm(accDkb, K, tv(sTm), True, tv(sDw), True, True)
-        accDvb = acc_cv()
-        if cutlass.const_expr(OVERLAP):  # Tm^T dvn in flight during dkb's loop
-            commit()
-            mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
-            commit()
-            warpgroup.wait_group(1)
-        else:
-            done()
-        for gi in cutlass.range_constexpr(len(grp_ck)):
-            i, _ = cCK[grp_ck[gi][0]]
-            eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-            beg = sB[i] * eg
-            for e in grp_ck[gi]:
-                _, d = cCK[e]
-                accDk[e] = accDk[e] + beg * accDkb[e]
-                accDkb[e] = accDkb[e] * sK[i, d].to(Float32) * eg
-        row_sums(accDkb, cCK, sDb, grp_ck, tidx, True)
-        for gi in cutlass.range_constexpr(len(grp_ck)):
-            i, _ = cCK[grp_ck[gi][0]]
-            bi = sB[i]
-            for e in grp_ck[gi]:
-                accDkb[e] = accDkb[e] * bi
-        row_sums(accDkb, cCK, sDgc, grp_ck, tidx, True)
-        # ---- dvb = Tm^T dvn: dv = beta dvb ; dbeta += rowsum(v dvb)
-        if cutlass.const_expr(OVERLAP):
-            warpgroup.wait_group(0)
-        else:
-            mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
-            done()
-        for gi in cutlass.range_constexpr(len(grp_cv)):
-            i, _ = cCV[grp_cv[gi][0]]
-            bi = sB[i]
-            for e in grp_cv[gi]:
-                _, n = cCV[e]
-                tmp[e] = accDvb[e] * sV[i, n].to(Float32)
-                accDvb[e] = accDvb[e] * bi
-        row_sums(tmp, cCV, sDb, grp_cv, tidx, True)
-        store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
-
-        pmark(prof, 6)
-        # ---- dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2
-        accX1 = acc_cc()
-        accX2 = acc_cc()
-        mm(accX1, C, sDw, False, sK, False, True)
-        mm(accX2, C, sDvn, False, sV, False, True)
-        done()
-        for e in cutlass.range_constexpr(cute.size(accX1)):
-            i, j = cCC[e]
-            bj = sB[j]
-            sX2[j, i] = (accX1[e] * bj * cute.math.exp2(sGc[j] * LOG2E, fastmath=True) + accX2[e] * bj).to(dtype)
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
-        # ---- M1 = Tm^T dTm -> sX2 ; dA = -strictly_lower(M1 Tm^T)
-        accM1 = acc_cc()
-        mm(accM1, C, tv(sTm), True, sX2, False, True)  # B [N = c, K = j]: dTm^T [c, j] K-major
-        done()
-        cute.arch.sync_threads()
-        acc_to_tile(accM1, cCC, sX2, False)
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
-        accDA = acc_cc()
-        mm(accDA, C, sX2, False, sTm, False, True)  # B [N = n, K = c]: Tm [n, c] K-major
-        done()
-        tdb = acc_cc()
-        for gi in cutlass.range_constexpr(len(grp_cc)):
-            i, _ = cCC[grp_cc[gi][0]]
-            gi_ = sGc[i]
-            bi = sB[i]
-            for e in grp_cc[gi]:
-                _, j = cCC[e]
-                da = Float32(0.0)
-                ae = Float32(0.0)
-                es = Float32(0.0)
-                if i > j:
-                    da = -accDA[e]
-                    ae = sM[i, j]
-                    es = cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
-                tdb[e] = da * ae
-                sA[i, j] = sA[i, j] + bi * da * ae  # + dA * A
-                sT[i, j] = bi * da * es  # dKK
-        row_sums(tdb, cCC, sDb, grp_cc, tidx, True)  # dbeta += rowsum(dA * Ae)
-        cute.arch.sync_threads()
-        # dKK + dKK^T -> sX1 (dQK is no longer read)
-        for q in cutlass.range_constexpr(C * C // THREADS):
-            idx = q * THREADS + tidx
-            i = idx // C
-            j = idx % C
-            sX1[i, j] = (sT[i, j] + sT[j, i]).to(dtype)
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_threads()
-        if cutlass.const_expr(PAIR):
-            cute.arch.cluster_arrive()  # sT (dKK) read: the peer may send dk into it
-        pmark(prof, 7)
-        mm(accDk, K, sX1, False, tv(sK), True, False)  # dk += (dKK + dKK^T) k
-        done()
-        if cutlass.const_expr(l2norm):
-            l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx)
-        store_dqk(accDk, cCK, mDk, sXch, mbar, b, t0, h, hv, rank, length, 1, tidx)
-
-        pmark(prof, 8)
-        # ---- dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
-        # the pair sums: R adjacent threads a row, each over C / R columns, then butterfly shuffles
-        R = THREADS // C
-        pi = tidx // R
-        ps = Float32(0.0)
-        for jj in cutlass.range_constexpr(C // R):
-            j = (tidx % R) * (C // R) + jj
-            ps = ps + (sA[pi, j] - sA[j, pi])
-        for o in cutlass.range_constexpr(R.bit_length() - 1):
-            ps = ps + cute.arch.shuffle_sync_bfly(ps, offset=1 << o)
-        if tidx % R == 0:
-            kt = wg_sum(sKdt, pi)
-            sKdt[0, pi] = kt  # the row's kdt, for the tail below (only this thread reads row pi of sKdt)
-            sDgc[0, pi] = wg_sum(sDgc, pi) + ps - kt
-        cute.arch.sync_threads()
-        # the tail and the reverse cumulative sum on warp 0: lane l holds rows 2l and 2l + 1
-        if tidx < 32:
-            x0 = sDgc[0, 2 * tidx]
-            x1 = sDgc[0, 2 * tidx + 1]
-            tail = sKdt[0, 2 * tidx] + sKdt[0, 2 * tidx + 1]
-            sc_dh = Float32(0.0)
-            if tidx < THREADS // 32:
-                sc_dh = sRed[tidx]
-            for o in cutlass.range_constexpr(5):
-                tail = tail + cute.arch.shuffle_sync_bfly(tail, offset=1 << o)
-                sc_dh = sc_dh + cute.arch.shuffle_sync_bfly(sc_dh, offset=1 << o)
-            if tidx == 31:
-                x1 = x1 + tail + sc_dh * cute.math.exp2(glast * LOG2E, fastmath=True)
-            suf = x0 + x1  # -> the sum of the pairs of lanes >= this one
-            for o in cutlass.range_constexpr(5):
-                nxt = cute.arch.shuffle_sync_down(suf, offset=1 << o)
-                if tidx + (1 << o) < 32:
-                    suf = suf + nxt
-            after = cute.arch.shuffle_sync_down(suf, offset=1)  # the pairs of the lanes after this one
-            if tidx == 31:
-                after = Float32(0.0)
-            run1 = x1 + after
-            sDgc[0, 2 * tidx + 1] = run1
-            sDgc[0, 2 * tidx] = x0 + run1
-        cute.arch.sync_threads()
-        if tidx < length:
-            mDg[b, t0 + tidx, hv] = sDgc[0, tidx]
-            mDb[b, t0 + tidx, hv] = wg_sum(sDb, tidx)
-        pmark(prof, 9)
-        pfinish(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
+            if cutlass.const_expr(PERSIST):  # every thread is done with k: the next tile's
+                next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
+                            tidx, True)
+            # the tail and the reverse cumulative sum on warp 0: lane l holds rows 2l and 2l + 1
+            if tidx < 32:
+                x0 = sDgc[0, 2 * tidx]
+                x1 = sDgc[0, 2 * tidx + 1]
+                tail = sKdt[0, 2 * tidx] + sKdt[0, 2 * tidx + 1]
+                sc_dh = Float32(0.0)
+                if tidx < THREADS // 32:
+                    sc_dh = sRed[tidx]
+                for o in cutlass.range_constexpr(5):
+                    tail = tail + cute.arch.shuffle_sync_bfly(tail, offset=1 << o)
+                    sc_dh = sc_dh + cute.arch.shuffle_sync_bfly(sc_dh, offset=1 << o)
+                if tidx == 31:
+                    x1 = x1 + tail + sc_dh * cute.math.exp2(glast * LOG2E, fastmath=True)
+                suf = x0 + x1  # -> the sum of the pairs of lanes >= this one
+                for o in cutlass.range_constexpr(5):
+                    nxt = cute.arch.shuffle_sync_down(suf, offset=1 << o)
+                    if tidx + (1 << o) < 32:
+                        suf = suf + nxt
+                after = cute.arch.shuffle_sync_down(suf, offset=1)  # the pairs of the lanes after this one
+                if tidx == 31:
+                    after = Float32(0.0)
+                run1 = x1 + after
+                sDgc[0, 2 * tidx + 1] = run1
+                sDgc[0, 2 * tidx] = x0 + run1
+            cute.arch.sync_threads()
+            if tidx < length:
+                mDg[b, t0 + tidx, hv] = sDgc[0, tidx]
+                mDb[b, t0 + tidx, hv] = wg_sum(sDb, tidx)
+            pmark(prof, 9)
+            pfinish(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
+            if cutlass.const_expr(PERSIST):
+                cute.arch.sync_threads()  # the next tile's top rewrites sGc, sB, sDgc, sDb
 
     @cute.jit
     def host(
@@ -742,14 +804,15 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mVnI: cute.Tensor, mTmI: cute.Tensor,
         mCu: cute.Tensor, mCuC: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor,
         mDg: cute.Tensor, mDb: cute.Tensor, scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32,
-        nchunks_grid: Int32,
+        nchunks_grid: Int32, nctas: Int32,
         mProf: cute.Tensor, stream,
     ):
         _static_checks(dtype, K, V, WGS)
         HV = mV.shape[2]
+        grid = [nctas, PW, 1] if PERSIST else [nchunks_grid, HV, 1]  # PERSIST: nctas CTAs (clusters) walk the tiles
         kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mVnI, mTmI, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T,
-               NT, nseq, group, mProf).launch(grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream,
-                             **({"cluster": [1, 2, 1]} if PAIR else {}))
+               NT, nseq, group, nchunks_grid, mProf).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
+                                                            **({"cluster": [1, 2, 1]} if PAIR else {}))
 
     f = fwd._fakes()
     args = (
@@ -757,7 +820,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, C),
         f.vec(cutlass.Int32), f.vec(cutlass.Int32),
         f.rows4(dqk_dtype or Float32, K), f.rows4(dqk_dtype or Float32, K), f.rows4(dtype, V), f.any3(Float32),
-        f.any3(Float32), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64),
+        f.any3(Float32), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64),
         f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
@@ -810,8 +873,17 @@ def async_loads_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_ASYNC_LOADS", True)
 
 
+def persist_default() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_PERSIST=1``: the persistent variant, a CTA per SM (a cluster of two per two
+    SMs with the pair sum) walking its tiles in turn, each tile's inputs but k loaded by ``cp.async`` into the
+    tiles the last two phases of the one before no longer read (k during the last one), so that the loads
+    (17-20% of a CTA's cycles in the profile) overlap work instead of starting every CTA. Prepared in the
+    tenth session, compiled, not yet GPU-run: off."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_PERSIST", False)
+
+
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
-                      profile=False, async_loads=None, vn_in=False, tm_in=False):
+                      profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     async_loads = async_loads_default() if async_loads is None else bool(async_loads)
@@ -820,12 +892,12 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
     key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ()) + (
         () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ()) + (
         ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ()) + (
-        ("tm_in",) if tm_in else ())
+        ("tm_in",) if tm_in else ()) + (("persist",) if persist else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
-                             async_loads, bool(vn_in), bool(tm_in))
+                             async_loads, bool(vn_in), bool(tm_in), bool(persist))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
@@ -833,7 +905,7 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
                 sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
-                tm=None):
+                tm=None, persist: bool | None = None, persist_ctas: int | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -854,7 +926,10 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     forward's ``vn = u - w Sc`` (v's shape and dtype, as the split pass's chain writes it), read instead
     of recomputed (no ``k Sc``, ``Z``, ``Tm Z``; ``do vn^T`` in flight during the solve); None: recomputed.
     ``tm``: the forward's chunk inverses ``Tm = (I + A)^-1`` (``[B, T, HV, 64]``, q's dtype, row i of a chunk at
-    its token, as the wy kernel writes them with ``store_t``), read instead of solved again; None: solved."""
+    its token, as the wy kernel writes them with ``store_t``), read instead of solved again; None: solved.
+    ``persist``: the persistent variant (default :func:`persist_default` where the loads are by cp.async and
+    no profile is asked for), a CTA per SM walking the tiles; the results are the same bits. ``persist_ctas``:
+    that many CTAs (clusters with the pair sum) instead of one an SM, for tests (several tiles a CTA)."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -916,11 +991,25 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     if profile is not None and (profile.dtype != torch.int64 or profile.device != dev
                                 or profile.numel() < grid * HV * (len(DCHUNK_PHASES) + 1)):
         raise ValueError(f"profile: int64 on {dev} with at least {grid * HV * (len(DCHUNK_PHASES) + 1)} elements")
+    async_loads = async_loads_default() if async_loads is None else bool(async_loads)
+    if persist is None:
+        persist = persist_default() and profile is None and async_loads
+    elif persist and (profile is not None or not async_loads):
+        raise ValueError("persist: the persistent variant loads by cp.async and has no profile variant")
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
-                           vn is not None, tm is not None)
+                           vn is not None, tm is not None, persist)
     prof = fwd._dummies(dev)[2] if profile is None else profile
+    pw = 2 if pair else 1
+    if persist_ctas is not None and (not persist or persist_ctas < 1):
+        raise ValueError(f"persist_ctas={persist_ctas}: a positive count, with persist")
+    if persist and not persist_ctas:  # a CTA per SM; with the pair sum as many two-CTA clusters as fit at once
+        from .gemm_sm90 import _max_clusters
+
+        sms = fwd_split.sm_count(dev)
+        persist_ctas = _max_clusters(dev, pw, sms) if pw > 1 else sms
+    nctas = min(grid * (HV // pw), persist_ctas) if persist else 1
     fn(q, k, v, gc, beta, do, dvn, hs, dH, dvn if vn is None else vn, dvn[..., :CHUNK] if tm is None else tm, cu,
        cu_chunks, dq, dk, dv, dg, db, float(scale),
-       T, NT, nseq, HV // H, grid,
+       T, NT, nseq, HV // H, grid, nctas,
        prof)
     return dq, dk, dv, dg, db

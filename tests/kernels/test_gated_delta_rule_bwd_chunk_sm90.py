@@ -42,7 +42,12 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     # and the forward's chunk inverses read instead of solved (CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD)
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True, vn_in=True, tm_in=True))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], tm_in=True))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 12
+    # the persistent variant (CUDNN_TRAIN_GDN_DCHUNK_PERSIST): the training path's call, K = 64 varlen, plain
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True, vn_in=True, tm_in=True,
+                                         persist=True))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True, tm_in=True, persist=True))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], persist=True))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 15
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -220,6 +225,39 @@ def test_chunk_gradients_async_loads_are_bitwise_the_synchronous_loads(case):
         assert torch.equal(a, b), f"{case}: {name} differs with the cp.async loads"
     if not case.startswith("pair"):
         _run(args, want, wgs=kw["wgs"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["pair_vn_tm", "varlen_64_vn_tm", "dense", "dense_one_tile_a_cta", "wgs4_vn",
+                                  "wgs1_tm"])
+def test_persistent_chunk_gradients_are_bitwise_the_per_tile_kernels(case):
+    """The persistent variant (a CTA per SM, or here a few, walking the tiles; each tile's inputs but k loaded
+    during the last two phases of the one before, k during the last) computes every tile as the per-tile
+    kernel does: every output bitwise equal, outputs allocated over NaN-filled memory. Several tiles a CTA
+    (``persist_ctas``), varlen with empty and one-token sequences, the pair sum, vn and / or Tm read, one,
+    two and four warpgroups (with and without the overlap variant)."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
+    pair = case.startswith("pair")
+    K = 64 if lens else 128
+    dt = torch.float16 if lens else torch.bfloat16
+    args, _, vn, tm = _case(1 if lens else 2, sum(lens) if lens else 300, 4, K, K, dt, lens=lens,
+                            H=2 if pair or lens else None, l2norm=lens is None, with_vn=True)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs4_vn": 4, "wgs1_tm": 1}.get(case))
+    if pair:
+        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+    kw.update(vn=vn if case.endswith("vn_tm") or case.endswith("_vn") else None,
+              tm=tm if case.endswith("_tm") else None)
+    want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, persist=False, **kw)
+    poison = torch.full((8 * v.numel(),), float("nan"), device=v.device)  # the caching allocator reuses it
+    del poison
+    ctas = None if case == "dense_one_tile_a_cta" else {"pair_vn_tm": 3, "varlen_64_vn_tm": 5, "wgs1_tm": 6}.get(case, 7)
+    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, persist=True, persist_ctas=ctas, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert torch.isfinite(a).all(), f"{case}: {name} has unwritten elements"
+        assert torch.equal(a, b), f"{case}: {name} differs in the persistent variant"
 
 
 # (case, what is read): the forward's vn (the training path's default), its chunk inverses Tm, or both
