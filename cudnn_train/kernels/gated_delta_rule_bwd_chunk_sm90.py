@@ -131,27 +131,29 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
 
     @cute.jit
     def next_inputs(ins, smem_in, u: Int32, nunits: Int32, by: Int32, ngrid: Int32, group: Int32, mCu: cute.Tensor,
-                    mCuC: cute.Tensor, T: Int32, NT: Int32, nseq: Int32, tidx: Int32, k_only: cutlass.Constexpr):
-        # PERSIST: tile unit u's inputs (if u < nunits) by cp.async as one group: k alone, or every other one
-        # (the tiles of the loads below), rows past the chunk's length zero; every thread commits a group
+                    mCuC: cute.Tensor, T: Int32, NT: Int32, nseq: Int32, tidx: Int32, part: cutlass.Constexpr):
+        # PERSIST: part of tile unit u's inputs (if u < nunits) by cp.async as one group, rows past the chunk's
+        # length zero: 0 q, Sc (and vn), read last in the dk phase; 1 v, do, dvn (and Tm), read last in the
+        # dTm / dA phase; 2 k, read last in dKK k. Every thread commits a group (empty past the last unit).
         if u < nunits:
             cid, hv, h = tile_of(u, by, ngrid, group)
             b, t0, tend, _ = locate(cid, mCu, mCuC, T, NT, nseq)
             length = cutlass.max(cutlass.min(tend - t0, C), 0)
             mQ, mK, mV, mDo, mDvn, mHs, mVnI, mTmI = ins
             sQ, sK, sV, sDo, sDvn, sVn, sS, sTm = smem_in
-            if cutlass.const_expr(k_only):
-                issue_tiles(((cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),), length, tidx)
-            else:
-                issue_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
-                             (cute.domain_offset((t0, 0), mV[b, None, hv, None]), sV, V, 0),
-                             (cute.domain_offset((t0, 0), mDo[b, None, hv, None]), sDo, V, 0),
-                             (cute.domain_offset((t0, 0), mDvn[b, None, hv, None]), sDvn, V, 0)), length, tidx)
+            if cutlass.const_expr(part == 0):
+                issue_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),), length, tidx)
                 issue_rows(((mHs[cid, hv, None, None], sS, V, 0),), K, tidx)
                 if cutlass.const_expr(VNIN):
                     issue_tiles(((cute.domain_offset((t0, 0), mVnI[b, None, hv, None]), sVn, V, 0),), length, tidx)
+            elif cutlass.const_expr(part == 1):
+                issue_tiles(((cute.domain_offset((t0, 0), mV[b, None, hv, None]), sV, V, 0),
+                             (cute.domain_offset((t0, 0), mDo[b, None, hv, None]), sDo, V, 0),
+                             (cute.domain_offset((t0, 0), mDvn[b, None, hv, None]), sDvn, V, 0)), length, tidx)
                 if cutlass.const_expr(TMIN):
                     issue_tiles(((cute.domain_offset((t0, 0), mTmI[b, None, hv, None]), sTm, C, 0),), length, tidx)
+            else:
+                issue_tiles(((cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),), length, tidx)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -368,8 +370,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         smem_in = (sQ, sK, sV, sDo, sDvn, sVn, sS, sTm)
         nunits = ngrid * (mV.shape[2] // PW)
         if cutlass.const_expr(PERSIST):  # the first tile's inputs
-            next_inputs(ins, smem_in, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq, tidx, False)
-            next_inputs(ins, smem_in, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq, tidx, True)
+            for part in cutlass.range_constexpr(3):
+                next_inputs(ins, smem_in, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq, tidx, part)
         for it in cutlass.range(niter, unroll=1):
             if cutlass.const_expr(PERSIST):
                 cid, hv, h = tile_of(bx + it * nctas, by, ngrid, group)
@@ -682,6 +684,10 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     accDvb[e] = accDvb[e] * bi
             row_sums(tmp, cCV, sDb, grp_cv, tidx, True)
             store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
+            if cutlass.const_expr(PERSIST):  # every warp is done with q, Sc / dH and vn: the next tile's
+                cute.arch.sync_threads()
+                next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
+                            tidx, 0)
 
             pmark(prof, 6)
             # ---- dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2
@@ -736,9 +742,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             cute.arch.sync_threads()
             if cutlass.const_expr(PAIR):
                 cute.arch.cluster_arrive()  # sT (dKK) read: the peer may send dk into it
-            if cutlass.const_expr(PERSIST):  # the next tile's inputs but k, into the tiles no longer read
+            if cutlass.const_expr(PERSIST):  # the next tile's v, do, dvn (and Tm), into the tiles no longer read
                 next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
-                            tidx, False)
+                            tidx, 1)
             pmark(prof, 7)
             mm(accDk, K, sX1, False, tv(sK), True, False)  # dk += (dKK + dKK^T) k
             done()
@@ -764,7 +770,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             cute.arch.sync_threads()
             if cutlass.const_expr(PERSIST):  # every thread is done with k: the next tile's
                 next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
-                            tidx, True)
+                            tidx, 2)
             # the tail and the reverse cumulative sum on warp 0: lane l holds rows 2l and 2l + 1
             if tidx < 32:
                 x0 = sDgc[0, 2 * tidx]
@@ -875,10 +881,11 @@ def async_loads_default() -> bool:
 
 def persist_default() -> bool:
     """``CUDNN_TRAIN_GDN_DCHUNK_PERSIST=1``: the persistent variant, a CTA per SM (a cluster of two per two
-    SMs with the pair sum) walking its tiles in turn, each tile's inputs but k loaded by ``cp.async`` into the
-    tiles the last two phases of the one before no longer read (k during the last one), so that the loads
-    (17-20% of a CTA's cycles in the profile) overlap work instead of starting every CTA. Prepared in the
-    tenth session, compiled, not yet GPU-run: off."""
+    SMs with the pair sum) walking its tiles in turn, the next tile's inputs loaded by ``cp.async`` during the
+    current one's last three phases, each into its tile as soon as that is no longer read (q, Sc, vn after the
+    dk phase; v, do, dvn, Tm after dTm / dA; k after the pair sums), so that the loads (17-20% of a CTA's
+    cycles in the profile) overlap work instead of starting every CTA. Prepared in the tenth session,
+    compiled, not yet GPU-run: off."""
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_PERSIST", False)
 
 

@@ -231,8 +231,8 @@ def test_chunk_gradients_async_loads_are_bitwise_the_synchronous_loads(case):
 @pytest.mark.parametrize("case", ["pair_vn_tm", "varlen_64_vn_tm", "dense", "dense_one_tile_a_cta", "wgs4_vn",
                                   "wgs1_tm"])
 def test_persistent_chunk_gradients_are_bitwise_the_per_tile_kernels(case):
-    """The persistent variant (a CTA per SM, or here a few, walking the tiles; each tile's inputs but k loaded
-    during the last two phases of the one before, k during the last) computes every tile as the per-tile
+    """The persistent variant (a CTA per SM, or here a few, walking the tiles; the next tile's inputs loaded
+    during the current one's last three phases) computes every tile as the per-tile
     kernel does: every output bitwise equal, outputs allocated over NaN-filled memory. Several tiles a CTA
     (``persist_ctas``), varlen with empty and one-token sequences, the pair sum, vn and / or Tm read, one,
     two and four warpgroups (with and without the overlap variant)."""
