@@ -118,16 +118,23 @@ def default_kw(H, HV, scale):
     return kw
 
 
+def compare_switch(x, kw, switch, rows, what):
+    """``chunk_grads`` with the keyword ``switch`` at each of ``rows`` ((label, value), the reference first):
+    every other value's outputs checked bitwise against the first's (``what`` names the claim), then each
+    timed."""
+    outs = [B3.chunk_grads(*x, **kw, **{switch: on}) for _, on in rows]
+    torch.cuda.synchronize()
+    same = all(torch.equal(u, w) for other in outs[1:] for u, w in zip(outs[0], other))
+    print(f"{what}: {same}")
+    for name, on in rows:
+        print(f"  {name:22s} {bench(lambda: B3.chunk_grads(*x, **kw, **{switch: on}), warmup=10, rep=50):.3f} ms")
+
+
 def loads(x, B, T, H, HV, scale):
     """The default call with its loads by cp.async (three groups, each waited for where first read)
     against the synchronous loads: bitwise the same outputs, then the two timings."""
-    kw = default_kw(H, HV, scale)
-    a, b = (B3.chunk_grads(*x, async_loads=on, **kw) for on in (True, False))
-    torch.cuda.synchronize()
-    same = all(torch.equal(u, w) for u, w in zip(a, b))
-    print(f"B{B} T{T} H{H} HV{HV}: cp.async loads bitwise the synchronous loads: {same}")
-    for name, on in (("synchronous loads", False), ("cp.async loads", True)):
-        print(f"  {name:22s} {bench(lambda: B3.chunk_grads(*x, async_loads=on, **kw), warmup=10, rep=50):.3f} ms")
+    compare_switch(x, default_kw(H, HV, scale), "async_loads", (("synchronous loads", False), ("cp.async loads", True)),
+                   f"B{B} T{T} H{H} HV{HV}: cp.async loads bitwise the synchronous loads")
 
 
 def vn_rows(x, B, T, H, HV, scale):
@@ -154,12 +161,8 @@ def persist_rows(x, B, T, H, HV, scale):
     against the persistent variant: bitwise the same outputs, then the two timings."""
     kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
               tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
-    a, b = (B3.chunk_grads(*x, persist=on, **kw) for on in (False, True))
-    torch.cuda.synchronize()
-    same = all(torch.equal(u, w) for u, w in zip(a, b))
-    print(f"B{B} T{T} H{H} HV{HV}: persistent variant bitwise the per-tile kernel: {same}")
-    for name, on in (("per tile", False), ("persistent", True)):
-        print(f"  {name:22s} {bench(lambda: B3.chunk_grads(*x, persist=on, **kw), warmup=10, rep=50):.3f} ms")
+    compare_switch(x, kw, "persist", (("per tile", False), ("persistent", True)),
+                   f"B{B} T{T} H{H} HV{HV}: persistent variant bitwise the per-tile kernel")
 
 
 def profile(x, B, T, H, HV, scale):
