@@ -36,8 +36,7 @@ Backends (op ``chunk_gated_delta_rule``), in order:
 * ``cutedsl``: the SM90 kernels (``kernels/gated_delta_rule_*_sm90.py``): calls without
   gradients (path ``cutedsl:sm90``) and with them (``cutedsl:sm90-train``: see
   ``kernels/gated_delta_rule_train_sm90.py``), except those the next backend is faster for: FLA
-  when it would hand the call to FlashQLA, and with FLA installed K or V = 64 (not yet timed
-  against it); ``CUDNN_TRAIN_GDN_SM90_FWD`` / ``CUDNN_TRAIN_GDN_SM90_TRAIN`` = 1 / 0 force it
+  when it would hand the call to FlashQLA; ``CUDNN_TRAIN_GDN_SM90_FWD`` / ``CUDNN_TRAIN_GDN_SM90_TRAIN`` = 1 / 0 force it
   (``kernels/gated_delta_rule_fwd_sm90.cutedsl_backend``). A backend receives
   exactly the keyword arguments of :func:`_torch_backend` and returns ``(o, final_state)``
   carrying its own autograd.

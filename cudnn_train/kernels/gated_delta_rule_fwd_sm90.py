@@ -1155,21 +1155,18 @@ def fla_takes(q, initial_state, chunk_size) -> bool:
             and (initial_state is None or initial_state.dtype == torch.float32) and q.shape[1] > 0)
 
 
-def peer_is_faster(q, v, *, fla_next: bool, fla_ok: bool, flash_qla: bool, host_read: bool) -> str | None:
+def peer_is_faster(*, fla_next: bool, fla_ok: bool, flash_qla: bool, host_read: bool) -> str | None:
     """Why the op's next backend should serve this call rather than these kernels, or None. Only FLA can
     be faster, and only where it comes next (``fla_next``: not left out of a forced backend list), would
-    serve the call (``fla_ok``: :func:`fla_takes`) and would not read ``cu_seqlens`` on the host during
-    a CUDA-graph capture (``host_read``). H200, K = V = 128 (docs/PERFORMANCE.md, tenth session):
-    FlashQLA, where FLA hands the call to it (``flash_qla``: :func:`flash_qla_takes`), is faster than us
-    (forward 0.65 vs 0.81 ms, forward+backward 2.04 vs 2.79 at B4 T4096 H16 HV32); FLA's own kernels are
-    slower (0.91 and 3.84 ms); at K or V = 64 we have not timed FLA, so FLA keeps those calls. Otherwise
-    the next backend is the torch one, far slower: these kernels serve."""
-    if not (fla_next and fla_ok) or host_read:
-        return None
-    if flash_qla:
+    serve the call (``fla_ok``: :func:`fla_takes`), would not read ``cu_seqlens`` on the host during a
+    CUDA-graph capture (``host_read``) and would hand it to FlashQLA (``flash_qla``: :func:`flash_qla_takes`),
+    which is faster than us on the H200 (docs/PERFORMANCE.md, tenth session: forward 0.65 vs 0.81 ms,
+    forward+backward 2.04 vs 2.79 at B4 T4096 H16 HV32, K = V = 128). FLA's own kernels are slower at every
+    call timed (eleventh session, B4 T4096 H16 HV32: K = V = 128 forward 0.91 vs 0.81 ms, forward+backward
+    3.84 vs 2.79; with the layers' in-kernel gate and beta sigmoid 1.69 vs 0.79 and 4.53 vs 2.80; K = V = 64
+    0.63 vs 0.50 and 3.27 vs 1.83), and the torch backend is far slower: these kernels serve."""
+    if fla_next and fla_ok and flash_qla and not host_read:
         return "FlashQLA (through FLA) is faster on SM90 for this call"
-    if q.shape[-1] != 128 or v.shape[-1] != 128:
-        return f"K={q.shape[-1]}, V={v.shape[-1]}: not yet timed against FLA's kernels"
     return None
 
 
@@ -1180,9 +1177,8 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
 
     A call that needs gradients goes to the training path (``gated_delta_rule_train_sm90``), one
     without to the forward kernels, unless the op's next backend is faster for it
-    (:func:`peer_is_faster`: FLA when it would hand the call to FlashQLA, and at head dims not yet
-    timed against FLA); ``CUDNN_TRAIN_GDN_SM90_TRAIN`` / ``CUDNN_TRAIN_GDN_SM90_FWD`` = 1 serve
-    every call the kernels can, = 0 none (:func:`serve_switch`). ``cu_seqlens`` values are trusted
+    (:func:`peer_is_faster`: FLA when it would hand the call to FlashQLA); ``CUDNN_TRAIN_GDN_SM90_TRAIN`` /
+    ``CUDNN_TRAIN_GDN_SM90_FWD`` = 1 serve every call the kernels can, = 0 none (:func:`serve_switch`). ``cu_seqlens`` values are trusted
     as FLA does (never read on the host; ``cu_seqlens_cpu`` is not needed). A half-precision initial
     state is read as float32.
     """
@@ -1205,7 +1201,7 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
             use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
             allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens, scale=scale)
         host_read = cu_seqlens is not None and cu_seqlens_cpu is None and torch.cuda.is_current_stream_capturing()
-        why = peer_is_faster(q, v, fla_next=fla_next, fla_ok=fla_ok, flash_qla=fq, host_read=host_read)
+        why = peer_is_faster(fla_next=fla_next, fla_ok=fla_ok, flash_qla=fq, host_read=host_read)
         if why is not None:
             raise Unsupported(f"{why} ({env}=1 serves it here)")
     if initial_state is not None and initial_state.dtype in (torch.float16, torch.bfloat16):

@@ -159,8 +159,7 @@ def test_training_path_matches_autograd_of_the_torch_op(monkeypatch, name, varle
 def test_the_serve_switches_and_the_peer_rule(monkeypatch):
     """CUDNN_TRAIN_GDN_SM90_TRAIN / _FWD: unset leaves the call to the peer rule, 1 / true serve, anything else
     does not; the rule declines only to FLA, only where FLA comes next and would take the call (no host
-    read of cu_seqlens during a graph capture): when FLA would hand it to FlashQLA, or at head dims not
-    timed against FLA."""
+    read of cu_seqlens during a graph capture), and only when FLA would hand it to FlashQLA."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     for name in (tr.OPT_IN, F90.FWD_OPT_IN):
@@ -169,15 +168,10 @@ def test_the_serve_switches_and_the_peer_rule(monkeypatch):
         for val, want in (("1", True), ("true", True), ("0", False), ("off", False), (" ", None)):
             monkeypatch.setenv(name, val)
             assert F90.serve_switch(name) is want, (name, val)
-    q, v = torch.zeros(1, 2, 1, 128), torch.zeros(1, 2, 2, 128)
     rule = dict(fla_next=True, fla_ok=True, flash_qla=True, host_read=False)
-    assert "FlashQLA" in F90.peer_is_faster(q, v, **rule)
+    assert "FlashQLA" in F90.peer_is_faster(**rule)
     for off in ({"fla_next": False}, {"fla_ok": False}, {"host_read": True}, {"flash_qla": False}):
-        assert F90.peer_is_faster(q, v, **{**rule, **off}) is None, off
-    assert "K=64" in F90.peer_is_faster(q[..., :64], v, **{**rule, "flash_qla": False})
-    assert "V=64" in F90.peer_is_faster(q, v[..., :64], **{**rule, "flash_qla": False})
-    for off in ({"fla_next": False}, {"fla_ok": False}, {"host_read": True}):
-        assert F90.peer_is_faster(q[..., :64], v, **{**rule, "flash_qla": False, **off}) is None, off
+        assert F90.peer_is_faster(**{**rule, **off}) is None, off
 
 
 def test_fla_takes_mirrors_the_fla_backends_declines(monkeypatch):

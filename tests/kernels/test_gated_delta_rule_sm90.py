@@ -622,8 +622,8 @@ def test_forward_is_bitwise_reproducible():
 def test_op_dispatch_leaves_a_call_to_flashqla_only(grad, monkeypatch):
     """Unset switches: the op serves a call on these kernels unless FLA would hand it to FlashQLA (faster;
     FlashQLABackend spied on); FLA_FLASH_QLA=0 or the in-kernel gate flags (FlashQLA rejects them) bring it
-    here; the switch at 1 serves it here, at 0 sends it on. Outputs (and gradients) of the plain call against
-    the oracle and the next backend's each time."""
+    here, as does K = V = 64; the switch at 1 serves it here, at 0 sends it on. Outputs (and gradients) of
+    the plain call against the oracle and the next backend's each time."""
     import importlib.util
 
     from cudnn_train import last_path
@@ -666,6 +666,9 @@ def test_op_dispatch_leaves_a_call_to_flashqla_only(grad, monkeypatch):
         A_log, dt_bias = torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")
         chunk_gated_delta_rule(q, k, v, g, torch.randn_like(beta), use_qk_l2norm_in_kernel=True,
                                use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+        assert last_path("chunk_gated_delta_rule") == ours and len(ran) == (1 if flashqla else 0)
+        # K = V = 64: FlashQLA does not take it, FLA's own kernels are slower (eleventh session): ours
+        chunk_gated_delta_rule(*(t[..., :64].contiguous() for t in (q, k, v)), g, beta, use_qk_l2norm_in_kernel=True)
         assert last_path("chunk_gated_delta_rule") == ours and len(ran) == (1 if flashqla else 0)
         monkeypatch.setenv("FLA_FLASH_QLA", "0")  # FLA keeps the call on its own kernels: slower than ours
         outs.append(run())
