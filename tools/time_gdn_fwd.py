@@ -4,7 +4,7 @@ the whole forward as chosen and with each state pass forced, and FLA's forward i
 also the wy and state kernels on two warpgroups (the wy kernel's default at K = V = 128; the state
 kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
-    python3 tools/time_gdn_fwd.py [--shapes N] [--profile]
+    python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only]
 
 K = V = 128, bf16, ``use_qk_l2norm_in_kernel=True``, no initial or final state (the benchmark's
 setting). Each line: median ms of ``triton.testing.do_bench`` (L2 cleared before every call)
@@ -35,6 +35,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="per-phase cycles from the profile variants")
+    ap.add_argument("--wy-only", action="store_true",
+                    help="only the wy kernel at its default warpgroups: its time and (with --profile) its phases")
     args = ap.parse_args()
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fwd
@@ -50,14 +52,34 @@ def main():
         g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
         beta = torch.rand(B, T, HV, device=dev, dtype=torch.bfloat16)
         fl = flops(B, T, HV)
-        wy = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,
-                               False, 1.0, False, wgs=1)
         w = torch.empty(B, T, HV, K, device=dev, dtype=torch.bfloat16)
         u = torch.empty(B, T, HV, V, device=dev, dtype=torch.bfloat16)
         gc = torch.empty(B, T, HV, device=dev)
         f32, i32, i64 = F90._dummies(q.device)
         cu, cuc, rows, NT = F90.chunk_map(None, B, T, q.device)
         group = HV // H
+        if args.wy_only:  # the default preparation (scan) against the serial one, outputs compared, then times
+            outs = {}
+            for scan in (True, False):
+                wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
+                                        False, False, 1.0, False, scan=scan)
+                ws, us, gcs = torch.empty_like(w), torch.empty_like(u), torch.empty_like(gc)
+                fn = (lambda wyd=wyd, ws=ws, us=us, gcs=gcs:
+                      wyd(k, v, g, beta, f32, f32, cu, cuc, ws, us, gcs, ws[..., :64], T, NT, B, group, rows, i64))
+                fn()
+                torch.cuda.synchronize()
+                outs[scan] = (fn, ws, us, gcs)
+            errs = ", ".join(f"{n} {rel_l2(a.float(), b.float()):.1e}" for n, a, b in zip("wu", outs[True][1:3],
+                                                                                           outs[False][1:3]))
+            print(f"\nB{B} T{T} H{H} HV{HV}: wy scan prep vs serial: {errs}, gc {rel_l2(outs[True][3], outs[False][3]):.1e}")
+            for scan in (True, False, True, False):
+                print(f"  wy kernel (default warpgroups), scan={scan}: {bench(outs[scan][0], 10, 40):.3f} ms")
+            if args.profile:
+                profile_wy(k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group)
+            continue
+
+        wy = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,
+                               False, 1.0, False, wgs=1)
 
         def run_wy():
             wy(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
@@ -159,17 +181,24 @@ def _report(title, buf, phases, ctas, per=1):
         print(f"    {name:34s} {cyc / per:10,.0f} cycles  {100 * cyc / total:5.1f}%")
 
 
-def profile(q, k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group, d4, outs):
-    """The profile variants once each; their outputs must equal the plain kernels' (``outs``)."""
-    B, T, H, K = q.shape
+def profile_wy(k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group):
+    """The wy kernel's profile variant (default warpgroups) once: mean cycles a CTA per phase."""
+    B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     wyp = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,
                             False, 1.0, False, profile=True)
     ctas = rows * HV
-    buf = torch.zeros(ctas * (len(F90.WY_PHASES) + 1), dtype=torch.int64, device=q.device)
+    buf = torch.zeros(ctas * (len(F90.WY_PHASES) + 1), dtype=torch.int64, device=k.device)
     wyp(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, buf)
     torch.cuda.synchronize()
     _report("wy kernel", buf, F90.WY_PHASES, ctas)
+
+
+def profile(q, k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group, d4, outs):
+    """The profile variants once each; their outputs must equal the plain kernels' (``outs``)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    profile_wy(k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=q.dtype)
     for pf in (True, False):
         stp = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=pf,

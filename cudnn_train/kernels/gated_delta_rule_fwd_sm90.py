@@ -17,7 +17,8 @@ tokens use the WY/UT form: with ``gc`` the in-chunk cumulative sum of g,
 
 Kernel 1, ``wy`` (grid: chunk x HV, one warpgroup): loads the chunk's k, v, g,
 beta; fuses the gate (``-exp(A_log) softplus(g + dt_bias)``), the beta sigmoid,
-the in-chunk cumsum and the k l2norm (as per-row scale factors, so k stays as
+the in-chunk cumsum (one warp, two rows a lane, a shuffle scan) and the k l2norm
+(as per-row scale factors taken from the diagonal of ``k k^T``, so k stays as
 loaded); ``k k^T`` on WGMMA; the triangular solve in float32 on CUDA cores
 (16x16 diagonal blocks by forward substitution, merged 16 -> 32 -> 64 with
 ``X = -T2 A21 T1``); then ``w`` and ``u`` as two WGMMAs whose A operands are T
@@ -99,6 +100,11 @@ STATE_WGS = os.environ.get("CUDNN_TRAIN_GDN_FWD_WGS", "").strip()
 # The same for the wy kernel (CUDNN_TRAIN_GDN_WY_WGS), at K = V = 128: 2 by default there (H200, B4 T4096
 # H16 HV32: 0.341 ms against 0.356 on one warpgroup, w, u, gc bitwise equal; tools/time_gdn_fwd.py).
 WY_WGS = os.environ.get("CUDNN_TRAIN_GDN_WY_WGS", "2").strip() or "2"
+# The wy kernel's preparation (CUDNN_TRAIN_GDN_WY_SCAN, default 1): one warp takes g and beta two rows a lane
+# (gate, sigmoid) and forms the in-chunk cumsum by a shuffle scan, and the k l2norm factors come from the
+# diagonal of the k k^T product the kernel makes anyway, instead of 64 threads each summing up to 64 g values
+# and 64 more each reducing a k row (28% of a CTA's cycles in the eleventh session's profile). 0: the old way.
+WY_SCAN = env_flag("CUDNN_TRAIN_GDN_WY_SCAN", True)
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -120,8 +126,9 @@ def _empty(*shape, dtype, device):
 # ------------------------------------------------------------------ shared device code
 
 # Phases timed by the kernels' profile variants (``tools/time_gdn_fwd.py --profile``)
-WY_PHASES = ("k, v tiles + g, beta loads", "cumsum + k norms", "k k^T + A", "triangular solve",
-             "scaled T copies", "w, u products", "w, u stores")
+WY_PHASES = (("k, v tiles + g, beta loads, cumsum", "k k^T + norms from its diagonal", "A") if WY_SCAN else
+             ("k, v tiles + g, beta loads", "cumsum + k norms", "k k^T + A")) + (
+    "triangular solve", "scaled T copies", "w, u products", "w, u stores")
 STATE_PHASES = ("chunk loads (wait)", "S w, S q, q k^T (+ norms)", "vn, P, scalings", "o, state products",
                 "o stores")
 
@@ -327,7 +334,7 @@ def _make_issue_chunk(dtype, K: int, VB: int, threads: int = THREADS):
 
 def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int, l2norm: bool, gate: bool,
               has_dt_bias: bool, beta_sigmoid: bool, beta_scale: float, varlen: bool, profile: bool = False,
-              WGS: int = 1, STORE_T: bool = False):
+              WGS: int = 1, STORE_T: bool = False, SCAN: bool = True):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -365,6 +372,21 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
 
     solve = cm.make_solve(THREADS)
     locate = cm.make_chunk_locator(varlen)
+
+    @cute.jit
+    def gate_beta(gval: Float32, bval: Float32, mAlog: cute.Tensor, mDtb: cute.Tensor, hv: Int32):
+        # the in-kernel gate (FLA's: -exp(A_log) softplus(g + dt_bias), softplus = x for x >= 20) and beta sigmoid
+        if cutlass.const_expr(gate):
+            x = gval
+            if cutlass.const_expr(has_dt_bias):
+                x = x + mDtb[hv].to(Float32)
+            sp = x
+            if x < 20.0:
+                sp = cute.math.log1p(cute.math.exp(x))
+            gval = -cute.math.exp(mAlog[hv].to(Float32)) * sp
+        if cutlass.const_expr(beta_sigmoid):
+            bval = beta_scale / (1.0 + cute.math.exp(-bval))
+        return gval, bval
 
     @cute.kernel
     def kernel(
@@ -410,48 +432,79 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
             gW = cute.domain_offset((t0, 0), mW[b, None, hv, None])
             gU = cute.domain_offset((t0, 0), mU[b, None, hv, None])
             gTm = cute.domain_offset((t0, 0), mTm[b, None, hv, None])
-            # g and beta first, so that their loads are in flight with the tiles'
-            gval = Float32(0.0)
-            bval = Float32(0.0)
-            if tidx < length:
-                gval = mG[b, t0 + tidx, hv].to(Float32)
-                bval = mBeta[b, t0 + tidx, hv].to(Float32)
-            load_tiles(((gK, sK, K), (gV, sV, V)), length, tidx)
-            if tidx < C:
+            if cutlass.const_expr(SCAN):
+                # g and beta of rows 2l, 2l + 1 in lane l of warp 0, first, so that their loads are in
+                # flight with the tiles'; padded rows keep g = 0, so gc stays flat past the end
+                r0 = 2 * tidx
+                g0, g1, b0, b1 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+                if tidx < C // 2:
+                    if r0 < length:
+                        g0 = mG[b, t0 + r0, hv].to(Float32)
+                        b0 = mBeta[b, t0 + r0, hv].to(Float32)
+                    if r0 + 1 < length:
+                        g1 = mG[b, t0 + r0 + 1, hv].to(Float32)
+                        b1 = mBeta[b, t0 + r0 + 1, hv].to(Float32)
+                load_tiles(((gK, sK, K), (gV, sV, V)), length, tidx)
+                if tidx < C // 2:
+                    if r0 < length:
+                        g0, b0 = gate_beta(g0, b0, mAlog, mDtb, hv)
+                    if r0 + 1 < length:
+                        g1, b1 = gate_beta(g1, b1, mAlog, mDtb, hv)
+                    # in-chunk inclusive cumsum: the lanes' pair sums scanned across the warp
+                    incl = g0 + g1
+                    for o in cutlass.range_constexpr(5):
+                        prev = cute.arch.shuffle_sync_up(incl, offset=1 << o)
+                        if tidx >= (1 << o):
+                            incl = incl + prev
+                    before = cute.arch.shuffle_sync_up(incl, offset=1)  # the pairs of the lanes before this one
+                    if tidx == 0:
+                        before = Float32(0.0)
+                    gc0 = before + g0
+                    gc1 = gc0 + g1
+                    sGc[r0] = gc0
+                    sGc[r0 + 1] = gc1
+                    sB[r0] = b0
+                    sB[r0 + 1] = b1
+                    if r0 < length:
+                        mGc[b, t0 + r0, hv] = gc0
+                    if r0 + 1 < length:
+                        mGc[b, t0 + r0 + 1, hv] = gc1
+                cute.arch.fence_view_async_shared()  # the k tile's stores, before the k k^T product reads it
+                cute.arch.sync_threads()
+                pmark(prof, 0)
+            else:
+                # g and beta first, so that their loads are in flight with the tiles'
+                gval = Float32(0.0)
+                bval = Float32(0.0)
                 if tidx < length:
-                    if cutlass.const_expr(gate):
-                        x = gval
-                        if cutlass.const_expr(has_dt_bias):
-                            x = x + mDtb[hv].to(Float32)
-                        # softplus with FLA's threshold: x for x >= 20
-                        sp = x
-                        if x < 20.0:
-                            sp = cute.math.log1p(cute.math.exp(x))
-                        gval = -cute.math.exp(mAlog[hv].to(Float32)) * sp
-                    if cutlass.const_expr(beta_sigmoid):
-                        bval = beta_scale / (1.0 + cute.math.exp(-bval))
-                sG[tidx] = gval
-                sB[tidx] = bval
-            cute.arch.sync_threads()
-            pmark(prof, 0)
-            if tidx < C:
-                # in-chunk inclusive cumsum (padded rows have g = 0, so gc stays flat past the end)
-                acc = Float32(0.0)
-                for j in cutlass.range_constexpr(C):
-                    if j <= tidx:
-                        acc = acc + sG[j]
-                sGc[tidx] = acc
-                if tidx < length:
-                    mGc[b, t0 + tidx, hv] = acc
-            elif tidx < 2 * C:
-                r = tidx - C
-                rk = Float32(1.0)
-                if cutlass.const_expr(l2norm):
-                    rk = wy_row_inv_norm(sK, r)
-                sRk[r] = rk
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()
-            pmark(prof, 1)
+                    gval = mG[b, t0 + tidx, hv].to(Float32)
+                    bval = mBeta[b, t0 + tidx, hv].to(Float32)
+                load_tiles(((gK, sK, K), (gV, sV, V)), length, tidx)
+                if tidx < C:
+                    if tidx < length:
+                        gval, bval = gate_beta(gval, bval, mAlog, mDtb, hv)
+                    sG[tidx] = gval
+                    sB[tidx] = bval
+                cute.arch.sync_threads()
+                pmark(prof, 0)
+                if tidx < C:
+                    # in-chunk inclusive cumsum (padded rows have g = 0, so gc stays flat past the end)
+                    acc = Float32(0.0)
+                    for j in cutlass.range_constexpr(C):
+                        if j <= tidx:
+                            acc = acc + sG[j]
+                    sGc[tidx] = acc
+                    if tidx < length:
+                        mGc[b, t0 + tidx, hv] = acc
+                elif tidx < 2 * C:
+                    r = tidx - C
+                    rk = Float32(1.0)
+                    if cutlass.const_expr(l2norm):
+                        rk = wy_row_inv_norm(sK, r)
+                    sRk[r] = rk
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+                pmark(prof, 1)
 
             # ---- A = strictly_lower(beta_i rk_i rk_j k_i.k_j exp(gc_i - gc_j))
             thr_kk = mma_kk.get_slice(tidx)
@@ -461,6 +514,15 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             cA = thr_kk.partition_C(cute.make_identity_tensor((C, C)))
+            if cutlass.const_expr(SCAN and l2norm):
+                # the l2norm factors from the diagonal k_i.k_i (one thread holds each element)
+                for e in cutlass.range_constexpr(cute.size(accA)):
+                    i, j = cA[e]
+                    if i == j:
+                        sRk[i] = cute.math.rsqrt(accA[e] + L2NORM_EPS)
+                cute.arch.sync_threads()
+            if cutlass.const_expr(SCAN):
+                pmark(prof, 1)
             for e in cutlass.range_constexpr(cute.size(accA)):
                 i, j = cA[e]
                 a = Float32(0.0)
@@ -858,15 +920,17 @@ def _wgs_choice(env: str, value: str, wgs, K: int, V: int) -> int:
 
 
 def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2norm, gate, has_dt_bias,
-                  beta_sigmoid, beta_scale, varlen, profile=False, wgs=None, store_t=False):
+                  beta_sigmoid, beta_scale, varlen, profile=False, wgs=None, store_t=False, scan=None):
     wgs = _wgs_choice("CUDNN_TRAIN_GDN_WY_WGS", WY_WGS, wgs, K, V)
+    scan = WY_SCAN if scan is None else bool(scan)
     key = ("wy", str(dtype), str(g_dtype), str(beta_dtype), str(alog_dtype), str(dtb_dtype), K, V, bool(l2norm),
            bool(gate), bool(has_dt_bias), bool(beta_sigmoid), float(beta_scale), bool(varlen)) + (
-           ("profile",) if profile else ()) + ((("wgs", wgs),) if wgs != 1 else ()) + (("store_t",) if store_t else ())
+           ("profile",) if profile else ()) + ((("wgs", wgs),) if wgs != 1 else ()) + (("store_t",) if store_t else ()) + (
+           () if scan else ("no_scan",))
 
     def build():
         return _build_wy(_dt(dtype), _dt(g_dtype), _dt(beta_dtype), _dt(alog_dtype), _dt(dtb_dtype), K, V, l2norm,
-                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile), wgs, bool(store_t))
+                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile), wgs, bool(store_t), scan)
 
     return kc.get_kernel("gdn_fwd_wy", key, build, _SOURCES)
 

@@ -49,8 +49,11 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = WY_VARIANTS[0]
     assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
                                       K, V, l2, gate, dtb, sig, bscale, varlen, store_t=True))
+    # its serial preparation (CUDNN_TRAIN_GDN_WY_SCAN=0)
+    assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
+                                      K, V, l2, gate, dtb, sig, bscale, varlen, scan=False))
     objs = sorted(p.name for p in tmp_path.rglob("*.o"))
-    assert len(objs) == len(WY_VARIANTS) + 1 + 2 * len(STATE_VARIANTS), objs
+    assert len(objs) == len(WY_VARIANTS) + 2 + 2 * len(STATE_VARIANTS), objs
     # another process loads them from disk without compiling
     kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0]))
@@ -601,6 +604,46 @@ def test_two_warpgroup_wy_kernel_matches_one_warpgroup(case, monkeypatch, poison
         assert err < 1e-5, f"{case}: {name} differs from the one-warpgroup kernel's by {err:.2e}"
     if not extra:
         ref_o, ref_h = oracle(q, k, v, g, beta, 128**-0.5, h0, cu, l2norm=True)
+        _check("o", outs[1][0].float(), ref_o, None)
+        _check("final_state", outs[1][1], ref_h, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen_gate_sigmoid_k64", "no_l2norm_fp16"])
+def test_wy_scan_preparation_matches_the_serial_one(case, monkeypatch, poisoned):
+    """The wy kernel's default preparation (one warp: g, beta, the in-chunk cumsum by a shuffle scan; the k
+    l2norm factors from the k k^T diagonal) against the serial one (CUDNN_TRAIN_GDN_WY_SCAN=0): the sums
+    differ only in order, so gc agrees to float32 rounding and w, u, o to a few input-dtype roundings; o
+    and the final state meet the oracle under the FLA-compat rule."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    cu, extra, K, dtype, l2 = None, {}, 128, torch.bfloat16, True
+    if case == "varlen_gate_sigmoid_k64":
+        K = 64
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, K, dtype, nseq=len(lengths), raw_gate=True,
+                                       beta_logits=True)
+        extra = dict(use_gate_in_kernel=True, A_log=torch.log(torch.empty(4, device="cuda").uniform_(1, 16)),
+                     dt_bias=torch.randn(4, device="cuda"), use_beta_sigmoid_in_kernel=True)
+    else:
+        if case == "no_l2norm_fp16":
+            dtype, l2 = torch.float16, False
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, K, dtype, l2norm=l2)
+    orig = F90.get_wy_kernel
+    outs = []
+    for scan in (False, True):
+        monkeypatch.setattr(F90, "get_wy_kernel", lambda *a, scan=scan, **kw: orig(*a, **{**kw, "scan": scan}))
+        o, ht, (w, u, gc) = F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                        use_qk_l2norm_in_kernel=l2, cu_seqlens=cu, return_intermediates=True,
+                                        **extra).value
+        outs.append((o, ht, w, u, gc))
+    for name, a, b in zip(("o", "final_state", "w", "u", "gc"), outs[1], outs[0]):
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the scan variant did not write"
+        err = rel_l2(a.float(), b.float())
+        assert err < (1e-6 if name == "gc" else 2e-3), f"{case}: {name} differs from the serial prep's by {err:.2e}"
+    if not extra:
+        ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=l2)
         _check("o", outs[1][0].float(), ref_o, None)
         _check("final_state", outs[1][1], ref_h, None)
 
