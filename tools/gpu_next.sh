@@ -30,6 +30,12 @@
 #                                   # cases and the demo test, then the GPU demo on the defaults (DEMO_S, steps)
 #   bash tools/gpu_next.sh s13      # stage 3's persistent variant (CUDNN_TRAIN_GDN_DCHUNK_PERSIST): its bitwise cases,
 #                                   # then time_gdn_dchunk.py --persist; the re-reviewed dispatch cases (s12's)
+#   bash tools/gpu_next.sh s14      # the eleventh session: the dispatch cases (K = V = 64 now ours), the op's host cost
+#                                   # (tools/diag_gdn_host.py at K 128 / 64), the wy kernel's time and phases, then
+#                                   # bench_gdn at K = V = 64 (BENCH_S limit)
+#   bash tools/gpu_next.sh s15      # the wy kernel's scan preparation (CUDNN_TRAIN_GDN_WY_SCAN): its cases, the forward
+#                                   # cases through it, the dispatch cases; its timing vs the serial prep and phases;
+#                                   # the op's host cost under cProfile (GDN_S limit of the tier)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -232,6 +238,18 @@ s13)
   tier s13 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_sm90.py \
     -k "persistent or dispatch or backend_function"
   timed time_persist ${TIME_S:-100} python3 tools/time_gdn_dchunk.py --shapes 2 --persist ;;
+s14)
+  tier s14 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py -k "dispatch_leaves"
+  for hd in 128 64; do timed host$hd 120 python3 tools/diag_gdn_host.py --head-dim $hd; done
+  timed wy 120 python3 tools/time_gdn_fwd.py --shapes 1 --wy-only --profile
+  timeout -k 10 ${BENCH_S:-300} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --shapes 2 \
+    --head-dim 64 --json $OUT/bench_gdn64.json > $OUT/bench_gdn64.log 2>&1
+  echo "bench_gdn rc=$?"; grep -vE "^\s*$" $OUT/bench_gdn64.log | tail -n 12 | cut -c1-300 ;;
+s15)
+  tier s15 ${GDN_S:-280} tests/kernels/test_gated_delta_rule_sm90.py -k "wy_scan or two_warpgroup_wy or \
+forward_matches_oracle or forward_varlen or in_kernel_gate or head_dims or chunk_inverses or dispatch_leaves"
+  timed wy 150 python3 tools/time_gdn_fwd.py --shapes 2 --wy-only --profile
+  timed hostprof 100 python3 tools/diag_gdn_host.py --cprofile --calls 30 ;;
 ssplit)
   # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the
   # default, then (SPLIT_TRAIN=1) the training tier's kernel half with it on
