@@ -24,9 +24,14 @@ import torch.nn.functional as F
 
 from benchmarks.common import bench
 from cudnn_train import last_path
-from cudnn_train.backend import get_op
+from cudnn_train.backend import get_op, use_backend
 from cudnn_train.fused import gated_delta_rule as G
 from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+
+def forced(fn):
+    with use_backend("fla"):
+        return fn()
 
 
 def host_us(fn, calls: int) -> float:
@@ -58,9 +63,19 @@ def main() -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
 
     fla_fn = getattr(fla_fn, "_cudnn_train_original", fla_fn)
+    # the keyword arguments the op's fla backend passes FLA (every one explicit)
+    op_kw = dict(scale=K ** -0.5, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                 use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                 allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, chunk_size=64, cu_seqlens_cpu=None)
+    fla_kw = {n: x for n, x in op_kw.items() if n not in ("use_gate_in_kernel", "A_log", "dt_bias")}
     paths = {
         "op": lambda: G.chunk_gated_delta_rule(q, k, v, g, beta, **kw),
         "fla direct": lambda: fla_fn(q, k, v, g, beta, **kw),
+        # where an op call's extra host time goes: FLA with the op's explicit arguments, the op's fla
+        # backend function alone, the op forced onto its fla backend (no cutedsl decline)
+        "fla, op's kwargs": lambda: fla_fn(q=q, k=k, v=v, g=g, beta=beta, **fla_kw),
+        "fla backend fn": lambda: G._fla_backend(q, k, v, g, beta, **op_kw),
+        "op, fla forced": lambda: forced(lambda: G.chunk_gated_delta_rule(q, k, v, g, beta, **kw)),
         "cutedsl direct": lambda: F90.forward(q, k, v, g, beta, **kw),
     }
     print(f"B{B} T{T} H{H} HV{HV} K=V={K}, bf16, forward, no gradients")

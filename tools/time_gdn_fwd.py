@@ -58,11 +58,11 @@ def main():
         f32, i32, i64 = F90._dummies(q.device)
         cu, cuc, rows, NT = F90.chunk_map(None, B, T, q.device)
         group = HV // H
-        if args.wy_only:  # the default preparation (scan) against the serial one, outputs compared, then times
+        if args.wy_only:  # the scan preparation against the serial one and with cp.async tile loads, then times
             outs = {}
-            for scan in (True, False):
+            for scan in (True, False, "async"):
                 wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
-                                        False, False, 1.0, False, scan=scan)
+                                        False, False, 1.0, False, scan=bool(scan), async_loads=scan == "async")
                 ws, us, gcs = torch.empty_like(w), torch.empty_like(u), torch.empty_like(gc)
                 fn = (lambda wyd=wyd, ws=ws, us=us, gcs=gcs:
                       wyd(k, v, g, beta, f32, f32, cu, cuc, ws, us, gcs, ws[..., :64], T, NT, B, group, rows, i64))
@@ -72,7 +72,9 @@ def main():
             errs = ", ".join(f"{n} {rel_l2(a.float(), b.float()):.1e}" for n, a, b in zip("wu", outs[True][1:3],
                                                                                            outs[False][1:3]))
             print(f"\nB{B} T{T} H{H} HV{HV}: wy scan prep vs serial: {errs}, gc {rel_l2(outs[True][3], outs[False][3]):.1e}")
-            for scan in (True, False, True, False):
+            same = all(torch.equal(a, b) for a, b in zip(outs["async"][1:], outs[True][1:]))
+            print(f"  cp.async tile loads bitwise the synchronous ones (w, u, gc): {same}")
+            for scan in (True, False, "async", True, False, "async"):
                 print(f"  wy kernel (default warpgroups), scan={scan}: {bench(outs[scan][0], 10, 40):.3f} ms")
             if args.profile:
                 profile_wy(k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group)

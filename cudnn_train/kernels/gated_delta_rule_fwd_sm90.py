@@ -105,6 +105,10 @@ WY_WGS = os.environ.get("CUDNN_TRAIN_GDN_WY_WGS", "2").strip() or "2"
 # diagonal of the k k^T product the kernel makes anyway, instead of 64 threads each summing up to 64 g values
 # and 64 more each reducing a k row (28% of a CTA's cycles in the eleventh session's profile). 0: the old way.
 WY_SCAN = env_flag("CUDNN_TRAIN_GDN_WY_SCAN", True)
+# With the scan preparation, the k and v tiles by cp.async (CUDNN_TRAIN_GDN_WY_ASYNC=1), in flight while warp 0
+# forms g, beta and the cumsum, instead of through registers before it (bitwise the same outputs). Prepared
+# in the eleventh session, compiled, not yet GPU-run: off.
+WY_ASYNC = env_flag("CUDNN_TRAIN_GDN_WY_ASYNC", False)
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -334,7 +338,7 @@ def _make_issue_chunk(dtype, K: int, VB: int, threads: int = THREADS):
 
 def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int, l2norm: bool, gate: bool,
               has_dt_bias: bool, beta_sigmoid: bool, beta_scale: float, varlen: bool, profile: bool = False,
-              WGS: int = 1, STORE_T: bool = False, SCAN: bool = True):
+              WGS: int = 1, STORE_T: bool = False, SCAN: bool = True, ASYNC: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -345,6 +349,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     A_STRIDE = cm.A_STRIDE
 
     load_tiles = _make_load_tiles(C, THREADS)
+    issue_tiles = make_issue_tiles(dtype, C, THREADS)
     gemm = cm.make_gemm()
     wy_row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
 
@@ -434,7 +439,8 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
             gTm = cute.domain_offset((t0, 0), mTm[b, None, hv, None])
             if cutlass.const_expr(SCAN):
                 # g and beta of rows 2l, 2l + 1 in lane l of warp 0, first, so that their loads are in
-                # flight with the tiles'; padded rows keep g = 0, so gc stays flat past the end
+                # flight with the tiles'; padded rows keep g = beta = 0 (their gc, flat up to rounding,
+                # only ever meets beta = 0 here, and the state pass repeats the last valid row's)
                 r0 = 2 * tidx
                 g0, g1, b0, b1 = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
                 if tidx < C // 2:
@@ -444,7 +450,11 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                     if r0 + 1 < length:
                         g1 = mG[b, t0 + r0 + 1, hv].to(Float32)
                         b1 = mBeta[b, t0 + r0 + 1, hv].to(Float32)
-                load_tiles(((gK, sK, K), (gV, sV, V)), length, tidx)
+                if cutlass.const_expr(ASYNC):
+                    issue_tiles(((gK, sK, K, 0), (gV, sV, V, 0)), length, tidx)
+                    cute.arch.cp_async_commit_group()
+                else:
+                    load_tiles(((gK, sK, K), (gV, sV, V)), length, tidx)
                 if tidx < C // 2:
                     if r0 < length:
                         g0, b0 = gate_beta(g0, b0, mAlog, mDtb, hv)
@@ -469,6 +479,8 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                         mGc[b, t0 + r0, hv] = gc0
                     if r0 + 1 < length:
                         mGc[b, t0 + r0 + 1, hv] = gc1
+                if cutlass.const_expr(ASYNC):
+                    cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_view_async_shared()  # the k tile's stores, before the k k^T product reads it
                 cute.arch.sync_threads()
                 pmark(prof, 0)
@@ -920,17 +932,20 @@ def _wgs_choice(env: str, value: str, wgs, K: int, V: int) -> int:
 
 
 def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2norm, gate, has_dt_bias,
-                  beta_sigmoid, beta_scale, varlen, profile=False, wgs=None, store_t=False, scan=None):
+                  beta_sigmoid, beta_scale, varlen, profile=False, wgs=None, store_t=False, scan=None,
+                  async_loads=None):
     wgs = _wgs_choice("CUDNN_TRAIN_GDN_WY_WGS", WY_WGS, wgs, K, V)
     scan = WY_SCAN if scan is None else bool(scan)
+    async_loads = scan and (WY_ASYNC if async_loads is None else bool(async_loads))  # cp.async: scan prep only
     key = ("wy", str(dtype), str(g_dtype), str(beta_dtype), str(alog_dtype), str(dtb_dtype), K, V, bool(l2norm),
            bool(gate), bool(has_dt_bias), bool(beta_sigmoid), float(beta_scale), bool(varlen)) + (
            ("profile",) if profile else ()) + ((("wgs", wgs),) if wgs != 1 else ()) + (("store_t",) if store_t else ()) + (
-           () if scan else ("no_scan",))
+           () if scan else ("no_scan",)) + (("async",) if async_loads else ())
 
     def build():
         return _build_wy(_dt(dtype), _dt(g_dtype), _dt(beta_dtype), _dt(alog_dtype), _dt(dtb_dtype), K, V, l2norm,
-                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile), wgs, bool(store_t), scan)
+                         gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile), wgs, bool(store_t), scan,
+                         async_loads)
 
     return kc.get_kernel("gdn_fwd_wy", key, build, _SOURCES)
 

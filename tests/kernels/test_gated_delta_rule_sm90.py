@@ -34,6 +34,8 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(F90, "WY_SCAN", True)  # the defaults, whatever the environment says
+    monkeypatch.setattr(F90, "WY_ASYNC", False)
     if not torch.cuda.is_available():
         assert kc.target_arch() == "sm_90a"
     kc.clear_memory_cache()
@@ -49,11 +51,13 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = WY_VARIANTS[0]
     assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
                                       K, V, l2, gate, dtb, sig, bscale, varlen, store_t=True))
-    # its serial preparation (CUDNN_TRAIN_GDN_WY_SCAN=0)
-    assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
-                                      K, V, l2, gate, dtb, sig, bscale, varlen, scan=False))
+    # its serial preparation (CUDNN_TRAIN_GDN_WY_SCAN=0) and its cp.async tile loads (CUDNN_TRAIN_GDN_WY_ASYNC=1)
+    for extra in (dict(scan=False), dict(async_loads=True)):
+        assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None,
+                                          torch.float32 if dtb else None, K, V, l2, gate, dtb, sig, bscale, varlen,
+                                          **extra))
     objs = sorted(p.name for p in tmp_path.rglob("*.o"))
-    assert len(objs) == len(WY_VARIANTS) + 2 + 2 * len(STATE_VARIANTS), objs
+    assert len(objs) == len(WY_VARIANTS) + 3 + 2 * len(STATE_VARIANTS), objs
     # another process loads them from disk without compiling
     kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0]))
@@ -631,13 +635,15 @@ def test_wy_scan_preparation_matches_the_serial_one(case, monkeypatch, poisoned)
             dtype, l2 = torch.float16, False
         q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, K, dtype, l2norm=l2)
     orig = F90.get_wy_kernel
-    outs = []
+    outs, fns = [], []
     for scan in (False, True):
-        monkeypatch.setattr(F90, "get_wy_kernel", lambda *a, scan=scan, **kw: orig(*a, **{**kw, "scan": scan}))
+        monkeypatch.setattr(F90, "get_wy_kernel",
+                            lambda *a, scan=scan, **kw: fns.append(orig(*a, **{**kw, "scan": scan})) or fns[-1])
         o, ht, (w, u, gc) = F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                         use_qk_l2norm_in_kernel=l2, cu_seqlens=cu, return_intermediates=True,
                                         **extra).value
         outs.append((o, ht, w, u, gc))
+    assert fns[0] is not fns[-1], "the two runs took the same wy kernel"
     for name, a, b in zip(("o", "final_state", "w", "u", "gc"), outs[1], outs[0]):
         assert torch.isfinite(a).all(), f"{case}: {name} has elements the scan variant did not write"
         err = rel_l2(a.float(), b.float())
@@ -646,6 +652,46 @@ def test_wy_scan_preparation_matches_the_serial_one(case, monkeypatch, poisoned)
         ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=l2)
         _check("o", outs[1][0].float(), ref_o, None)
         _check("final_state", outs[1][1], ref_h, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen_gate_sigmoid_k64", "store_t_fp16"])
+def test_wy_async_loads_are_bitwise_the_synchronous_ones(case, monkeypatch, poisoned):
+    """The wy kernel's k and v tiles by cp.async (CUDNN_TRAIN_GDN_WY_ASYNC=1) land in the same shared tiles
+    as the synchronous loads before any product reads them: w, u, gc (and the stored Tm) bitwise equal,
+    over NaN-filled outputs (a missing wait shows as stale tiles; rows past a sequence's end only ever meet
+    beta = 0, so their zero fill is not what this checks)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    cu, extra, K, dtype, store = None, {}, 128, torch.bfloat16, False
+    if case == "varlen_gate_sigmoid_k64":
+        K = 64
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, K, dtype, nseq=len(lengths), raw_gate=True,
+                                       beta_logits=True)
+        extra = dict(use_gate_in_kernel=True, A_log=torch.log(torch.empty(4, device="cuda").uniform_(1, 16)),
+                     dt_bias=torch.randn(4, device="cuda"), use_beta_sigmoid_in_kernel=True)
+    else:
+        if case == "store_t_fp16":
+            dtype, store = torch.float16, True
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, K, dtype)
+    orig = F90.get_wy_kernel
+    outs, fns = [], []
+    for async_loads in (False, True):
+        monkeypatch.setattr(F90, "get_wy_kernel", lambda *a, al=async_loads, **kw: fns.append(
+            orig(*a, **{**kw, "scan": True, "async_loads": al})) or fns[-1])
+        r = F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                        cu_seqlens=cu, return_intermediates=True, store_states=store, keep_tm=store, **extra).value
+        o, ht, inter = r
+        named = {"o": o, "final_state": ht, "w": inter[0], "u": inter[1], "gc": inter[2]}
+        if store:
+            named["Tm"] = inter[5]
+        outs.append(named)
+    assert fns[0] is not fns[-1], "the two runs took the same wy kernel"
+    for name, a in outs[1].items():
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the kernels did not write"
+        assert torch.equal(a, outs[0][name]), f"{case}: {name} differs with cp.async loads"
 
 
 @pytest.mark.gpu
