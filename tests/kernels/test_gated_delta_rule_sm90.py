@@ -612,6 +612,36 @@ def test_two_warpgroup_wy_kernel_matches_one_warpgroup(case, monkeypatch, poison
         _check("final_state", outs[1][1], ref_h, None)
 
 
+def _wy_case(case):
+    """Inputs of the wy-variant cases: ``(q, k, v, g, beta, h0, cu, flags, l2norm)``. ``varlen_gate_sigmoid_k64``:
+    K = V = 64, sequences of 0, 1 and odd lengths, raw gate and beta logits with the in-kernel gate and
+    sigmoid; otherwise K = V = 128, B 2, T 333, fp16 for ``*_fp16``, no l2norm for ``no_l2norm_*``."""
+    if case == "varlen_gate_sigmoid_k64":
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        flags = dict(use_gate_in_kernel=True, A_log=torch.log(torch.empty(4, device="cuda").uniform_(1, 16)),
+                     dt_bias=torch.randn(4, device="cuda"), use_beta_sigmoid_in_kernel=True)
+        return (*_inputs(1, sum(lengths), 2, 4, 64, 64, torch.bfloat16, nseq=len(lengths), raw_gate=True,
+                         beta_logits=True), cu, flags, True)
+    l2 = not case.startswith("no_l2norm")
+    dtype = torch.float16 if case.endswith("fp16") else torch.bfloat16
+    return (*_inputs(2, 333, 2, 4, 128, 128, dtype, l2norm=l2), None, {}, l2)
+
+
+def _per_wy_variant(monkeypatch, variants, run):
+    """``run()`` once with each dict of ``get_wy_kernel`` overrides; asserts the runs took different kernels."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    orig = F90.get_wy_kernel
+    outs, fns = [], []
+    for over in variants:
+        monkeypatch.setattr(F90, "get_wy_kernel",
+                            lambda *a, over=over, **kw: fns.append(orig(*a, **{**kw, **over})) or fns[-1])
+        outs.append(run())
+    assert fns[0] is not fns[-1], "the runs took the same wy kernel"
+    return outs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "varlen_gate_sigmoid_k64", "no_l2norm_fp16"])
 def test_wy_scan_preparation_matches_the_serial_one(case, monkeypatch, poisoned):
@@ -621,34 +651,21 @@ def test_wy_scan_preparation_matches_the_serial_one(case, monkeypatch, poisoned)
     and the final state meet the oracle under the FLA-compat rule."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    cu, extra, K, dtype, l2 = None, {}, 128, torch.bfloat16, True
-    if case == "varlen_gate_sigmoid_k64":
-        K = 64
-        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, K, dtype, nseq=len(lengths), raw_gate=True,
-                                       beta_logits=True)
-        extra = dict(use_gate_in_kernel=True, A_log=torch.log(torch.empty(4, device="cuda").uniform_(1, 16)),
-                     dt_bias=torch.randn(4, device="cuda"), use_beta_sigmoid_in_kernel=True)
-    else:
-        if case == "no_l2norm_fp16":
-            dtype, l2 = torch.float16, False
-        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, K, dtype, l2norm=l2)
-    orig = F90.get_wy_kernel
-    outs, fns = [], []
-    for scan in (False, True):
-        monkeypatch.setattr(F90, "get_wy_kernel",
-                            lambda *a, scan=scan, **kw: fns.append(orig(*a, **{**kw, "scan": scan})) or fns[-1])
+    q, k, v, g, beta, h0, cu, flags, l2 = _wy_case(case)
+
+    def run():
         o, ht, (w, u, gc) = F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                         use_qk_l2norm_in_kernel=l2, cu_seqlens=cu, return_intermediates=True,
-                                        **extra).value
-        outs.append((o, ht, w, u, gc))
-    assert fns[0] is not fns[-1], "the two runs took the same wy kernel"
+                                        **flags).value
+        return o, ht, w, u, gc
+
+    outs = _per_wy_variant(monkeypatch, [dict(scan=False), dict(scan=True)], run)
     for name, a, b in zip(("o", "final_state", "w", "u", "gc"), outs[1], outs[0]):
         assert torch.isfinite(a).all(), f"{case}: {name} has elements the scan variant did not write"
         err = rel_l2(a.float(), b.float())
         assert err < (1e-6 if name == "gc" else 2e-3), f"{case}: {name} differs from the serial prep's by {err:.2e}"
-    if not extra:
+    if not flags:
+        K = q.shape[-1]
         ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=l2)
         _check("o", outs[1][0].float(), ref_o, None)
         _check("final_state", outs[1][1], ref_h, None)
@@ -663,32 +680,17 @@ def test_wy_async_loads_are_bitwise_the_synchronous_ones(case, monkeypatch, pois
     beta = 0, so their zero fill is not what this checks)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    cu, extra, K, dtype, store = None, {}, 128, torch.bfloat16, False
-    if case == "varlen_gate_sigmoid_k64":
-        K = 64
-        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, K, dtype, nseq=len(lengths), raw_gate=True,
-                                       beta_logits=True)
-        extra = dict(use_gate_in_kernel=True, A_log=torch.log(torch.empty(4, device="cuda").uniform_(1, 16)),
-                     dt_bias=torch.randn(4, device="cuda"), use_beta_sigmoid_in_kernel=True)
-    else:
-        if case == "store_t_fp16":
-            dtype, store = torch.float16, True
-        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, K, dtype)
-    orig = F90.get_wy_kernel
-    outs, fns = [], []
-    for async_loads in (False, True):
-        monkeypatch.setattr(F90, "get_wy_kernel", lambda *a, al=async_loads, **kw: fns.append(
-            orig(*a, **{**kw, "scan": True, "async_loads": al})) or fns[-1])
-        r = F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                        cu_seqlens=cu, return_intermediates=True, store_states=store, keep_tm=store, **extra).value
-        o, ht, inter = r
-        named = {"o": o, "final_state": ht, "w": inter[0], "u": inter[1], "gc": inter[2]}
-        if store:
-            named["Tm"] = inter[5]
-        outs.append(named)
-    assert fns[0] is not fns[-1], "the two runs took the same wy kernel"
+    q, k, v, g, beta, h0, cu, flags, l2 = _wy_case(case)
+    store = case.startswith("store_t")
+
+    def run():
+        o, ht, inter = F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=l2, cu_seqlens=cu, return_intermediates=True,
+                                   store_states=store, keep_tm=store, **flags).value
+        return {"o": o, "final_state": ht, "w": inter[0], "u": inter[1], "gc": inter[2],
+                **({"Tm": inter[5]} if store else {})}
+
+    outs = _per_wy_variant(monkeypatch, [dict(scan=True, async_loads=False), dict(scan=True, async_loads=True)], run)
     for name, a in outs[1].items():
         assert torch.isfinite(a).all(), f"{case}: {name} has elements the kernels did not write"
         assert torch.equal(a, outs[0][name]), f"{case}: {name} differs with cp.async loads"
