@@ -77,11 +77,12 @@ def main() -> None:
         "fla backend fn": lambda: G._fla_backend(q, k, v, g, beta, **op_kw),
         "op, fla forced": lambda: forced(lambda: G.chunk_gated_delta_rule(q, k, v, g, beta, **kw)),
         "cutedsl direct": lambda: F90.forward(q, k, v, g, beta, **kw),
+        "op (again)": lambda: G.chunk_gated_delta_rule(q, k, v, g, beta, **kw),  # an order effect, if any
     }
     print(f"B{B} T{T} H{H} HV{HV} K=V={K}, bf16, forward, no gradients")
     for name, fn in paths.items():
         gpu = bench(fn, 10, 40)
-        served = f"  (served by {last_path('chunk_gated_delta_rule')})" if name == "op" else ""
+        served = f"  (served by {last_path('chunk_gated_delta_rule')})" if name.startswith("op") else ""
         print(f"  {name:16s} bench {gpu:.3f} ms   host {host_us(fn, args.calls):8.1f} us a call{served}", flush=True)
     scale = K ** -0.5
     pieces = {
