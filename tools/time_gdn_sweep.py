@@ -3,11 +3,13 @@ splitting every product's N, each with the next chunk's loads in flight (cp.asyn
 with synchronous loads, on the same inputs, as the training path calls it (bf16 dvn and dH rows,
 l2norm in kernel, no final-state gradient).
 
-    python3 tools/time_gdn_sweep.py [--shapes N] [--split-only]
+    python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile]
 
 Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 32 and
 64; opt-in ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1``) against the default; ``--split-only``: the default and the
-split rows only.
+split rows only. ``--profile``: only the fused kernel's profile variant (``clock64`` sums per phase,
+``SWEEP_PHASES`` of the kernel module, thread 0 of every CTA), its outputs checked against the plain
+kernel's, printed as mean cycles a CTA and chunk.
 
 Before timing, the variants' outputs are compared with the default's (relative L2; the prefetch
 must not change a bit). Each line: median ms of
@@ -30,6 +32,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", type=int, default=2)
     ap.add_argument("--split-only", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="only the fused kernel's profile variant at its defaults: cycles a CTA and chunk per phase")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         K = V = 128
@@ -58,6 +62,10 @@ def main():
                 else:
                     os.environ["CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB"] = old
 
+        if args.profile:
+            profile(run, lambda buf: B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
+                                                       out_dtype=dt, profile=buf), B, T, HV, V, NT)
+            continue
         variants = (("one warpgroup, prefetch", 1, True), ("one warpgroup, sync loads", 1, False),
                     ("two warpgroups, prefetch", 2, True), ("two warpgroups, sync loads", 2, False))
         default = run(None, None)  # the fused kernel's defaults (split=False)
@@ -80,6 +88,22 @@ def main():
             print(f"B{B} T{T} H{H} HV{HV}: {name} vs one warpgroup, prefetch: {diffs}")
         for name, wgs, pf in variants:
             print(f"  {name:28s} {bench(lambda: run(wgs, pf), warmup=10, rep=50):.3f} ms")
+
+
+def profile(run, run_profiled, B, T, HV, V, NT):
+    """The fused sweep's profile variant once (the training path's call, default warpgroups and loads); its
+    outputs must equal the plain kernel's, then the mean cycles a CTA spends in each phase, per chunk."""
+    ctas = B * HV * (V // B90.VBLOCK)
+    buf = torch.zeros(ctas * (len(B90.SWEEP_PHASES) + 1), dtype=torch.int64, device="cuda")
+    plain = run(None, None, False)
+    prof = run_profiled(buf)
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(plain, prof))
+    tab = buf.view(ctas, -1).double().mean(0).tolist()
+    print(f"B{B} T{T} HV{HV}: sweep profile variant's outputs equal the plain kernel's: {same}; "
+          f"{tab[-1] / NT:,.0f} cycles a CTA and chunk (mean over {ctas} CTAs)")
+    for name, cyc in zip(B90.SWEEP_PHASES, tab):
+        print(f"    {name:40s} {cyc / NT:10,.0f} cycles  {100 * cyc / tab[-1]:5.1f}%")
 
 
 if __name__ == "__main__":

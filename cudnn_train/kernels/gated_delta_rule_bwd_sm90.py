@@ -55,11 +55,14 @@ from . import gated_delta_rule_fwd_sm90 as fwd
 
 CHUNK = cm.CHUNK
 VBLOCK = fwd.VBLOCK
+# Phases timed by the profile variant (``tools/time_gdn_sweep.py --profile``), summed over a CTA's chunks
+SWEEP_PHASES = ("chunk wait (+ l2norm rows, do_s)", "dH store, dH^T k^T, q k^T, do_s^T q", "dvn scaling, P",
+                "do^T P", "dvn stores, -dvn^T", "dvn^T w")
 _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
 def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None,
-                  WGS: int = 1, PREFETCH: bool = False):
+                  WGS: int = 1, PREFETCH: bool = False, PROFILE: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -86,12 +89,14 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     def kernel(
         mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor, mDHT: cute.Tensor,
         mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, group: Int32,
+        scale: Float32, T: Int32, NT: Int32, group: Int32, mProf: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
         h = hv // group
         v0 = vb * VB
+        pstart, pmark, pfinish = fwd.make_profile(PROFILE, len(SWEEP_PHASES))
+        prof = pstart()
 
         # with WGS warpgroups every product's N is split between them (make_mma(wgs=)); the two
         # products whose A is an accumulator of the previous step (dH^T, then -dvn^T) then take it
@@ -168,6 +173,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     t0 = ts + ci * C
                     length = cutlass.min(te - t0, C)
                     sW, sDo, sGc = sWb[par], sDob[par], sGcb[par]
+                    pmark(prof, -1)
                     if cutlass.const_expr(PREFETCH):
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.fence_view_async_shared()
@@ -194,6 +200,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                             sDHt[sv, sd] = accD[e].to(dtype)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()
+                    pmark(prof, 0)
 
                     # ---- dH^T k^T, q k^T, and the q term of the update: dH^T <- e^(gc_C) dH^T + do_s^T q
                     # (dH^T k^T reads dH^T before it, in the input dtype: rD, or sDHt)
@@ -213,6 +220,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     gemm(mma_q, accD, tAdos, tBqt, False)  # dH^T += do_s^T q
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
+                    pmark(prof, 1)
 
                     for e in cutlass.range_constexpr(cute.size(accX)):
                         _, xi = cX[e]
@@ -224,6 +232,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     store_p(accP, cP, sP, sGc, sRq, sRk, scale)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # P visible to the async proxy; every product on q, k is done
+                    pmark(prof, 2)
                     if cutlass.const_expr(PREFETCH):  # q, k of chunk cr + 1 (this chunk is done with them)
                         if cr + 1 < nchunks:
                             issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
@@ -232,6 +241,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     gemm(mma_t, accX, tAdob[par], tBpt, False)  # dvn^T += do^T P
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
+                    pmark(prof, 3)
 
                     for e in cutlass.range_constexpr(cute.size(accX)):
                         xv, xi = cX[e]
@@ -246,21 +256,24 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                             sVd[xv, xi] = (-accX[e]).to(dtype)
                         cute.arch.fence_view_async_shared()
                         cute.arch.sync_threads()
+                    pmark(prof, 4)
                     gemm(mma_s, accD, rVd, tBwtb[par], False)  # dH^T -= dvn^T w
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
+                    pmark(prof, 5)
 
         store_state(accD, cS, mDH0, n, hv, v0, state_vk)
+        pfinish(prof, mProf, (n * cute.arch.grid_dim()[1] + hv) * cute.arch.grid_dim()[2] + vb, tidx)
 
     @cute.jit
     def host(
         mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor, mDHT: cute.Tensor,
         mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, stream,
+        scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, mProf: cute.Tensor, stream,
     ):
         _static_checks(dtype, K, WGS)
         HV = mW.shape[2]
-        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group).launch(
+        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, mProf).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
         )
 
@@ -268,7 +281,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     args = (
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.any3(Float32), f.rows4(dtype, V), f.state(),
         f.rows4(odt, V), f.state(odt), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
-        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
@@ -296,15 +309,15 @@ def prefetch_default() -> bool:
 
 
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
-                      prefetch=None):
+                      prefetch=None, profile=False):
     prefetch = prefetch_default() if prefetch is None else bool(prefetch)
     key = ("dstate", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk)) + (
         () if out_dtype == torch.float32 else (str(out_dtype),)) + (() if wgs == 1 else (("wgs", wgs),)) + (
-        ("prefetch",) if prefetch else ())
+        ("prefetch",) if prefetch else ()) + (("profile",) if profile else ())
 
     def build():
         return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs,
-                             prefetch)
+                             prefetch, bool(profile))
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 
@@ -332,7 +345,7 @@ def split_default(nseq: int, HV: int, V: int, device) -> bool:
 
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
                   cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None,
-                  prefetch: bool | None = None, split: bool | None = None):
+                  prefetch: bool | None = None, split: bool | None = None, profile: torch.Tensor | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
@@ -341,7 +354,10 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     ``state_v_first``). ``wgs``: warpgroups per CTA (default ``CUDNN_TRAIN_GDN_SWEEP_WGS``, else
     :func:`warpgroups`; 2 at K = 128 splits every product's N); ``prefetch``: the next chunk's loads
     in flight during this one (default :func:`prefetch_default`); ``split``: the split pair of kernels
-    (default :func:`split_default`; served with ``out_dtype`` the input dtype, else the fused kernel runs)."""
+    (default :func:`split_default`; served with ``out_dtype`` the input dtype, else the fused kernel runs).
+    ``profile``: an int64 tensor of at least N x HV x V/64 x (len(SWEEP_PHASES) + 1) elements: runs the fused
+    kernel's profile variant (never the split pair), which writes thread 0's clock64 cycles per phase,
+    summed over the CTA's chunks, and the CTA's total (``tools/time_gdn_sweep.py --profile``)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -353,7 +369,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
     dev = q.device
-    f32_dummy, _, _ = fwd._dummies(dev)
+    f32_dummy, _, i64_dummy = fwd._dummies(dev)
     cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     if out_dtype not in (torch.float32, q.dtype):
         raise Unsupported(f"out_dtype {out_dtype} (float32 or q's dtype)")
@@ -370,9 +386,14 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     from . import gated_delta_rule_bwd_split_sm90 as sp
 
     split = (split_default(nseq, HV, V, dev) if split is None else bool(split)) and sp.serves(out_dtype, q.dtype)
+    if profile is not None:
+        need = nseq * HV * (V // VBLOCK) * (len(SWEEP_PHASES) + 1)
+        if profile.dtype != torch.int64 or profile.device != dev or profile.numel() < need:
+            raise ValueError(f"profile: int64 on {dev} with at least {need} elements")
+        split = False
     if not split:
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
-                               out_dtype, wgs, prefetch)
+                               out_dtype, wgs, prefetch, profile is not None)
     if T == 0 or nseq == 0:
         if dht is None:
             dh0.zero_()
@@ -384,5 +405,5 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
                  use_qk_l2norm_in_kernel, state_v_first, HV // H, nseq)
         return dvn, dH, dh0
     fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1) if dht is None else dht, dvn, dH, dh0, cu, cu_chunks,
-       float(scale), T, NT, HV // H, nseq)
+       float(scale), T, NT, HV // H, nseq, i64_dummy if profile is None else profile)
     return dvn, dH, dh0

@@ -30,7 +30,9 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     # (CUDNN_TRAIN_GDN_SWEEP_PREFETCH=0)
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], wgs=2))
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=not B90.prefetch_default()))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 2
+    # the training path's call, profile variant (tools/time_gdn_sweep.py --profile)
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], profile=True))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 3
 
 
 @pytest.mark.compile
