@@ -39,7 +39,8 @@
 #   bash tools/gpu_next.sh s16      # prepared in the eleventh session: the wy kernel's cp.async tile loads
 #                                   # (CUDNN_TRAIN_GDN_WY_ASYNC): bitwise cases + the scan cases, timing against the
 #                                   # synchronous loads and both profiles; then the op's host cost split by path;
-#                                   # then the reverse sweep's per-phase profile (time_gdn_sweep.py --profile)
+#                                   # then the reverse sweep's per-phase profile (time_gdn_sweep.py --profile);
+#                                   # then stage 3 at K = V = 64 on one warpgroup against two (--k64)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -255,11 +256,13 @@ forward_matches_oracle or forward_varlen or in_kernel_gate or head_dims or chunk
   timed wy 150 python3 tools/time_gdn_fwd.py --shapes 2 --wy-only --profile
   timed hostprof 100 python3 tools/diag_gdn_host.py --cprofile --calls 30 ;;
 s16)
-  tier s16 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py -k "wy_async or wy_scan"
+  tier s16 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+    -k "wy_async or wy_scan or (forwards_values and wgs2)"
   timed wy 150 python3 tools/time_gdn_fwd.py --shapes 2 --wy-only --profile
   CUDNN_TRAIN_GDN_WY_ASYNC=1 timed wy_async 100 python3 tools/time_gdn_fwd.py --shapes 1 --wy-only --profile
   timed host 150 python3 tools/diag_gdn_host.py
-  timed sweep_prof 120 python3 tools/time_gdn_sweep.py --shapes 2 --profile ;;
+  timed sweep_prof 120 python3 tools/time_gdn_sweep.py --shapes 2 --profile
+  timed dchunk64 150 python3 tools/time_gdn_dchunk.py --shapes 2 --k64 ;;
 ssplit)
   # the split reverse sweep (opt-in CUDNN_TRAIN_GDN_SWEEP_SPLIT=1): its GPU cases, its timing against the
   # default, then (SPLIT_TRAIN=1) the training tier's kernel half with it on

@@ -3,7 +3,7 @@ four warpgroups splitting every product's N, with and without the overlap varian
 two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs per q/k head) against
 the default call plus the training path's sum pass, on the same inputs.
 
-    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn] [--persist]
+    python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn] [--persist] [--k64]
 
 ``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
@@ -12,7 +12,9 @@ makes it) with its loads by cp.async against synchronous loads (outputs checked 
 default call with a vn read (``chunk_grads(vn=...)``, random: the timing does not depend on its values)
 against recomputing it, and with the chunk inverses read too (``tm=``), then the reading variants' profiles.
 ``--persist``: only the training path's call (vn and Tm read) per tile against the persistent variant
-(``persist=True``; outputs checked bitwise).
+(``persist=True``; outputs checked bitwise). ``--k64``: only K = V = 64, the training path's call (pair sum,
+vn and Tm read) on one warpgroup (the default there) against two (outputs compared, relative L2), then the
+two timings.
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -60,8 +62,12 @@ def main():
     ap.add_argument("--loads", action="store_true", help="only cp.async against synchronous loads")
     ap.add_argument("--vn", action="store_true", help="only the forward's vn read against recomputed")
     ap.add_argument("--persist", action="store_true", help="only the persistent variant against the per-tile one")
+    ap.add_argument("--k64", action="store_true", help="only K = V = 64: one warpgroup against two")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
+        if args.k64:
+            k64_rows(B, T, H, HV)
+            continue
         x = inputs(B, T, H, HV)
         scale = 128**-0.5
 
@@ -163,6 +169,23 @@ def persist_rows(x, B, T, H, HV, scale):
               tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
     compare_switch(x, kw, "persist", (("per tile", False), ("persistent", True)),
                    f"B{B} T{T} H{H} HV{HV}: persistent variant bitwise the per-tile kernel")
+
+
+def k64_rows(B, T, H, HV):
+    """K = V = 64, the training path's call (pair sum, vn and Tm read; random: the timing does not depend on
+    their values) on one warpgroup against two (their row sums differ in order: relative L2), then timings."""
+    x = inputs(B, T, H, HV, K=64, V=64)
+    kw = dict(default_kw(H, HV, 64**-0.5), vn=torch.randn_like(x[2]),
+              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+    one, two = (B3.chunk_grads(*x, **kw, wgs=w) for w in (1, 2))
+    torch.cuda.synchronize()
+    diffs = ", ".join(f"{n} {rel_l2(b.float(), a.float()):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"),
+                                                                                   one, two))
+    print(f"B{B} T{T} H{H} HV{HV} K=V=64: two warpgroups vs one: {diffs}")
+    fl = bwd_flops(B, T, HV, 64, 64)
+    for w in (1, 2, 1, 2):
+        ms = bench(lambda: B3.chunk_grads(*x, **kw, wgs=w), warmup=10, rep=50)
+        print(f"  {w} warpgroup(s) {ms:.3f} ms  {fl / ms / 1e9:.1f} TFLOP/s (backward model)")
 
 
 def profile(x, B, T, H, HV, scale):

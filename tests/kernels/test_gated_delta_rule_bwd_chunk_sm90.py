@@ -263,7 +263,9 @@ def test_persistent_chunk_gradients_are_bitwise_the_per_tile_kernels(case):
 # (case, what is read): the forward's vn (the training path's default), its chunk inverses Tm, or both
 FORWARD_VALUE_CASES = [("T300", "vn"), ("T65", "vn"), ("T1_fp16", "vn"), ("wgs1", "vn"), ("wgs4", "vn"),
                        ("varlen_64", "vn"), ("pair", "vn"), ("T300", "vn_tm"), ("T65", "tm"), ("T1_fp16", "vn_tm"),
-                       ("wgs1_sync", "vn_tm"), ("wgs4", "tm"), ("varlen_64", "vn_tm"), ("pair", "vn_tm")]
+                       ("wgs1_sync", "vn_tm"), ("wgs4", "tm"), ("varlen_64", "vn_tm"), ("pair", "vn_tm"),
+                       # K = 64 on two warpgroups, as the training path would call it there (not yet the default)
+                       ("varlen_64_wgs2", "vn_tm"), ("pair64_wgs2", "vn_tm")]
 
 
 @pytest.mark.gpu
@@ -276,19 +278,19 @@ def test_chunk_gradients_with_the_forwards_values(case, reads):
     synchronous loads; at T300 with Tm, a Tm off by a factor of two must show (the kernel does read it)."""
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
-    lens = [1, 63, 130, 64, 0, 7] if case == "varlen_64" else None
+    lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen_64") else None
     T = {"T65": 65, "T1_fp16": 1}.get(case, 300) if lens is None else sum(lens)
-    K = 64 if lens else 128
+    K = 64 if lens or case.startswith("pair64") else 128
     dt = torch.float16 if case.endswith("fp16") or lens else torch.bfloat16
-    pair = case == "pair"
+    pair = case.startswith("pair")
     args, want, vn, tm = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2 if pair or lens else None,
                                l2norm=lens is None, with_vn=True)
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
-    wgs = 1 if case.startswith("wgs1") else (4 if case == "wgs4" else None)
+    wgs = 1 if case.startswith("wgs1") else (4 if case == "wgs4" else (2 if case.endswith("_wgs2") else None))
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs=wgs)
-    if pair:
+    if pair:  # against the recomputing kernel (pair64_wgs2: on the default one warpgroup)
         kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
-        want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw)
+        want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **{**kw, "wgs": None if wgs == 2 else wgs})
     if case == "wgs1_sync":
         kw.update(async_loads=False)
     kw.update(vn=vn if "vn" in reads else None, tm=tm if "tm" in reads else None)
