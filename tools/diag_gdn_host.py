@@ -20,8 +20,8 @@ import pstats
 import time
 
 import torch
-import torch.nn.functional as F
 
+from benchmarks.bench_gated_delta_rule import make_inputs
 from benchmarks.common import bench
 from cudnn_train import last_path
 from cudnn_train.backend import get_op, use_backend
@@ -53,12 +53,7 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true")
     args = ap.parse_args()
     B, T, H, HV, K = 4, 4096, 16, 32, args.head_dim
-    dev = "cuda"
-    q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(B, T, HV, K, device=dev, dtype=torch.bfloat16)
-    g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
-    beta = torch.rand(B, T, HV, device=dev, dtype=torch.bfloat16)
+    q, k, v, g, beta = make_inputs(B, T, H, HV, K, K)  # the benchmark's inputs
     kw = dict(use_qk_l2norm_in_kernel=True)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
 
