@@ -36,8 +36,8 @@ Backends (op ``chunk_gated_delta_rule``), in order:
 * ``cutedsl``: the SM90 kernels (``kernels/gated_delta_rule_*_sm90.py``): calls without
   gradients (path ``cutedsl:sm90``) and with them (``cutedsl:sm90-train``: see
   ``kernels/gated_delta_rule_train_sm90.py``), except those the next backend is faster for: FLA
-  when it would hand the call to FlashQLA; ``CUDNN_TRAIN_GDN_SM90_FWD`` / ``CUDNN_TRAIN_GDN_SM90_TRAIN`` = 1 / 0 force it
-  (``kernels/gated_delta_rule_fwd_sm90.cutedsl_backend``). A backend receives
+  when it would hand the call to FlashQLA; ``CUDNN_TRAIN_GDN_SM90_FWD`` / ``CUDNN_TRAIN_GDN_SM90_TRAIN``
+  = 1 / 0 force it (``kernels/gated_delta_rule_fwd_sm90.cutedsl_backend``). A backend receives
   exactly the keyword arguments of :func:`_torch_backend` and returns ``(o, final_state)``
   carrying its own autograd.
 * ``fla``: FLA's Triton ``chunk_gated_delta_rule`` (only for CUDA tensors, when ``fla``
@@ -492,10 +492,8 @@ def call_fla(fn, **kwargs):
         _fla_guard.active = False
 
 
-def fla_common_declines(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_sizes, chunk_size):
-    """Decline reasons shared by the FLA chunk backends; returns the host offsets for FLA."""
-    if q.device.type != "cuda":
-        raise backend.Unsupported("no GPU")
+def fla_argument_declines(q, initial_state, chunk_sizes, chunk_size):
+    """The FLA chunk backends' declines that depend on the arguments alone (no device, no host read)."""
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise backend.Unsupported(f"dtype {_name(q.dtype)}")
     if chunk_size not in chunk_sizes:
@@ -504,6 +502,13 @@ def fla_common_declines(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_size
         raise backend.Unsupported(f"initial_state dtype {_name(initial_state.dtype)}")
     if q.shape[1] == 0:
         raise backend.Unsupported("empty input")
+
+
+def fla_common_declines(q, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_sizes, chunk_size):
+    """Decline reasons shared by the FLA chunk backends; returns the host offsets for FLA."""
+    if q.device.type != "cuda":
+        raise backend.Unsupported("no GPU")
+    fla_argument_declines(q, initial_state, chunk_sizes, chunk_size)
     if cu_seqlens is not None:
         return torch.tensor(host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.shape[1]), dtype=torch.long)
     return None
@@ -603,11 +608,14 @@ def _torch_backend(q, k, v, g, beta, *, scale, initial_state, output_final_state
                            state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_size=chunk_size)
 
 
+FLA_CHUNK_SIZES = (16, 32, 64)  # the chunk sizes FLA's GDN kernels take
+
+
 @chunk_op.register("fla")
 def _fla_backend(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                  use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                  cu_seqlens, chunk_size, cu_seqlens_cpu):
-    cu_cpu = fla_common_declines(q, initial_state, cu_seqlens, cu_seqlens_cpu, (16, 32, 64), chunk_size)
+    cu_cpu = fla_common_declines(q, initial_state, cu_seqlens, cu_seqlens_cpu, FLA_CHUNK_SIZES, chunk_size)
     fn = fla_original("fla.ops.gated_delta_rule.chunk", "chunk_gated_delta_rule")
     extra = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias) if use_gate_in_kernel else {}
     return call_fla(

@@ -1227,11 +1227,18 @@ def flash_qla_takes(q, k, v, g, beta, *, initial_state, use_qk_l2norm_in_kernel,
 
 
 def fla_takes(q, initial_state, chunk_size) -> bool:
-    """Whether the op's fla backend would serve the call (its declines without the host read of
-    ``cu_seqlens``): FLA imports, half or float32 inputs, chunk size 16 / 32 / 64, a float32 initial state
-    or none, T > 0."""
-    return (_fla_serves() and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and chunk_size in (16, 32, 64)
-            and (initial_state is None or initial_state.dtype == torch.float32) and q.shape[1] > 0)
+    """Whether the op's fla backend would serve the call: FLA imports and its argument declines
+    (``fused.gated_delta_rule.fla_argument_declines``: half or float32 inputs, chunk size 16 / 32 / 64, a
+    float32 initial state or none, T > 0) pass; its host read of ``cu_seqlens`` is not made."""
+    from ..fused.gated_delta_rule import FLA_CHUNK_SIZES, fla_argument_declines
+
+    if not _fla_serves():
+        return False
+    try:
+        fla_argument_declines(q, initial_state, FLA_CHUNK_SIZES, chunk_size)
+    except Unsupported:
+        return False
+    return True
 
 
 def peer_is_faster(*, fla_next: bool, fla_ok: bool, flash_qla: bool, host_read: bool) -> str | None:
@@ -1257,9 +1264,9 @@ def cutedsl_backend(q, k, v, g, beta, *, scale, initial_state, output_final_stat
     A call that needs gradients goes to the training path (``gated_delta_rule_train_sm90``), one
     without to the forward kernels, unless the op's next backend is faster for it
     (:func:`peer_is_faster`: FLA when it would hand the call to FlashQLA); ``CUDNN_TRAIN_GDN_SM90_TRAIN`` /
-    ``CUDNN_TRAIN_GDN_SM90_FWD`` = 1 serve every call the kernels can, = 0 none (:func:`serve_switch`). ``cu_seqlens`` values are trusted
-    as FLA does (never read on the host; ``cu_seqlens_cpu`` is not needed). A half-precision initial
-    state is read as float32.
+    ``CUDNN_TRAIN_GDN_SM90_FWD`` = 1 serve every call the kernels can, = 0 none (:func:`serve_switch`).
+    ``cu_seqlens`` values are trusted as FLA does (never read on the host; ``cu_seqlens_cpu`` is not
+    needed). A half-precision initial state is read as float32.
     """
     from . import gated_delta_rule_train_sm90 as tr
 

@@ -20,7 +20,8 @@ No host read of ``cu_seqlens`` anywhere (the chunk maps are built on the device)
 forward+backward can be captured in a CUDA graph. No float atomics: deterministic.
 
 Status: served by default where the op's dispatch picks it (``fwd.cutedsl_backend``: unless FLA
-would hand the call to FlashQLA, faster on the H200); ``CUDNN_TRAIN_GDN_SM90_TRAIN=1`` serves every call it can, ``=0`` none. GPU tier:
+would hand the call to FlashQLA, faster on the H200); ``CUDNN_TRAIN_GDN_SM90_TRAIN=1`` serves every call
+it can, ``=0`` none. GPU tier:
 ``tests/kernels/test_gated_delta_rule_train_sm90.py``; the composition is also checked on the CPU
 with reference implementations of the kernel steps (``tests/fused/test_gdn_train_path.py``).
 """
