@@ -62,7 +62,7 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
 def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None,
-                  WGS: int = 1, PREFETCH: bool = False, PROFILE: bool = False):
+                  WGS: int = 1, PREFETCH: bool = False, PROFILE: bool = False, EARLY_QK: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -220,6 +220,14 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     gemm(mma_q, accD, tAdos, tBqt, False)  # dH^T += do_s^T q
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
+                    if cutlass.const_expr(PREFETCH and EARLY_QK):
+                        # q, k of chunk cr + 1 now, not after P: nothing below reads sQ or sK (the norms
+                        # are in sRq, sRk), so once every warpgroup's products on them are done they load
+                        # during P and do^T P too
+                        cute.arch.sync_threads()
+                        if cr + 1 < nchunks:
+                            issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
+                        cute.arch.cp_async_commit_group()
                     pmark(prof, 1)
 
                     for e in cutlass.range_constexpr(cute.size(accX)):
@@ -233,7 +241,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # P visible to the async proxy; every product on q, k is done
                     pmark(prof, 2)
-                    if cutlass.const_expr(PREFETCH):  # q, k of chunk cr + 1 (this chunk is done with them)
+                    if cutlass.const_expr(PREFETCH and not EARLY_QK):  # q, k of chunk cr + 1 (done with them)
                         if cr + 1 < nchunks:
                             issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
                         cute.arch.cp_async_commit_group()
@@ -308,16 +316,26 @@ def prefetch_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_PREFETCH", True)
 
 
+def early_qk_default(wgs: int) -> bool:
+    """With the prefetch, whether the next chunk's q and k are issued right after this chunk's products
+    on them instead of after P is stored: on one warpgroup (H200, B4 T4096 H16 HV32, the training path's
+    call: 0.618 / 0.614 ms against 0.629 / 0.626, twelfth session), not on two (B1 T16384, where the split
+    sweep is the default anyway: 1.622 / 1.619 against 1.609 / 1.610). ``CUDNN_TRAIN_GDN_SWEEP_EARLY_QK``
+    = 1 / 0 forces it. The same data lands in the same tiles before any read: bitwise equal results."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_EARLY_QK", wgs == 1)
+
+
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
-                      prefetch=None, profile=False):
+                      prefetch=None, profile=False, early_qk=None):
     prefetch = prefetch_default() if prefetch is None else bool(prefetch)
+    early_qk = prefetch and (early_qk_default(wgs) if early_qk is None else bool(early_qk))
     key = ("dstate", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk)) + (
         () if out_dtype == torch.float32 else (str(out_dtype),)) + (() if wgs == 1 else (("wgs", wgs),)) + (
-        ("prefetch",) if prefetch else ()) + (("profile",) if profile else ())
+        ("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (("early_qk",) if early_qk else ())
 
     def build():
         return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs,
-                             prefetch, bool(profile))
+                             prefetch, bool(profile), early_qk)
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 
@@ -345,7 +363,8 @@ def split_default(nseq: int, HV: int, V: int, device) -> bool:
 
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
                   cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None,
-                  prefetch: bool | None = None, split: bool | None = None, profile: torch.Tensor | None = None):
+                  prefetch: bool | None = None, split: bool | None = None, profile: torch.Tensor | None = None,
+                  early_qk: bool | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
@@ -353,7 +372,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     gradient kernel reads them in), and float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
     ``state_v_first``). ``wgs``: warpgroups per CTA (default ``CUDNN_TRAIN_GDN_SWEEP_WGS``, else
     :func:`warpgroups`; 2 at K = 128 splits every product's N); ``prefetch``: the next chunk's loads
-    in flight during this one (default :func:`prefetch_default`); ``split``: the split pair of kernels
+    in flight during this one (default :func:`prefetch_default`), its q and k issued early with ``early_qk``
+    (default :func:`early_qk_default`); ``split``: the split pair of kernels
     (default :func:`split_default`; served with ``out_dtype`` the input dtype, else the fused kernel runs).
     ``profile``: an int64 tensor of at least N x HV x V/64 x (len(SWEEP_PHASES) + 1) elements: runs the fused
     kernel's profile variant (never the split pair), which writes thread 0's clock64 cycles per phase,
@@ -393,7 +413,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         split = False
     if not split:
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
-                               out_dtype, wgs, prefetch, profile is not None)
+                               out_dtype, wgs, prefetch, profile is not None, early_qk)
     if T == 0 or nseq == 0:
         if dht is None:
             dh0.zero_()

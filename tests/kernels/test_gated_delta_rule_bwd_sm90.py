@@ -32,7 +32,9 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=not B90.prefetch_default()))
     # the training path's call, profile variant (tools/time_gdn_sweep.py --profile)
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], profile=True))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 3
+    # the next chunk's q, k issued right after this chunk's products on them (CUDNN_TRAIN_GDN_SWEEP_EARLY_QK)
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, early_qk=not B90.early_qk_default(1)))
+    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 4
 
 
 @pytest.mark.compile
@@ -171,8 +173,9 @@ def test_reverse_sweep_varlen_gva_and_state_layouts(state_v_first):
 @pytest.mark.parametrize("wgs", [1, 2])
 @pytest.mark.parametrize("case", ["dense", "varlen_gva_64"])
 def test_reverse_sweep_prefetch_is_bitwise_the_synchronous_loads(case, wgs):
-    """The next chunk's loads in flight during this one (cp.async, the default) change no product and
-    no order: dvn, every dH and dh0 bitwise equal to the synchronous loads', and against the reference."""
+    """The next chunk's loads in flight during this one (cp.async, the default; also with q and k issued
+    early, ``early_qk``) change no product and no order: dvn, every dH and dh0 bitwise equal to the
+    synchronous loads', and against the reference."""
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
 
     if case == "dense":
@@ -186,15 +189,17 @@ def test_reverse_sweep_prefetch_is_bitwise_the_synchronous_loads(case, wgs):
     do = torch.randn(Bn, T, HV, K, device="cuda", dtype=dt)
     dht = torch.randn(Bn if lens is None else len(lens), HV, K, K, device="cuda")
     outs = [B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                              out_dtype=dt, wgs=wgs, prefetch=pf, split=False) for pf in (True, False)]
+                              out_dtype=dt, wgs=wgs, prefetch=pf, split=False, early_qk=eq)
+            for pf, eq in ((True, False), (False, False), (True, True))]
     if lens is not None:  # dH rows past the varlen chunk count are never written: compare the written ones
         from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
         rows = int(F90.chunk_map(cu, 1, T, q.device)[1][-1])
         outs = [(dvn, dH[:rows], dh0) for dvn, dH, dh0 in outs]
-    for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
+    for name, a, b, c in zip(("dvn", "dH", "dh0"), *outs):
         assert torch.isfinite(a).all(), f"{name}: not every element written"
         assert torch.equal(a, b), f"{case}, wgs {wgs}: {name} differs with the prefetch"
+        assert torch.equal(c, b), f"{case}, wgs {wgs}: {name} differs with q, k prefetched early"
     if lens is None:
         ref_dvn, _, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
         assert rel_l2(outs[0][0].float(), ref_dvn) <= 2e-2
