@@ -104,7 +104,7 @@ bench_rms)
 bench_gdn)
   # forward and forward+backward vs FLA and FlashQLA; rows print as they finish, so a timeout keeps them
   # BENCH_ARGS: more options (--layer-flags: the layers' in-kernel gate / beta call; --head-dim 64)
-  timeout -k 10 ${BENCH_S:-560} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --shapes ${SHAPES:-2} \
+  timeout -k 10 ${BENCH_S:-560} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --rounds ${ROUNDS:-3} --shapes ${SHAPES:-2} \
     ${SKIP:+--skip $SKIP} ${BENCH_ARGS} --json $OUT/bench_gdn.json > $OUT/bench_gdn.log 2>&1
   echo "bench_gdn rc=$?"; grep -vE "^\s*$" $OUT/bench_gdn.log | tail -n 40 | cut -c1-300 ;;
 gdn_train)
@@ -247,7 +247,7 @@ s14)
   tier s14 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py -k "dispatch_leaves"
   for hd in 128 64; do timed host$hd 120 python3 tools/diag_gdn_host.py --head-dim $hd; done
   timed wy 120 python3 tools/time_gdn_fwd.py --shapes 1 --wy-only --profile
-  timeout -k 10 ${BENCH_S:-300} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --shapes 2 \
+  timeout -k 10 ${BENCH_S:-300} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --rounds ${ROUNDS:-3} --shapes 2 \
     --head-dim 64 --json $OUT/bench_gdn64.json > $OUT/bench_gdn64.log 2>&1
   echo "bench_gdn rc=$?"; grep -vE "^\s*$" $OUT/bench_gdn64.log | tail -n 12 | cut -c1-300 ;;
 s15)
@@ -255,11 +255,28 @@ s15)
 forward_matches_oracle or forward_varlen or in_kernel_gate or head_dims or chunk_inverses or dispatch_leaves"
   timed wy 150 python3 tools/time_gdn_fwd.py --shapes 2 --wy-only --profile
   timed hostprof 100 python3 tools/diag_gdn_host.py --cprofile --calls 30 ;;
-s16)
+s16|s16a)
+  # s16a: the first half of s16 (the GPU cases and the wy timings), to fit one 600 s call
   tier s16 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
     -k "wy_async or wy_scan or (forwards_values and wgs2)"
   timed wy 150 python3 tools/time_gdn_fwd.py --shapes 2 --wy-only --profile
   CUDNN_TRAIN_GDN_WY_ASYNC=1 timed wy_async 100 python3 tools/time_gdn_fwd.py --shapes 1 --wy-only --profile
+  [ "$1" = s16 ] && bash "$0" s16b ;;
+s17)
+  # the twelfth session's default flips: the wy kernel's cp.async tiles (the whole forward tier runs on them)
+  # and stage 3 on two warpgroups at K = 64 (its cases, the training path's K = 64 cases with both stage 3s)
+  tier s17 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+    tests/kernels/test_gated_delta_rule_train_sm90.py \
+    -k "test_gated_delta_rule_sm90.py or at_64 or varlen_64 or pair64 or head_dim_64" ;;
+s18)
+  # the sweep's next q, k issued early (CUDNN_TRAIN_GDN_SWEEP_EARLY_QK): its bitwise cases, then time + profile
+  tier s18 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "prefetch_is_bitwise"
+  timed sweep_eq 150 python3 tools/time_gdn_sweep.py --shapes 2 --early-qk ;;
+order)
+  # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
+  timed order 200 python3 tools/diag_gdn_order.py
+  [ -n "$ORDER_TRAIN" ] && timed order_train 250 python3 tools/diag_gdn_order.py --train ;;
+s16b)
   timed host 150 python3 tools/diag_gdn_host.py
   timed sweep_prof 120 python3 tools/time_gdn_sweep.py --shapes 2 --profile
   timed dchunk64 150 python3 tools/time_gdn_dchunk.py --shapes 2 --k64 ;;

@@ -76,16 +76,17 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
 def warpgroups(K: int) -> int:
-    """Warpgroups per CTA: at K = V = 128 two split every product's N (H200, B4 T4096 H16 HV32, with
-    the parallel dg tail: 4.43, 1.60 and 1.73 ms on one, two, four); at K = 64 one, until two (64-byte
-    swizzles, :func:`_swizzle`; compiled: 156 registers against 255) have run on a GPU.
+    """Warpgroups per CTA: two, splitting every product's N. At K = V = 128 (H200, B4 T4096 H16 HV32,
+    with the parallel dg tail) 4.43, 1.60 and 1.73 ms on one, two, four; at K = 64 (64-byte swizzles,
+    :func:`_swizzle`; 138 registers against 168 on one) 0.910 against 1.012 ms, B4 T4096 and B1 T16384
+    alike (``time_gdn_dchunk.py --k64``, twelfth session).
     ``CUDNN_TRAIN_GDN_DCHUNK_WGS`` = 1, 2 or 4 (4: K = 128 only) overrides it, for measurements."""
     env = os.environ.get("CUDNN_TRAIN_GDN_DCHUNK_WGS", "").strip()
     if env:
         if env not in ("1", "2", "4"):
             raise ValueError(f"CUDNN_TRAIN_GDN_DCHUNK_WGS={env!r}: expected 1, 2 or 4")
         return min(int(env), 2) if K != 128 else int(env)
-    return 2 if K == 128 else 1
+    return 2
 
 
 def _swizzle(K: int, wgs: int) -> int:

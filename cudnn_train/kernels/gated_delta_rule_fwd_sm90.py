@@ -105,10 +105,10 @@ WY_WGS = os.environ.get("CUDNN_TRAIN_GDN_WY_WGS", "2").strip() or "2"
 # diagonal of the k k^T product the kernel makes anyway, instead of 64 threads each summing up to 64 g values
 # and 64 more each reducing a k row (28% of a CTA's cycles in the eleventh session's profile). 0: the old way.
 WY_SCAN = env_flag("CUDNN_TRAIN_GDN_WY_SCAN", True)
-# With the scan preparation, the k and v tiles by cp.async (CUDNN_TRAIN_GDN_WY_ASYNC=1), in flight while warp 0
-# forms g, beta and the cumsum, instead of through registers before it (bitwise the same outputs). Prepared
-# in the eleventh session, compiled, not yet GPU-run: off.
-WY_ASYNC = env_flag("CUDNN_TRAIN_GDN_WY_ASYNC", False)
+# With the scan preparation, the k and v tiles by cp.async (CUDNN_TRAIN_GDN_WY_ASYNC, default 1), in flight
+# while warp 0 forms g, beta and the cumsum, instead of through registers before it (bitwise the same
+# outputs; H200 B4 T4096 and B1 T16384: 0.288 ms against 0.311, twelfth session). 0: the synchronous loads.
+WY_ASYNC = env_flag("CUDNN_TRAIN_GDN_WY_ASYNC", True)
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -1246,10 +1246,10 @@ def peer_is_faster(*, fla_next: bool, fla_ok: bool, flash_qla: bool, host_read: 
     be faster, and only where it comes next (``fla_next``: not left out of a forced backend list), would
     serve the call (``fla_ok``: :func:`fla_takes`), would not read ``cu_seqlens`` on the host during a
     CUDA-graph capture (``host_read``) and would hand it to FlashQLA (``flash_qla``: :func:`flash_qla_takes`),
-    which is faster than us on the H200 (docs/PERFORMANCE.md, tenth session: forward 0.65 vs 0.81 ms,
-    forward+backward 2.04 vs 2.79 at B4 T4096 H16 HV32, K = V = 128). FLA's own kernels are slower at every
-    call timed (eleventh session, B4 T4096 H16 HV32: K = V = 128 forward 0.91 vs 0.81 ms, forward+backward
-    3.84 vs 2.79; with the layers' in-kernel gate and beta sigmoid 1.69 vs 0.79 and 4.53 vs 2.80; K = V = 64
+    which is faster than us on the H200 (docs/PERFORMANCE.md, twelfth session, medians of three rounds:
+    forward 0.44 vs 0.76 ms, forward+backward 1.80 vs 2.71 at B4 T4096 H16 HV32, K = V = 128). FLA's own
+    kernels are slower at every call timed (B4 T4096 H16 HV32: K = V = 128 forward 0.94 vs 0.76 ms,
+    forward+backward 3.81 vs 2.71; with the layers' in-kernel gate and beta sigmoid 1.69 vs 0.79 and 4.53 vs 2.80; K = V = 64
     0.63 vs 0.50 and 3.27 vs 1.83), and the torch backend is far slower: these kernels serve."""
     if fla_next and fla_ok and flash_qla and not host_read:
         return "FlashQLA (through FLA) is faster on SM90 for this call"

@@ -26,7 +26,7 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     # the other side of CUDNN_TRAIN_GDN_DCHUNK_OVERLAP (the default at K = 128 on two warpgroups)
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], overlap=not B3.overlap_default(VARIANTS[0][1], 2)))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16))  # dq, dk in bf16 (no GVA)
-    assert callable(B3.get_dchunk_kernel(*VARIANTS[1], wgs=2))  # K = 64 on two warpgroups (not yet the default)
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[1], wgs=1))  # K = 64 on one warpgroup (two are the default)
     # the GVA pair sum in the kernel (CUDNN_TRAIN_GDN_DCHUNK_GROUP_SUM): a cluster of two CTAs per q/k head
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True))
     assert callable(B3.get_dchunk_kernel(torch.bfloat16, 128, 128, True, False, 4, dqk_dtype=torch.bfloat16, pair=True))
@@ -36,7 +36,7 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     # the synchronous loads (CUDNN_TRAIN_GDN_DCHUNK_ASYNC_LOADS=0), for comparison
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], async_loads=not B3.async_loads_default()))
     # the forward's vn read instead of recomputed (CUDNN_TRAIN_GDN_DCHUNK_VN_FROM_FWD): with the overlap and the
-    # pair sum at K = 128, on one warpgroup without the overlap at K = 64
+    # pair sum at K = 128, without the overlap at K = 64
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], dqk_dtype=torch.bfloat16, pair=True, vn_in=True))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True))
     # and the forward's chunk inverses read instead of solved (CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD)
@@ -148,10 +148,10 @@ def test_chunk_gradients_overlap_variant(T, wgs, overlap):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [None, [1, 63, 130, 64, 0, 7]])
-def test_chunk_gradients_two_warpgroups_at_64(lens):
-    """K = V = 64 on two warpgroups (64-byte swizzles; one warpgroup is still the default there)."""
+def test_chunk_gradients_one_warpgroup_at_64(lens):
+    """K = V = 64 on one warpgroup (two, with 64-byte swizzles, are the default there since the twelfth session)."""
     T = 300 if lens is None else sum(lens)
-    _run(*_case(2 if lens is None else 1, T, 4, 64, 64, torch.float16, lens=lens, H=2, l2norm=True), wgs=2)
+    _run(*_case(2 if lens is None else 1, T, 4, 64, 64, torch.float16, lens=lens, H=2, l2norm=True), wgs=1)
 
 
 @pytest.mark.gpu
@@ -288,9 +288,9 @@ def test_chunk_gradients_with_the_forwards_values(case, reads):
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
     wgs = 1 if case.startswith("wgs1") else (4 if case == "wgs4" else (2 if case.endswith("_wgs2") else None))
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs=wgs)
-    if pair:  # against the recomputing kernel (pair64_wgs2: on the default one warpgroup)
+    if pair:  # against the recomputing kernel (pair64_wgs2: on one warpgroup)
         kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
-        want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **{**kw, "wgs": None if wgs == 2 else wgs})
+        want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **{**kw, "wgs": 1 if wgs == 2 else wgs})
     if case == "wgs1_sync":
         kw.update(async_loads=False)
     kw.update(vn=vn if "vn" in reads else None, tm=tm if "tm" in reads else None)

@@ -35,7 +35,7 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
 
     monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(F90, "WY_SCAN", True)  # the defaults, whatever the environment says
-    monkeypatch.setattr(F90, "WY_ASYNC", False)
+    monkeypatch.setattr(F90, "WY_ASYNC", True)
     if not torch.cuda.is_available():
         assert kc.target_arch() == "sm_90a"
     kc.clear_memory_cache()
@@ -51,8 +51,8 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = WY_VARIANTS[0]
     assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
                                       K, V, l2, gate, dtb, sig, bscale, varlen, store_t=True))
-    # its serial preparation (CUDNN_TRAIN_GDN_WY_SCAN=0) and its cp.async tile loads (CUDNN_TRAIN_GDN_WY_ASYNC=1)
-    for extra in (dict(scan=False), dict(async_loads=True)):
+    # its serial preparation (CUDNN_TRAIN_GDN_WY_SCAN=0) and its synchronous tile loads (CUDNN_TRAIN_GDN_WY_ASYNC=0)
+    for extra in (dict(scan=False), dict(async_loads=False)):
         assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None,
                                           torch.float32 if dtb else None, K, V, l2, gate, dtb, sig, bscale, varlen,
                                           **extra))
@@ -674,7 +674,7 @@ def test_wy_scan_preparation_matches_the_serial_one(case, monkeypatch, poisoned)
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "varlen_gate_sigmoid_k64", "store_t_fp16"])
 def test_wy_async_loads_are_bitwise_the_synchronous_ones(case, monkeypatch, poisoned):
-    """The wy kernel's k and v tiles by cp.async (CUDNN_TRAIN_GDN_WY_ASYNC=1) land in the same shared tiles
+    """The wy kernel's k and v tiles by cp.async (CUDNN_TRAIN_GDN_WY_ASYNC, the default) land in the same shared tiles
     as the synchronous loads before any product reads them: w, u, gc (and the stored Tm) bitwise equal,
     over NaN-filled outputs (a missing wait shows as stale tiles; rows past a sequence's end only ever meet
     beta = 0, so their zero fill is not what this checks)."""

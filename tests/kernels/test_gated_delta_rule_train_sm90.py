@@ -153,6 +153,17 @@ def test_train_varlen(lengths):
     _compare(*_inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths)), cu)
 
 
+@pytest.mark.parametrize("case", ["dense_gva2", "varlen_fp16"])
+def test_train_head_dim_64(case):
+    """K = V = 64 (served by our kernels by default; stage 3 there on two warpgroups with 64-byte swizzles)."""
+    if case == "dense_gva2":
+        _compare(*_inputs(2, 200, 2, 4, 64, 64, torch.bfloat16))
+    else:
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        _compare(*_inputs(1, sum(lengths), 2, 4, 64, 64, torch.float16, nseq=len(lengths)), cu)
+
+
 @pytest.mark.parametrize("neg", [False, True])
 def test_train_in_kernel_gate_and_beta(neg):
     q, k, v, g, beta, h0 = _inputs(2, 150, 2, 4, 128, 128, torch.bfloat16, raw_gate=True, beta_logits=True)
