@@ -119,6 +119,7 @@ SHAPES = [(4, 4096, 16, 32), (1, 16384, 16, 32), (8, 2048, 32, 32)]
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--shapes", type=int, default=None, help="time only the first N shapes")
+    ap.add_argument("--from-shape", type=int, default=0, help="start at this shape (0-based; with --shapes: N from it)")
     ap.add_argument("--skip", default="", help="comma-separated rows to leave out (e.g. flashqla,sm90-train)")
     ap.add_argument("--torch-stage3", action="store_true", help="also time the training path with stage 3 in torch")
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="K = V (default 128)")
@@ -147,7 +148,7 @@ def main() -> None:
     shapes.append(("varlen mixed", 1, sum(mixed), 16, 32, mixed))
     if args.quick:
         shapes = [("B2 T1024", 2, 1024, 16, 32, None), ("varlen", 1, 1000, 16, 32, [1, 63, 65, 871])]
-    shapes = shapes[: args.shapes]
+    shapes = shapes[args.from_shape:][: args.shapes]
     skip = {s for s in args.skip.split(",") if s}
     peers = {n: f for n, f in peers.items() if n not in skip}
 

@@ -104,7 +104,7 @@ bench_rms)
 bench_gdn)
   # forward and forward+backward vs FLA and FlashQLA; rows print as they finish, so a timeout keeps them
   # BENCH_ARGS: more options (--layer-flags: the layers' in-kernel gate / beta call; --head-dim 64)
-  timeout -k 10 ${BENCH_S:-560} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --rounds ${ROUNDS:-3} --shapes ${SHAPES:-2} \
+  timeout -k 10 ${BENCH_S:-560} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --rounds ${ROUNDS:-3} --shapes ${SHAPES:-2} --from-shape ${FROM:-0} \
     ${SKIP:+--skip $SKIP} ${BENCH_ARGS} --json $OUT/bench_gdn.json > $OUT/bench_gdn.log 2>&1
   echo "bench_gdn rc=$?"; grep -vE "^\s*$" $OUT/bench_gdn.log | tail -n 40 | cut -c1-300 ;;
 gdn_train)
