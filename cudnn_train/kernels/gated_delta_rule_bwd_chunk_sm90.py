@@ -1,11 +1,11 @@
 """Chunked Gated DeltaNet backward for SM90 (CuTeDSL, WGMMA): the per-chunk gradients (stage 3).
 
 ``fused/delta_rule_bwd.py:chunk_grads`` is this kernel's oracle. Grid: chunk x HV, every chunk
-independent; at K = V = 128 two warpgroups per CTA (:func:`warpgroups`; four can be asked for)
+independent; two warpgroups per CTA (:func:`warpgroups`; four can be asked for at K = V = 128)
 split the N of every product (each computes its columns from the whole A and its slice of B; at
-four the [C, 128] and [128, 128] tiles are swizzled in 64-byte atoms so that a 32-column slice of
+four, and at K = 64 on two, the tiles are swizzled in 64-byte atoms so that a warpgroup's slice of
 an MN-major view starts on one), and the row sums go through one buffer per warpgroup, summed in
-a fixed order; at K = 64 one warpgroup. The kernel is latency-bound (a long chain of dependent
+a fixed order. The kernel is latency-bound (a long chain of dependent
 MMA, CUDA-core and barrier steps for each chunk, one CTA per SM for its 204 KB of shared
 memory): more warps on the same chain, and the end's dg pair sums and reverse cumulative sum
 spread over every thread and one warp's shuffles instead of 64 threads and one, made it faster
