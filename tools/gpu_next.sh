@@ -272,6 +272,13 @@ s18)
   # the sweep's next q, k issued early (CUDNN_TRAIN_GDN_SWEEP_EARLY_QK): its bitwise cases, then time + profile
   tier s18 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "prefetch_is_bitwise"
   timed sweep_eq 150 python3 tools/time_gdn_sweep.py --shapes 2 --early-qk ;;
+s19)
+  # prepared in the twelfth session: the wy kernel's A in two passes (CUDNN_TRAIN_GDN_WY_A2) and the split
+  # sweep's dvl P in two passes (CUDNN_TRAIN_GDN_DVL_P2): bitwise cases, then their timings (flip if faster)
+  tier s19 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    -k "two_pass or two_passes"
+  CUDNN_TRAIN_GDN_WY_A2=1 timed wy_a2 150 python3 tools/time_gdn_fwd.py --shapes 2 --wy-only --profile
+  timed dvl_p2 120 python3 tools/time_gdn_sweep.py --shapes 2 --p2 ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

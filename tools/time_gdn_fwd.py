@@ -6,6 +6,10 @@ kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only]
 
+``--wy-only``: the wy kernel alone in its variants (the scan preparation or the serial one, the tiles by
+cp.async, the A matrix in two passes: ``CUDNN_TRAIN_GDN_WY_A2``), bitwise checks between them, alternating
+times, and with ``--profile`` the default's per-phase cycles.
+
 K = V = 128, bf16, ``use_qk_l2norm_in_kernel=True``, no initial or final state (the benchmark's
 setting). Each line: median ms of ``triton.testing.do_bench`` (L2 cleared before every call)
 and TFLOP/s with the issue's FLOP model. Before timing, the state kernel's two variants are
@@ -58,24 +62,29 @@ def main():
         f32, i32, i64 = F90._dummies(q.device)
         cu, cuc, rows, NT = F90.chunk_map(None, B, T, q.device)
         group = HV // H
-        if args.wy_only:  # the scan preparation against the serial one and with cp.async tile loads, then times
+        if args.wy_only:  # the scan preparation against the serial one, its tile loads, the two-pass A; then times
             outs = {}
-            for scan in (True, False, "async"):
+            variants = {"scan": dict(scan=True, async_loads=False, a2=False), "serial": dict(scan=False, a2=False),
+                        "async": dict(scan=True, async_loads=True, a2=False),
+                        "async+a2": dict(scan=True, async_loads=True, a2=True)}
+            for name, kw in variants.items():
                 wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
-                                        False, False, 1.0, False, scan=bool(scan), async_loads=scan == "async")
+                                        False, False, 1.0, False, **kw)
                 ws, us, gcs = torch.empty_like(w), torch.empty_like(u), torch.empty_like(gc)
                 fn = (lambda wyd=wyd, ws=ws, us=us, gcs=gcs:
                       wyd(k, v, g, beta, f32, f32, cu, cuc, ws, us, gcs, ws[..., :64], T, NT, B, group, rows, i64))
                 fn()
                 torch.cuda.synchronize()
-                outs[scan] = (fn, ws, us, gcs)
-            errs = ", ".join(f"{n} {rel_l2(a.float(), b.float()):.1e}" for n, a, b in zip("wu", outs[True][1:3],
-                                                                                           outs[False][1:3]))
-            print(f"\nB{B} T{T} H{H} HV{HV}: wy scan prep vs serial: {errs}, gc {rel_l2(outs[True][3], outs[False][3]):.1e}")
-            same = all(torch.equal(a, b) for a, b in zip(outs["async"][1:], outs[True][1:]))
-            print(f"  cp.async tile loads bitwise the synchronous ones (w, u, gc): {same}")
-            for scan in (True, False, "async", True, False, "async"):
-                print(f"  wy kernel (default warpgroups), scan={scan}: {bench(outs[scan][0], 10, 40):.3f} ms")
+                outs[name] = (fn, ws, us, gcs)
+            errs = ", ".join(f"{n} {rel_l2(a.float(), b.float()):.1e}" for n, a, b in zip("wu", outs["scan"][1:3],
+                                                                                           outs["serial"][1:3]))
+            print(f"\nB{B} T{T} H{H} HV{HV}: wy scan prep vs serial: {errs}, "
+                  f"gc {rel_l2(outs['scan'][3], outs['serial'][3]):.1e}")
+            for a, b in (("async", "scan"), ("async+a2", "async")):
+                same = all(torch.equal(x, y) for x, y in zip(outs[a][1:], outs[b][1:]))
+                print(f"  {a} bitwise {b} (w, u, gc): {same}")
+            for name in (*variants, *variants):
+                print(f"  wy kernel (default warpgroups), {name}: {bench(outs[name][0], 10, 40):.3f} ms")
             if args.profile:
                 profile_wy(k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group)
             continue

@@ -3,7 +3,7 @@ splitting every product's N, each with the next chunk's loads in flight (cp.asyn
 with synchronous loads, on the same inputs, as the training path calls it (bf16 dvn and dH rows,
 l2norm in kernel, no final-state gradient).
 
-    python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk]
+    python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2]
 
 Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 32 and
 64; opt-in ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1``) against the default; ``--split-only``: the default and the
@@ -11,7 +11,8 @@ split rows only. ``--profile``: only the fused kernel's profile variant (``clock
 ``SWEEP_PHASES`` of the kernel module, thread 0 of every CTA), its outputs checked against the plain
 kernel's, printed as mean cycles a CTA and chunk. ``--early-qk``: the default kernel against the same with
 the next chunk's q and k issued early (``early_qk=True``; outputs must be bitwise equal), timed twice each,
-alternating, then the early variant's profile.
+alternating, then the early variant's profile. ``--p2``: the split sweep with its ``dvl`` building P in two
+passes (``CUDNN_TRAIN_GDN_DVL_P2=1``) against the one pass: bitwise check, timed twice each, alternating.
 
 Before timing, the variants' outputs are compared with the default's (relative L2; the prefetch
 must not change a bit). Each line: median ms of
@@ -38,6 +39,8 @@ def main():
                     help="only the fused kernel's profile variant at its defaults: cycles a CTA and chunk per phase")
     ap.add_argument("--early-qk", action="store_true",
                     help="the default fused kernel against early_qk=True: bitwise check, time, profile")
+    ap.add_argument("--p2", action="store_true",
+                    help="the split sweep with dvl's P in two passes against one: bitwise check, time")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         K = V = 128
@@ -66,27 +69,37 @@ def main():
                 else:
                     os.environ["CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB"] = old
 
-        def run_profiled(buf, early_qk=None):
+        def run_profiled(buf, **kw):
             return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
-                                     out_dtype=dt, profile=buf, early_qk=early_qk)
+                                     out_dtype=dt, profile=buf, **kw)
 
         if args.profile:
             profile(run, run_profiled, B, T, HV, V, NT)
             continue
-        if args.early_qk:
-            def sweep(eq):
-                return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
-                                         out_dtype=dt, split=False, early_qk=eq)
+        if args.early_qk or args.p2:
+            if args.early_qk:
+                base, alt, label = dict(early_qk=False), dict(early_qk=True), ("q, k after P", "early q, k")
+            else:
+                base, alt, label = dict(p2="0"), dict(p2="1"), ("split, dvl P in one pass", "split, dvl P in two")
 
-            a, b = sweep(False), sweep(True)
+            def sweep(kw):
+                if "p2" in kw:  # the split sweep, dvl's variant by its switch (read when the kernel is fetched)
+                    os.environ["CUDNN_TRAIN_GDN_DVL_P2"] = kw["p2"]
+                    return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
+                                             out_dtype=dt, split=True)
+                return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
+                                         out_dtype=dt, split=False, **kw)
+
+            a = [t.clone() for t in sweep(base)]
+            b = sweep(alt)
             torch.cuda.synchronize()
             same = all(torch.equal(x, y) for x, y in zip(a, b))
-            print(f"B{B} T{T} H{H} HV{HV}: early q, k outputs bitwise the default's: {same}")
+            print(f"B{B} T{T} H{H} HV{HV}: {label[1]}: outputs bitwise {label[0]}'s: {same}")
             for _ in range(2):
-                for eq in (False, True):
-                    print(f"  {'early q, k' if eq else 'q, k after P':28s} "
-                          f"{bench(lambda: sweep(eq), warmup=10, rep=50):.3f} ms")
-            profile(run, lambda buf: run_profiled(buf, True), B, T, HV, V, NT)
+                for kw, name in zip((base, alt), label):
+                    print(f"  {name:28s} {bench(lambda: sweep(kw), warmup=10, rep=50):.3f} ms")
+            if args.early_qk:
+                profile(run, lambda buf: run_profiled(buf, **alt), B, T, HV, V, NT)
             continue
         variants = (("one warpgroup, prefetch", 1, True), ("one warpgroup, sync loads", 1, False),
                     ("two warpgroups, prefetch", 2, True), ("two warpgroups, sync loads", 2, False))

@@ -73,7 +73,7 @@ def _static_checks(dtype, K: int, V: int, VB: int) -> None:
 # ------------------------------------------------------------------ kernel: dvl
 
 
-def _build_dvl(dtype, K: int, V: int, l2norm: bool, varlen: bool):
+def _build_dvl(dtype, K: int, V: int, l2norm: bool, varlen: bool, P2: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -83,7 +83,7 @@ def _build_dvl(dtype, K: int, V: int, l2norm: bool, varlen: bool):
     issue_gc = F.make_issue_gc()
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
-    store_p = cm.make_store_p(dtype, l2norm)
+    store_p = cm.make_store_p(dtype, l2norm, P2)
     store_pairs = cm.make_store_pairs()
     locate = cm.make_chunk_locator(varlen)
 
@@ -362,11 +362,21 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
 # ------------------------------------------------------------------ compile (cached) and launch
 
 
-def get_dvl_kernel(dtype, K, V, l2norm, varlen):
-    key = ("dvl", str(dtype), K, V, bool(l2norm), bool(varlen))
+def dvl_p_two_pass() -> bool:
+    """``CUDNN_TRAIN_GDN_DVL_P2=1``: ``dvl`` builds P in two passes (``make_store_p(two_pass=True)``: a
+    thread reads its rows' and columns' factors once, not once an element: 52 shared loads in the
+    kernel's PTX against 152, 94 registers either way, no spills; the same bits). Prepared in the twelfth
+    session, compiled, not yet GPU-run: off. (The fused sweep and the forward's state kernel, at 255
+    registers, spill with it, so they keep the one pass.)"""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DVL_P2", False)
+
+
+def get_dvl_kernel(dtype, K, V, l2norm, varlen, p2=None):
+    p2 = dvl_p_two_pass() if p2 is None else bool(p2)
+    key = ("dvl", str(dtype), K, V, bool(l2norm), bool(varlen)) + (("p2",) if p2 else ())
 
     def build():
-        return _build_dvl(F._dt(dtype), K, V, l2norm, varlen)
+        return _build_dvl(F._dt(dtype), K, V, l2norm, varlen, p2)
 
     return kc.get_kernel("gdn_bwd_dvl", key, build, _SOURCES)
 

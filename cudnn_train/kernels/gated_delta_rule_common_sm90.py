@@ -355,24 +355,44 @@ def make_scale_rows(dtype, cols: int, threads: int, l2norm: bool):
     return scale_rows
 
 
-def make_store_p(dtype, l2norm: bool):
+def make_store_p(dtype, l2norm: bool, two_pass: bool = False):
     """``store_p(accP, cP, sP, sGc, sRq, sRk, scale)``: ``P = scale tril(q k^T exp(gc_i - gc_j))
-    rq_i rk_j`` (diagonal kept) from the ``q k^T`` accumulator into the smem tile ``sP [i, j]``."""
+    rq_i rk_j`` (diagonal kept) from the ``q k^T`` accumulator into the smem tile ``sP [i, j]``.
+    ``two_pass``: every element's value first, in ``accP`` (its factors read unconditionally, so a
+    thread's elements share the loads of its rows and columns, with no store to shared memory between
+    them to force a reload and no branch around them), then the stores: the same operations on the
+    same values, the same bits (``exp2`` above the diagonal may be inf there, never kept)."""
     cutlass, cute = kc.import_cute()
     from cutlass import Float32
 
     @cute.jit
+    def p_value(accP: cute.Tensor, e: cutlass.Constexpr, pi, pj, sGc: cute.Tensor, sRq: cute.Tensor,
+                sRk: cute.Tensor, scale: Float32):
+        pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
+        if cutlass.const_expr(l2norm):
+            pcoef = pcoef * sRq[pi] * sRk[pj]
+        return accP[e] * pcoef
+
+    @cute.jit
     def store_p(accP: cute.Tensor, cP: cute.Tensor, sP: cute.Tensor, sGc: cute.Tensor, sRq: cute.Tensor,
                 sRk: cute.Tensor, scale: Float32):
-        for e in cutlass.range_constexpr(cute.size(accP)):
-            pi, pj = cP[e]
-            pval = Float32(0.0)
-            if pj <= pi:
-                pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
-                if cutlass.const_expr(l2norm):
-                    pcoef = pcoef * sRq[pi] * sRk[pj]
-                pval = accP[e] * pcoef
-            sP[pi, pj] = pval.to(dtype)
+        if cutlass.const_expr(two_pass):
+            for e in cutlass.range_constexpr(cute.size(accP)):
+                pi, pj = cP[e]
+                pval = p_value(accP, e, pi, pj, sGc, sRq, sRk, scale)
+                accP[e] = Float32(0.0)
+                if pj <= pi:
+                    accP[e] = pval
+            for e in cutlass.range_constexpr(cute.size(accP)):
+                pi, pj = cP[e]
+                sP[pi, pj] = accP[e].to(dtype)
+        else:
+            for e in cutlass.range_constexpr(cute.size(accP)):
+                pi, pj = cP[e]
+                pval = Float32(0.0)
+                if pj <= pi:
+                    pval = p_value(accP, e, pi, pj, sGc, sRq, sRk, scale)
+                sP[pi, pj] = pval.to(dtype)
 
     return store_p
 

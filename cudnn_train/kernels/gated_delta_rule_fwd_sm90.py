@@ -109,6 +109,11 @@ WY_SCAN = env_flag("CUDNN_TRAIN_GDN_WY_SCAN", True)
 # while warp 0 forms g, beta and the cumsum, instead of through registers before it (bitwise the same
 # outputs; H200 B4 T4096 and B1 T16384: 0.288 ms against 0.311, twelfth session). 0: the synchronous loads.
 WY_ASYNC = env_flag("CUDNN_TRAIN_GDN_WY_ASYNC", True)
+# The A matrix built in two passes (CUDNN_TRAIN_GDN_WY_A2=1): every element's value in registers first, then
+# the stores, so that the per-row and per-column factors are read once a thread instead of once an element
+# (the one-pass loop reloads five shared values per element: 80 loads a thread where 22 are distinct). The same
+# bits. Prepared in the twelfth session, compiled, not yet GPU-run: off.
+WY_A2 = env_flag("CUDNN_TRAIN_GDN_WY_A2", False)
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -338,7 +343,7 @@ def _make_issue_chunk(dtype, K: int, VB: int, threads: int = THREADS):
 
 def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int, l2norm: bool, gate: bool,
               has_dt_bias: bool, beta_sigmoid: bool, beta_scale: float, varlen: bool, profile: bool = False,
-              WGS: int = 1, STORE_T: bool = False, SCAN: bool = True, ASYNC: bool = False):
+              WGS: int = 1, STORE_T: bool = False, SCAN: bool = True, ASYNC: bool = False, A2: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -535,15 +540,34 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                 cute.arch.sync_threads()
             if cutlass.const_expr(SCAN):
                 pmark(prof, 1)
-            for e in cutlass.range_constexpr(cute.size(accA)):
-                i, j = cA[e]
-                a = Float32(0.0)
-                if i > j:
+            if cutlass.const_expr(A2):
+                # two passes: every element's value first, in registers (the factors read unconditionally, so
+                # a thread's 16 elements share the loads of its 2 rows and 8 columns: no store to shared
+                # memory between them to force a reload, no branch around them), then the stores. The same
+                # operations on the same values as below: the same bits (exp2 of gc_i - gc_j > 0 above the
+                # diagonal may be inf there, never kept)
+                for e in cutlass.range_constexpr(cute.size(accA)):
+                    i, j = cA[e]
                     coef = sB[i] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
                     if cutlass.const_expr(l2norm):
                         coef = coef * sRk[i] * sRk[j]
                     a = accA[e] * coef
-                sA[i, j] = a
+                    accA[e] = Float32(0.0)
+                    if i > j:
+                        accA[e] = a
+                for e in cutlass.range_constexpr(cute.size(accA)):
+                    i, j = cA[e]
+                    sA[i, j] = accA[e]
+            else:
+                for e in cutlass.range_constexpr(cute.size(accA)):
+                    i, j = cA[e]
+                    a = Float32(0.0)
+                    if i > j:
+                        coef = sB[i] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+                        if cutlass.const_expr(l2norm):
+                            coef = coef * sRk[i] * sRk[j]
+                        a = accA[e] * coef
+                    sA[i, j] = a
             cute.arch.sync_threads()
             pmark(prof, 2)
 
@@ -933,19 +957,20 @@ def _wgs_choice(env: str, value: str, wgs, K: int, V: int) -> int:
 
 def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2norm, gate, has_dt_bias,
                   beta_sigmoid, beta_scale, varlen, profile=False, wgs=None, store_t=False, scan=None,
-                  async_loads=None):
+                  async_loads=None, a2=None):
     wgs = _wgs_choice("CUDNN_TRAIN_GDN_WY_WGS", WY_WGS, wgs, K, V)
     scan = WY_SCAN if scan is None else bool(scan)
     async_loads = scan and (WY_ASYNC if async_loads is None else bool(async_loads))  # cp.async: scan prep only
+    a2 = WY_A2 if a2 is None else bool(a2)
     key = ("wy", str(dtype), str(g_dtype), str(beta_dtype), str(alog_dtype), str(dtb_dtype), K, V, bool(l2norm),
            bool(gate), bool(has_dt_bias), bool(beta_sigmoid), float(beta_scale), bool(varlen)) + (
            ("profile",) if profile else ()) + ((("wgs", wgs),) if wgs != 1 else ()) + (("store_t",) if store_t else ()) + (
-           () if scan else ("no_scan",)) + (("async",) if async_loads else ())
+           () if scan else ("no_scan",)) + (("async",) if async_loads else ()) + (("a2",) if a2 else ())
 
     def build():
         return _build_wy(_dt(dtype), _dt(g_dtype), _dt(beta_dtype), _dt(alog_dtype), _dt(dtb_dtype), K, V, l2norm,
                          gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile), wgs, bool(store_t), scan,
-                         async_loads)
+                         async_loads, a2)
 
     return kc.get_kernel("gdn_fwd_wy", key, build, _SOURCES)
 

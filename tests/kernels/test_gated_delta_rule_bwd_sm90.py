@@ -51,7 +51,9 @@ def test_split_sweep_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     for vb in S.VBLOCKS:
         assert callable(S.get_dchain_kernel(torch.bfloat16, 128, 128, vb, True, False, True, False))
     assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True))
-    assert len(list(tmp_path.rglob("*.o"))) == 5
+    # dvl with P in two passes (CUDNN_TRAIN_GDN_DVL_P2)
+    assert callable(S.get_dvl_kernel(torch.bfloat16, 128, 128, True, False, p2=not S.dvl_p_two_pass()))
+    assert len(list(tmp_path.rglob("*.o"))) == 6
 
 
 def test_reverse_sweep_declines_without_gpu_before_touching_memory():
@@ -237,6 +239,33 @@ def test_split_sweep_matches_reference_and_the_fused_kernel(T, dtype, has_dht, v
         assert a.dtype == f.dtype, (name, a.dtype, f.dtype)
         assert rel_l2(a.float(), r) <= 2e-2, (name, rel_l2(a.float(), r))
         assert rel_l2(a.float(), f.float()) <= 5e-3, (name, "vs fused", rel_l2(a.float(), f.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen_gva_64"])
+def test_split_sweep_p_in_two_passes_is_bitwise_the_one_pass(case, monkeypatch):
+    """``dvl`` with P built in two passes (CUDNN_TRAIN_GDN_DVL_P2=1) makes the same operations on the same
+    values as the one pass: dvn, every written dH row and dh0 of the split sweep bitwise equal."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    if case == "dense":
+        q, k, _g, _beta, w, gc, cu, scale = _case(2, 300, 2, 4, 128, 128, torch.bfloat16, l2norm=True)
+        do = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
+        dht, args, rows = None, dict(scale=scale, use_qk_l2norm_in_kernel=True), None
+    else:
+        q, k, _g, _beta, w, gc, cu, scale, do, _dht, dht = _varlen_case(False)
+        args = dict(scale=scale, cu_seqlens=cu)
+        rows = int(cu.new_tensor([(n + 63) // 64 for n in VARLEN_LENS]).sum())
+    outs = []
+    for p2 in ("0", "1"):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_DVL_P2", p2)
+        outs.append([t.clone() for t in B90.reverse_sweep(q, k, w, gc, do, dht, split=True, out_dtype=q.dtype,
+                                                          **args)])
+    for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
+        if name == "dH" and rows is not None:
+            a, b = a[:rows], b[:rows]
+        assert torch.isfinite(a).all(), f"{case}: {name}: not every element written"
+        assert torch.equal(a, b), f"{case}: {name} differs with P in two passes"
 
 
 @pytest.mark.gpu

@@ -36,6 +36,7 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(F90, "WY_SCAN", True)  # the defaults, whatever the environment says
     monkeypatch.setattr(F90, "WY_ASYNC", True)
+    monkeypatch.setattr(F90, "WY_A2", False)
     if not torch.cuda.is_available():
         assert kc.target_arch() == "sm_90a"
     kc.clear_memory_cache()
@@ -52,12 +53,13 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
                                       K, V, l2, gate, dtb, sig, bscale, varlen, store_t=True))
     # its serial preparation (CUDNN_TRAIN_GDN_WY_SCAN=0) and its synchronous tile loads (CUDNN_TRAIN_GDN_WY_ASYNC=0)
-    for extra in (dict(scan=False), dict(async_loads=False)):
+    # and the A matrix in two passes (CUDNN_TRAIN_GDN_WY_A2=1)
+    for extra in (dict(scan=False), dict(async_loads=False), dict(a2=True)):
         assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None,
                                           torch.float32 if dtb else None, K, V, l2, gate, dtb, sig, bscale, varlen,
                                           **extra))
     objs = sorted(p.name for p in tmp_path.rglob("*.o"))
-    assert len(objs) == len(WY_VARIANTS) + 3 + 2 * len(STATE_VARIANTS), objs
+    assert len(objs) == len(WY_VARIANTS) + 4 + 2 * len(STATE_VARIANTS), objs
     # another process loads them from disk without compiling
     kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0]))
@@ -678,6 +680,22 @@ def test_wy_async_loads_are_bitwise_the_synchronous_ones(case, monkeypatch, pois
     as the synchronous loads before any product reads them: w, u, gc (and the stored Tm) bitwise equal,
     over NaN-filled outputs (a missing wait shows as stale tiles; rows past a sequence's end only ever meet
     beta = 0, so their zero fill is not what this checks)."""
+    _check_wy_variants_bitwise(case, monkeypatch, dict(scan=True, async_loads=False),
+                               dict(scan=True, async_loads=True), "cp.async loads")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen_gate_sigmoid_k64", "store_t_fp16"])
+def test_wy_two_pass_A_is_bitwise_the_one_pass(case, monkeypatch, poisoned):
+    """The A matrix built in two passes (CUDNN_TRAIN_GDN_WY_A2: every element's value in registers with its
+    factors read unconditionally, then the stores) makes the same operations on the same values as the one
+    pass: w, u, gc, o, the final state (and the stored Tm) bitwise equal, over NaN-filled outputs."""
+    _check_wy_variants_bitwise(case, monkeypatch, dict(a2=False), dict(a2=True), "A in two passes")
+
+
+def _check_wy_variants_bitwise(case, monkeypatch, base, other, what):
+    """The forward (with its intermediates; with the stored chunk states and Tm for ``store_t*`` cases) on
+    the wy kernel with ``base`` overrides, then with ``other``: every output bitwise equal."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     q, k, v, g, beta, h0, cu, flags, l2 = _wy_case(case)
@@ -690,10 +708,10 @@ def test_wy_async_loads_are_bitwise_the_synchronous_ones(case, monkeypatch, pois
         return {"o": o, "final_state": ht, "w": inter[0], "u": inter[1], "gc": inter[2],
                 **({"Tm": inter[5]} if store else {})}
 
-    outs = _per_wy_variant(monkeypatch, [dict(scan=True, async_loads=False), dict(scan=True, async_loads=True)], run)
+    outs = _per_wy_variant(monkeypatch, [base, other], run)
     for name, a in outs[1].items():
         assert torch.isfinite(a).all(), f"{case}: {name} has elements the kernels did not write"
-        assert torch.equal(a, outs[0][name]), f"{case}: {name} differs with cp.async loads"
+        assert torch.equal(a, outs[0][name]), f"{case}: {name} differs with {what}"
 
 
 @pytest.mark.gpu
