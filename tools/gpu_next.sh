@@ -279,6 +279,11 @@ s19)
     -k "two_pass or two_passes"
   CUDNN_TRAIN_GDN_WY_A2=1 timed wy_a2 150 python3 tools/time_gdn_fwd.py --shapes 2 --wy-only --profile
   timed dvl_p2 120 python3 tools/time_gdn_sweep.py --shapes 2 --p2 ;;
+s20)
+  # the sweep's and stage 3's profiles with their first phase split (the wait for the loads, then the l2norm
+  # rows): where the sweep's 31% "chunk wait" and stage 3's loads phase go
+  timed sweep_prof 120 python3 tools/time_gdn_sweep.py --shapes 2 --profile
+  timed dchunk_prof 200 python3 tools/time_gdn_dchunk.py --shapes 1 --profile ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

@@ -96,9 +96,10 @@ def _swizzle(K: int, wgs: int) -> int:
 
 
 # the profile variant's phases (tools/time_gdn_dchunk.py --profile): clock64 sums of thread 0 of every CTA
-DCHUNK_PHASES = ("loads (+ l2norm rows)", "k k^T, A (+ k Sc, Z)", "solve, Ae, Tm", "vn = Tm Z (not with vn)",
-                 "dP, dQK, dq (+ store)", "dw, dH in", "dk: vn dH^T, dQK^T q, dkb, dvb, dv", "dTm, Tm^T dTm, dA, dKK",
-                 "dk: dKK k (+ store)", "dg pair sums, tail, dg / dbeta")
+DCHUNK_PHASES = ("loads (issued; q, k, Sc landed)", "l2norm rows, q k in place", "k k^T, A (+ k Sc, Z)",
+                 "solve, Ae, Tm", "vn = Tm Z (not with vn)", "dP, dQK, dq (+ store)", "dw, dH in",
+                 "dk: vn dH^T, dQK^T q, dkb, dvb, dv", "dTm, Tm^T dTm, dA, dKK", "dk: dKK k (+ store)",
+                 "dg pair sums, tail, dg / dbeta")
 
 
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
@@ -461,6 +462,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 cute.arch.cp_async_wait_group(2)  # q, k, Sc
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
+            pmark(prof, 0)
             glast = sGc[C - 1]
             if cutlass.const_expr(l2norm):  # q, k -> their l2-normalized rows, in place (input dtype)
                 if tidx < C:
@@ -482,7 +484,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 cute.arch.fence_view_async_shared()
                 cute.arch.sync_threads()
 
-            pmark(prof, 0)
+            pmark(prof, 1)
             # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc (not with VNIN: vn is given)
             accKK = acc_cc()
             accY = acc_cv()
@@ -534,7 +536,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     mm(accDP, C, sDo, False, sVn, False, True)
                 commit()
 
-            pmark(prof, 1)
+            pmark(prof, 2)
             # ---- Tm = (I + A)^-1 (TMIN: the forward's, identity rows past the end) ; Ae -> sM (after the solve)
             if cutlass.const_expr(TMIN):
                 if tidx < C and tidx >= length:
@@ -564,7 +566,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if cutlass.const_expr(PAIR):
                 cute.arch.cluster_arrive()  # sT is free: the peer may send dq into it
 
-            pmark(prof, 2)
+            pmark(prof, 3)
             # ---- vn = Tm Z (not with VNIN) ; q k^T
             accVn = acc_cv()
             if cutlass.const_expr(not VNIN):
@@ -578,7 +580,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 cute.arch.fence_view_async_shared()
                 cute.arch.sync_threads()
 
-            pmark(prof, 3)
+            pmark(prof, 4)
             # ---- dP = do vn^T -> dQK = scale dP E (-> sX1), pair terms dP * P (-> sA) ; dqg = do Sc^T
             if cutlass.const_expr(not (OVERLAP and VNIN)):
                 mm(accDP, C, sDo, False, sVn, False, True)
@@ -610,7 +612,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 l2norm_bwd(accDq, cCK, sQ, sRq, sRow, tmp, grp_ck, tidx)
             store_dqk(accDq, cCK, mDq, sXch, mbar, b, t0, h, hv, rank, length, 0, tidx)
 
-            pmark(prof, 4)
+            pmark(prof, 5)
             # ---- dw = -dvn Sc^T -> sDw (over do, which is no longer read)
             accDw = acc_ck()
             if cutlass.const_expr(ASYNC and not PERSIST):
@@ -630,7 +632,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
 
-            pmark(prof, 5)
+            pmark(prof, 6)
             # ---- dk = diag(kdec) vn dH^T + dQK^T q ; kdt = rowsum(kd * vn dH^T)
             accDk = acc_ck()
             mm(accDk, K, sVn, False, sS, False, True)  # B [N = d, K = v]: dH [d, v] K-major
@@ -690,7 +692,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
                             tidx, 0)
 
-            pmark(prof, 6)
+            pmark(prof, 7)
             # ---- dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2
             accX1 = acc_cc()
             accX2 = acc_cc()
@@ -746,14 +748,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if cutlass.const_expr(PERSIST):  # the next tile's v, do, dvn (and Tm), into the tiles no longer read
                 next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
                             tidx, 1)
-            pmark(prof, 7)
+            pmark(prof, 8)
             mm(accDk, K, sX1, False, tv(sK), True, False)  # dk += (dKK + dKK^T) k
             done()
             if cutlass.const_expr(l2norm):
                 l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx)
             store_dqk(accDk, cCK, mDk, sXch, mbar, b, t0, h, hv, rank, length, 1, tidx)
 
-            pmark(prof, 8)
+            pmark(prof, 9)
             # ---- dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
             # the pair sums: R adjacent threads a row, each over C / R columns, then butterfly shuffles
             R = THREADS // C
@@ -800,7 +802,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if tidx < length:
                 mDg[b, t0 + tidx, hv] = sDgc[0, tidx]
                 mDb[b, t0 + tidx, hv] = wg_sum(sDb, tidx)
-            pmark(prof, 9)
+            pmark(prof, 10)
             pfinish(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
             if cutlass.const_expr(PERSIST):
                 cute.arch.sync_threads()  # the next tile's top rewrites sGc, sB, sDgc, sDb

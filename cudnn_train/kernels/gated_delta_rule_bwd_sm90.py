@@ -56,8 +56,8 @@ from . import gated_delta_rule_fwd_sm90 as fwd
 CHUNK = cm.CHUNK
 VBLOCK = fwd.VBLOCK
 # Phases timed by the profile variant (``tools/time_gdn_sweep.py --profile``), summed over a CTA's chunks
-SWEEP_PHASES = ("chunk wait (+ l2norm rows, do_s)", "dH store, dH^T k^T, q k^T, do_s^T q", "dvn scaling, P",
-                "do^T P", "dvn stores, -dvn^T", "dvn^T w")
+SWEEP_PHASES = ("chunk wait (loads landed, next issued)", "l2norm rows, do_s, dH^T to smem",
+                "dH store, dH^T k^T, q k^T, do_s^T q", "dvn scaling, P", "do^T P", "dvn stores, -dvn^T", "dvn^T w")
 _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
@@ -186,6 +186,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         cute.arch.sync_threads()  # the previous chunk is done with every smem tile
                         load_chunk(mQ, mK, mW, mDO, mGc, sQ, sK, sW, sDo, sGc, b, h, hv, t0, v0, length, tidx)
                         cute.arch.sync_threads()
+                    pmark(prof, 0)
                     if cutlass.const_expr(l2norm):
                         if tidx < C:
                             sRq[tidx] = row_inv_norm(sQ, tidx)
@@ -200,7 +201,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                             sDHt[sv, sd] = accD[e].to(dtype)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()
-                    pmark(prof, 0)
+                    pmark(prof, 1)
 
                     # ---- dH^T k^T, q k^T, and the q term of the update: dH^T <- e^(gc_C) dH^T + do_s^T q
                     # (dH^T k^T reads dH^T before it, in the input dtype: rD, or sDHt)
@@ -228,7 +229,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         if cr + 1 < nchunks:
                             issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
                         cute.arch.cp_async_commit_group()
-                    pmark(prof, 1)
+                    pmark(prof, 2)
 
                     for e in cutlass.range_constexpr(cute.size(accX)):
                         _, xi = cX[e]
@@ -240,7 +241,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     store_p(accP, cP, sP, sGc, sRq, sRk, scale)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # P visible to the async proxy; every product on q, k is done
-                    pmark(prof, 2)
+                    pmark(prof, 3)
                     if cutlass.const_expr(PREFETCH and not EARLY_QK):  # q, k of chunk cr + 1 (done with them)
                         if cr + 1 < nchunks:
                             issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
@@ -249,7 +250,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     gemm(mma_t, accX, tAdob[par], tBpt, False)  # dvn^T += do^T P
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
-                    pmark(prof, 3)
+                    pmark(prof, 4)
 
                     for e in cutlass.range_constexpr(cute.size(accX)):
                         xv, xi = cX[e]
@@ -264,11 +265,11 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                             sVd[xv, xi] = (-accX[e]).to(dtype)
                         cute.arch.fence_view_async_shared()
                         cute.arch.sync_threads()
-                    pmark(prof, 4)
+                    pmark(prof, 5)
                     gemm(mma_s, accD, rVd, tBwtb[par], False)  # dH^T -= dvn^T w
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
-                    pmark(prof, 5)
+                    pmark(prof, 6)
 
         store_state(accD, cS, mDH0, n, hv, v0, state_vk)
         pfinish(prof, mProf, (n * cute.arch.grid_dim()[1] + hv) * cute.arch.grid_dim()[2] + vb, tidx)
