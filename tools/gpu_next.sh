@@ -276,9 +276,12 @@ s19)
   # prepared in the twelfth session: the wy kernel's A in two passes (CUDNN_TRAIN_GDN_WY_A2) and the split
   # sweep's dvl P in two passes (CUDNN_TRAIN_GDN_DVL_P2): bitwise cases, then their timings (flip if faster)
   tier s19 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    -k "two_pass or two_passes"
+    -k "two_pass or two_passes or p_select"
   CUDNN_TRAIN_GDN_WY_A2=1 timed wy_a2 150 python3 tools/time_gdn_fwd.py --shapes 2 --wy-only --profile
   timed dvl_p2 120 python3 tools/time_gdn_sweep.py --shapes 2 --p2 ;;
+s19b)
+  # the out kernel with P's factors read unconditionally (CUDNN_TRAIN_GDN_OUT_PSEL): its row in the forward's timings
+  GDN_TIER=0 TIME_S=200 bash "$0" gdn_fwd ;;
 s20)
   # the sweep's and stage 3's profiles with their first phase split (the wait for the loads, then the l2norm
   # rows): where the sweep's 31% "chunk wait" and stage 3's loads phase go

@@ -159,6 +159,18 @@ def main():
             ot(q, k, hs, vn, gc, o_split, cu, cuc, K**-0.5, T, NT, B, group, rows)
 
         rows_out.append(("out kernel", bench(run_out, 10, 40)))
+        # the out kernel with P's factors read unconditionally (CUDNN_TRAIN_GDN_OUT_PSEL), into its own o
+        ot_sel = SP.get_out_kernel(torch.bfloat16, K, V, True, False, p_select=not SP.out_p_select())
+        o_sel = torch.full_like(o_split, float("nan"))
+
+        def run_out_sel():
+            ot_sel(q, k, hs, vn, gc, o_sel, cu, cuc, K**-0.5, T, NT, B, group, rows)
+
+        run_out_sel()
+        torch.cuda.synchronize()
+        print(f"  out kernel, p_select={not SP.out_p_select()}: o bitwise the default's: {torch.equal(o_sel, o_split)}")
+        rows_out.append((f"out kernel, p_select={not SP.out_p_select()}", bench(run_out_sel, 10, 40)))
+        rows_out.append(("out kernel (again)", bench(run_out, 10, 40)))
         err = rel_l2(o_split, outs[True])
         print(f"  split pass o vs the fused state kernel's: rel L2 {err:.2e}; VB chosen: "
               f"{SP.chain_vblock(B, HV, V, q.device)}")

@@ -329,7 +329,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
 # ------------------------------------------------------------------ kernel: out
 
 
-def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool):
+def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -406,7 +406,18 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool):
             for f in cutlass.range_constexpr(cute.size(rP)):
                 pi, pj = cP[map_p[f]]
                 pval = Float32(0.0)
-                if pj <= pi:
+                if cutlass.const_expr(P_SELECT):
+                    # the factors read unconditionally (shared by a thread's elements of one row or column,
+                    # not reloaded behind a branch per element); the lower-triangle test a select. The
+                    # same operations on the same values: the same bits (above the diagonal exp2 may be
+                    # inf, never kept)
+                    pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
+                    if cutlass.const_expr(l2norm):
+                        pcoef = pcoef * sRq[pi] * sRk[pj]
+                    pv = accP[map_p[f]] * pcoef
+                    if pj <= pi:
+                        pval = pv
+                elif pj <= pi:
                     pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
                     if cutlass.const_expr(l2norm):
                         pcoef = pcoef * sRq[pi] * sRk[pj]
@@ -458,11 +469,19 @@ def get_chain_kernel(dtype, K, V, VB, l2norm, varlen, has_h0, out_final, state_v
     return kc.get_kernel("gdn_fwd_chain", key, build, _SOURCES)
 
 
-def get_out_kernel(dtype, K, V, l2norm, varlen):
-    key = ("out", str(dtype), K, V, bool(l2norm), bool(varlen))
+def out_p_select() -> bool:
+    """``CUDNN_TRAIN_GDN_OUT_PSEL=1``: the ``out`` kernel reads P's factors unconditionally and keeps the
+    lower triangle by a select (the same bits; fewer shared loads and branches in its PTX). Prepared in the
+    twelfth session, compiled, not yet GPU-run: off."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_OUT_PSEL", False)
+
+
+def get_out_kernel(dtype, K, V, l2norm, varlen, p_select=None):
+    p_select = out_p_select() if p_select is None else bool(p_select)
+    key = ("out", str(dtype), K, V, bool(l2norm), bool(varlen)) + (("psel",) if p_select else ())
 
     def build():
-        return _build_out(F._dt(dtype), K, V, l2norm, varlen)
+        return _build_out(F._dt(dtype), K, V, l2norm, varlen, p_select)
 
     return kc.get_kernel("gdn_fwd_out", key, build, _SOURCES)
 

@@ -85,7 +85,9 @@ def test_split_state_kernels_compile_for_sm90a(tmp_path, monkeypatch):
         assert callable(SP.get_chain_kernel(*v))
     for v in OUT_VARIANTS:
         assert callable(SP.get_out_kernel(*v))
-    assert len(list(tmp_path.rglob("*.o"))) == len(CHAIN_VARIANTS) + len(OUT_VARIANTS)
+    # the out kernel with P's factors read unconditionally (CUDNN_TRAIN_GDN_OUT_PSEL)
+    assert callable(SP.get_out_kernel(*OUT_VARIANTS[0], p_select=not SP.out_p_select()))
+    assert len(list(tmp_path.rglob("*.o"))) == len(CHAIN_VARIANTS) + len(OUT_VARIANTS) + 1
     with pytest.raises(ValueError, match="VB=48"):
         SP.get_chain_kernel(torch.bfloat16, 128, 128, 48, True, False, False, False, False)
 
@@ -510,6 +512,32 @@ def test_split_state_pass_matches_oracle_and_fused_kernel(case, vb, monkeypatch,
     for name, a, b in zip(("o", "final_state"), split, fused):
         err = rel_l2(a.float(), b.float())
         assert err < 2e-3, f"{case}, VB {vb}: {name} differs from the fused kernel's by {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "fp16_no_l2norm"])
+def test_out_kernel_p_select_is_bitwise_the_branches(case, monkeypatch, poisoned):
+    """The split pass's out kernel with P's factors read unconditionally and the lower triangle kept by a
+    select (CUDNN_TRAIN_GDN_OUT_PSEL=1) makes the same operations on the same values as with a branch per
+    element: o and the final state bitwise equal."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setattr(F90, "SPLIT", True)
+    l2, dtype, cu = case != "fp16_no_l2norm", (torch.float16 if case == "fp16_no_l2norm" else torch.bfloat16), None
+    if case == "varlen":
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, dtype, nseq=len(lengths))
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, 128, 128, dtype, l2norm=l2)
+    outs = []
+    for sel in ("0", "1"):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_OUT_PSEL", sel)
+        outs.append(F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=l2, cu_seqlens=cu).value)
+    for name, a, b in zip(("o", "final_state"), outs[1], outs[0]):
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the kernels did not write"
+        assert torch.equal(a, b), f"{case}: {name} differs with P's select"
 
 
 @pytest.mark.gpu
