@@ -261,7 +261,7 @@ s16|s16a)
     -k "wy_async or wy_scan or (forwards_values and wgs2)"
   timed wy 150 python3 tools/time_gdn_fwd.py --shapes 2 --wy-only --profile
   CUDNN_TRAIN_GDN_WY_ASYNC=1 timed wy_async 100 python3 tools/time_gdn_fwd.py --shapes 1 --wy-only --profile
-  [ "$1" = s16 ] && bash "$0" s16b ;;
+  if [ "$1" = s16 ]; then bash "$0" s16b; fi ;;
 s17)
   # the twelfth session's default flips: the wy kernel's cp.async tiles (the whole forward tier runs on them)
   # and stage 3 on two warpgroups at K = 64 (its cases, the training path's K = 64 cases with both stage 3s)
@@ -290,7 +290,7 @@ s20)
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py
-  [ -n "$ORDER_TRAIN" ] && timed order_train 250 python3 tools/diag_gdn_order.py --train ;;
+  if [ -n "$ORDER_TRAIN" ]; then timed order_train 250 python3 tools/diag_gdn_order.py --train; fi ;;
 s16b)
   timed host 150 python3 tools/diag_gdn_host.py
   timed sweep_prof 120 python3 tools/time_gdn_sweep.py --shapes 2 --profile
