@@ -280,7 +280,8 @@ s19)
   CUDNN_TRAIN_GDN_WY_A2=1 timed wy_a2 150 python3 tools/time_gdn_fwd.py --shapes 2 --wy-only --profile
   timed dvl_p2 120 python3 tools/time_gdn_sweep.py --shapes 2 --p2 ;;
 s19b)
-  # the out kernel with P's factors read unconditionally (CUDNN_TRAIN_GDN_OUT_PSEL): its row in the forward's timings
+  # P by a select in the out kernel (CUDNN_TRAIN_GDN_OUT_PSEL) and the fused state kernel (CUDNN_TRAIN_GDN_FWD_PSEL):
+  # their rows in the forward's kernel timings, each next to its default
   GDN_TIER=0 TIME_S=200 bash "$0" gdn_fwd ;;
 s20)
   # the sweep's and stage 3's profiles with their first phase split (the wait for the loads, then the l2norm

@@ -125,6 +125,19 @@ def main():
         rows_out = [("wy kernel", bench(run_wy, 10, 40)), ("wy kernel, two warpgroups", bench(run_wy2, 10, 40))]
         for pf in (False, True):
             rows_out.append((f"state kernel, prefetch={pf}", bench(lambda pf=pf: run_state(pf), 10, 40)))
+        # its P by a select (CUDNN_TRAIN_GDN_FWD_PSEL), with the prefetch, against the default once more
+        st_sel = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=True,
+                                      p_select=not F90.STATE_PSEL)
+        o_sel = torch.full_like(outs[True], float("nan"))
+
+        def run_state_sel():
+            st_sel(q, k, w, u, gc, d4, o_sel, d4, cu, cuc, d4, K**-0.5, T, NT, group, B, i64)
+
+        run_state_sel()
+        torch.cuda.synchronize()
+        print(f"  state kernel, p_select={not F90.STATE_PSEL}: o bitwise the default's: {torch.equal(o_sel, outs[True])}")
+        rows_out.append((f"state kernel, prefetch, p_select={not F90.STATE_PSEL}", bench(run_state_sel, 10, 40)))
+        rows_out.append(("state kernel, prefetch=True (again)", bench(lambda: run_state(True), 10, 40)))
         # two warpgroups splitting every product's N (CUDNN_TRAIN_GDN_FWD_WGS=2; for inference opt-in)
         st2 = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=True, wgs=2)
         o2 = torch.full_like(outs[True], float("nan"))

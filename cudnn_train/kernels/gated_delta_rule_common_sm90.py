@@ -355,13 +355,15 @@ def make_scale_rows(dtype, cols: int, threads: int, l2norm: bool):
     return scale_rows
 
 
-def make_store_p(dtype, l2norm: bool, two_pass: bool = False):
+def make_store_p(dtype, l2norm: bool, two_pass: bool = False, select: bool = False):
     """``store_p(accP, cP, sP, sGc, sRq, sRk, scale)``: ``P = scale tril(q k^T exp(gc_i - gc_j))
     rq_i rk_j`` (diagonal kept) from the ``q k^T`` accumulator into the smem tile ``sP [i, j]``.
     ``two_pass``: every element's value first, in ``accP`` (its factors read unconditionally, so a
     thread's elements share the loads of its rows and columns, with no store to shared memory between
     them to force a reload and no branch around them), then the stores: the same operations on the
-    same values, the same bits (``exp2`` above the diagonal may be inf there, never kept)."""
+    same values, the same bits (``exp2`` above the diagonal may be inf there, never kept). ``select``: one
+    pass, the factors read unconditionally and the triangle kept by a select instead of a branch per
+    element (no register kept across the stores: for kernels at the register limit); the same bits."""
     cutlass, cute = kc.import_cute()
     from cutlass import Float32
 
@@ -386,6 +388,14 @@ def make_store_p(dtype, l2norm: bool, two_pass: bool = False):
             for e in cutlass.range_constexpr(cute.size(accP)):
                 pi, pj = cP[e]
                 sP[pi, pj] = accP[e].to(dtype)
+        elif cutlass.const_expr(select):
+            for e in cutlass.range_constexpr(cute.size(accP)):
+                pi, pj = cP[e]
+                pv = p_value(accP, e, pi, pj, sGc, sRq, sRk, scale)
+                pval = Float32(0.0)
+                if pj <= pi:
+                    pval = pv
+                sP[pi, pj] = pval.to(dtype)
         else:
             for e in cutlass.range_constexpr(cute.size(accP)):
                 pi, pj = cP[e]

@@ -114,6 +114,10 @@ WY_ASYNC = env_flag("CUDNN_TRAIN_GDN_WY_ASYNC", True)
 # (the one-pass loop reloads five shared values per element: 80 loads a thread where 22 are distinct). The same
 # bits. Prepared in the twelfth session, compiled, not yet GPU-run: off.
 WY_A2 = env_flag("CUDNN_TRAIN_GDN_WY_A2", False)
+# The fused state kernel's P with its factors read unconditionally and the triangle kept by a select
+# (CUDNN_TRAIN_GDN_FWD_PSEL=1): the same bits; in its PTX 246 branches against 302 and no spill against 16
+# bytes (255 registers either way). Prepared in the twelfth session, compiled, not yet GPU-run: off.
+STATE_PSEL = env_flag("CUDNN_TRAIN_GDN_FWD_PSEL", False)
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -656,7 +660,8 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
 
 
 def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
-                 store_states: bool = False, prefetch: bool = False, profile: bool = False, WGS: int = 1):
+                 store_states: bool = False, prefetch: bool = False, profile: bool = False, WGS: int = 1,
+                 PSEL: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -677,7 +682,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
-    store_p = cm.make_store_p(dtype, l2norm)
+    store_p = cm.make_store_p(dtype, l2norm, select=PSEL)
     locate_seq = cm.make_seq_locator(varlen)
 
     @cute.kernel
@@ -976,7 +981,7 @@ def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2nor
 
 
 def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False,
-                     prefetch=None, profile=False, wgs=None):
+                     prefetch=None, profile=False, wgs=None, p_select=None):
     # by default at K = 128 for inference; not for the training forward's store_states variant (GPU-checked
     # with it, but slower there: see STATE_WGS)
     prefetch = (STATE_PREFETCH and K == 128 and not store_states) if prefetch is None else bool(prefetch)
@@ -985,10 +990,12 @@ def get_state_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, s
     key = ("state", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states)) + (("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (
            (("wgs", wgs),) if wgs != 1 else ())
+    p_select = STATE_PSEL if p_select is None else bool(p_select)
+    key = key + (("psel",) if p_select else ())
 
     def build():
         return _build_state(_dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states, prefetch,
-                            bool(profile), wgs)
+                            bool(profile), wgs, p_select)
 
     return kc.get_kernel("gdn_fwd_state", key, build, _SOURCES)
 

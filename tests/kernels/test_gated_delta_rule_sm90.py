@@ -37,6 +37,7 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setattr(F90, "WY_SCAN", True)  # the defaults, whatever the environment says
     monkeypatch.setattr(F90, "WY_ASYNC", True)
     monkeypatch.setattr(F90, "WY_A2", False)
+    monkeypatch.setattr(F90, "STATE_PSEL", False)
     if not torch.cuda.is_available():
         assert kc.target_arch() == "sm_90a"
     kc.clear_memory_cache()
@@ -48,6 +49,8 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     for v in STATE_VARIANTS:  # each with and without the cp.async prefetch of the next chunk
         for pf in (True, False):
             assert callable(F90.get_state_kernel(*v, prefetch=pf))
+    # the state kernel's P by a select (CUDNN_TRAIN_GDN_FWD_PSEL)
+    assert callable(F90.get_state_kernel(*STATE_VARIANTS[0], prefetch=True, p_select=True))
     # the training forward's wy kernel that also writes each chunk's Tm (CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD)
     dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = WY_VARIANTS[0]
     assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
@@ -59,7 +62,7 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
                                           torch.float32 if dtb else None, K, V, l2, gate, dtb, sig, bscale, varlen,
                                           **extra))
     objs = sorted(p.name for p in tmp_path.rglob("*.o"))
-    assert len(objs) == len(WY_VARIANTS) + 4 + 2 * len(STATE_VARIANTS), objs
+    assert len(objs) == len(WY_VARIANTS) + 5 + 2 * len(STATE_VARIANTS), objs
     # another process loads them from disk without compiling
     kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0]))
@@ -515,14 +518,15 @@ def test_split_state_pass_matches_oracle_and_fused_kernel(case, vb, monkeypatch,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["out", "state"])
 @pytest.mark.parametrize("case", ["dense", "varlen", "fp16_no_l2norm"])
-def test_out_kernel_p_select_is_bitwise_the_branches(case, monkeypatch, poisoned):
-    """The split pass's out kernel with P's factors read unconditionally and the lower triangle kept by a
-    select (CUDNN_TRAIN_GDN_OUT_PSEL=1) makes the same operations on the same values as with a branch per
-    element: o and the final state bitwise equal."""
+def test_p_select_is_bitwise_the_branches(kernel, case, monkeypatch, poisoned):
+    """P's factors read unconditionally and its lower triangle kept by a select, in the split pass's out
+    kernel (CUDNN_TRAIN_GDN_OUT_PSEL=1) or the fused state kernel (CUDNN_TRAIN_GDN_FWD_PSEL=1), make the
+    same operations on the same values as with a branch per element: o and the final state bitwise equal."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    monkeypatch.setattr(F90, "SPLIT", True)
+    monkeypatch.setattr(F90, "SPLIT", kernel == "out")
     l2, dtype, cu = case != "fp16_no_l2norm", (torch.float16 if case == "fp16_no_l2norm" else torch.bfloat16), None
     if case == "varlen":
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
@@ -531,13 +535,16 @@ def test_out_kernel_p_select_is_bitwise_the_branches(case, monkeypatch, poisoned
     else:
         q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, 128, 128, dtype, l2norm=l2)
     outs = []
-    for sel in ("0", "1"):
-        monkeypatch.setenv("CUDNN_TRAIN_GDN_OUT_PSEL", sel)
+    for sel in (False, True):
+        if kernel == "out":
+            monkeypatch.setenv("CUDNN_TRAIN_GDN_OUT_PSEL", str(int(sel)))
+        else:
+            monkeypatch.setattr(F90, "STATE_PSEL", sel)
         outs.append(F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                 use_qk_l2norm_in_kernel=l2, cu_seqlens=cu).value)
     for name, a, b in zip(("o", "final_state"), outs[1], outs[0]):
-        assert torch.isfinite(a).all(), f"{case}: {name} has elements the kernels did not write"
-        assert torch.equal(a, b), f"{case}: {name} differs with P's select"
+        assert torch.isfinite(a).all(), f"{kernel}, {case}: {name} has elements the kernels did not write"
+        assert torch.equal(a, b), f"{kernel}, {case}: {name} differs with P's select"
 
 
 @pytest.mark.gpu
