@@ -125,28 +125,26 @@ def main():
         rows_out = [("wy kernel", bench(run_wy, 10, 40)), ("wy kernel, two warpgroups", bench(run_wy2, 10, 40))]
         for pf in (False, True):
             rows_out.append((f"state kernel, prefetch={pf}", bench(lambda pf=pf: run_state(pf), 10, 40)))
-        # its P by a select (CUDNN_TRAIN_GDN_FWD_PSEL), with the prefetch, against the default once more
-        st_sel = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=True,
-                                      p_select=not F90.STATE_PSEL)
-        o_sel = torch.full_like(outs[True], float("nan"))
+        def state_variant(**kw):
+            """A state-kernel variant (prefetch on) into its own o: ``(run, o)``, run once."""
+            sk = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=True,
+                                      **kw)
+            o_v = torch.full_like(outs[True], float("nan"))
 
-        def run_state_sel():
-            st_sel(q, k, w, u, gc, d4, o_sel, d4, cu, cuc, d4, K**-0.5, T, NT, group, B, i64)
+            def run_v():
+                sk(q, k, w, u, gc, d4, o_v, d4, cu, cuc, d4, K**-0.5, T, NT, group, B, i64)
 
-        run_state_sel()
-        torch.cuda.synchronize()
+            run_v()
+            torch.cuda.synchronize()
+            return run_v, o_v
+
+        # its P by a select (CUDNN_TRAIN_GDN_FWD_PSEL), against the default once more
+        run_sel, o_sel = state_variant(p_select=not F90.STATE_PSEL)
         print(f"  state kernel, p_select={not F90.STATE_PSEL}: o bitwise the default's: {torch.equal(o_sel, outs[True])}")
-        rows_out.append((f"state kernel, prefetch, p_select={not F90.STATE_PSEL}", bench(run_state_sel, 10, 40)))
+        rows_out.append((f"state kernel, prefetch, p_select={not F90.STATE_PSEL}", bench(run_sel, 10, 40)))
         rows_out.append(("state kernel, prefetch=True (again)", bench(lambda: run_state(True), 10, 40)))
         # two warpgroups splitting every product's N (CUDNN_TRAIN_GDN_FWD_WGS=2; for inference opt-in)
-        st2 = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=True, wgs=2)
-        o2 = torch.full_like(outs[True], float("nan"))
-
-        def run_state2():
-            st2(q, k, w, u, gc, d4, o2, d4, cu, cuc, d4, K**-0.5, T, NT, group, B, i64)
-
-        run_state2()
-        torch.cuda.synchronize()
+        run_state2, o2 = state_variant(wgs=2)
         print(f"  two-warpgroup state kernel: o vs one warpgroup's rel L2 {rel_l2(o2, outs[True]):.2e}")
         rows_out.append(("state kernel, prefetch, two warpgroups", bench(run_state2, 10, 40)))
         # the training forward's state kernel (store_states: the chunk-start states too; two warpgroups,
