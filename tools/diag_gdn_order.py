@@ -23,6 +23,7 @@ import torch
 
 from benchmarks.bench_gated_delta_rule import make_inputs
 from benchmarks.common import bench
+from cudnn_train import last_path
 from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 from diag_gdn_host import host_us  # this folder is on sys.path when run as a script
 
@@ -83,7 +84,6 @@ def main() -> None:
         print(f"\n[{label}] peer bench {gpu:.3f} ms, host {host:.1f} us a call; threads {names}; ctx {context()}; "
               f"reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB; switchinterval {sys.getswitchinterval()}",
               flush=True)
-        from cudnn_train import last_path
         op_gpu = bench(op_call, 10, 40)
         print(f"    the op: bench {op_gpu:.3f} ms, host {host_us(op_call, args.calls):.1f} us a call "
               f"(served by {last_path('chunk_gated_delta_rule')})", flush=True)

@@ -13,8 +13,8 @@ default call with a vn read (``chunk_grads(vn=...)``, random: the timing does no
 against recomputing it, and with the chunk inverses read too (``tm=``), then the reading variants' profiles.
 ``--persist``: only the training path's call (vn and Tm read) per tile against the persistent variant
 (``persist=True``; outputs checked bitwise). ``--k64``: only K = V = 64, the training path's call (pair sum,
-vn and Tm read) on one warpgroup (the default there) against two (outputs compared, relative L2), then the
-two timings.
+vn and Tm read) on one warpgroup against two (the default since the twelfth session; outputs compared,
+relative L2), then the two timings.
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,

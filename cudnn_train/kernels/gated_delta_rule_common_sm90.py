@@ -355,25 +355,47 @@ def make_scale_rows(dtype, cols: int, threads: int, l2norm: bool):
     return scale_rows
 
 
-def make_store_p(dtype, l2norm: bool, two_pass: bool = False, select: bool = False):
-    """``store_p(accP, cP, sP, sGc, sRq, sRk, scale)``: ``P = scale tril(q k^T exp(gc_i - gc_j))
-    rq_i rk_j`` (diagonal kept) from the ``q k^T`` accumulator into the smem tile ``sP [i, j]``.
-    ``two_pass``: every element's value first, in ``accP`` (its factors read unconditionally, so a
-    thread's elements share the loads of its rows and columns, with no store to shared memory between
-    them to force a reload and no branch around them), then the stores: the same operations on the
-    same values, the same bits (``exp2`` above the diagonal may be inf there, never kept). ``select``: one
-    pass, the factors read unconditionally and the triangle kept by a select instead of a branch per
-    element (no register kept across the stores: for kernels at the register limit); the same bits."""
+def make_p_value(l2norm: bool):
+    """``(p_value, p_kept)``, trace-time helpers for an element of ``P = scale tril(q k^T exp(gc_i - gc_j))
+    rq_i rk_j`` (diagonal kept) from the ``q k^T`` accumulator element ``acc[e]`` at ``(pi, pj)``:
+    ``p_value`` its value whatever the position (call it where ``pj <= pi``); ``p_kept`` the value read
+    unconditionally and kept by a select, 0 above the diagonal (the same bits as a branch around
+    ``p_value``; ``exp2`` there may be inf, never kept; no branch per element, so a thread's elements share
+    the loads of their rows' and columns' factors)."""
     cutlass, cute = kc.import_cute()
     from cutlass import Float32
 
     @cute.jit
-    def p_value(accP: cute.Tensor, e: cutlass.Constexpr, pi, pj, sGc: cute.Tensor, sRq: cute.Tensor,
+    def p_value(acc: cute.Tensor, e: cutlass.Constexpr, pi, pj, sGc: cute.Tensor, sRq: cute.Tensor,
                 sRk: cute.Tensor, scale: Float32):
         pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
         if cutlass.const_expr(l2norm):
             pcoef = pcoef * sRq[pi] * sRk[pj]
-        return accP[e] * pcoef
+        return acc[e] * pcoef
+
+    @cute.jit
+    def p_kept(acc: cute.Tensor, e: cutlass.Constexpr, pi, pj, sGc: cute.Tensor, sRq: cute.Tensor,
+               sRk: cute.Tensor, scale: Float32):
+        pv = p_value(acc, e, pi, pj, sGc, sRq, sRk, scale)
+        pval = Float32(0.0)
+        if pj <= pi:
+            pval = pv
+        return pval
+
+    return p_value, p_kept
+
+
+def make_store_p(dtype, l2norm: bool, two_pass: bool = False, select: bool = False):
+    """``store_p(accP, cP, sP, sGc, sRq, sRk, scale)``: ``P`` (:func:`make_p_value`) from the ``q k^T``
+    accumulator into the smem tile ``sP [i, j]``, an element at a time with a branch around each value.
+    ``two_pass``: every element's value first, into ``accP`` (``p_kept``: no store to shared memory
+    between the loads to force a reload, no branch around them), then the stores. ``select``: one pass
+    with ``p_kept`` (no register kept across the stores: for kernels at the register limit). The same
+    operations on the same values either way: the same bits."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32
+
+    p_value, p_kept = make_p_value(l2norm)
 
     @cute.jit
     def store_p(accP: cute.Tensor, cP: cute.Tensor, sP: cute.Tensor, sGc: cute.Tensor, sRq: cute.Tensor,
@@ -381,21 +403,14 @@ def make_store_p(dtype, l2norm: bool, two_pass: bool = False, select: bool = Fal
         if cutlass.const_expr(two_pass):
             for e in cutlass.range_constexpr(cute.size(accP)):
                 pi, pj = cP[e]
-                pval = p_value(accP, e, pi, pj, sGc, sRq, sRk, scale)
-                accP[e] = Float32(0.0)
-                if pj <= pi:
-                    accP[e] = pval
+                accP[e] = p_kept(accP, e, pi, pj, sGc, sRq, sRk, scale)
             for e in cutlass.range_constexpr(cute.size(accP)):
                 pi, pj = cP[e]
                 sP[pi, pj] = accP[e].to(dtype)
         elif cutlass.const_expr(select):
             for e in cutlass.range_constexpr(cute.size(accP)):
                 pi, pj = cP[e]
-                pv = p_value(accP, e, pi, pj, sGc, sRq, sRk, scale)
-                pval = Float32(0.0)
-                if pj <= pi:
-                    pval = pv
-                sP[pi, pj] = pval.to(dtype)
+                sP[pi, pj] = p_kept(accP, e, pi, pj, sGc, sRq, sRk, scale).to(dtype)
         else:
             for e in cutlass.range_constexpr(cute.size(accP)):
                 pi, pj = cP[e]

@@ -341,6 +341,7 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
     store_pairs = cm.make_store_pairs()
+    p_value, p_kept = cm.make_p_value(l2norm)
     locate = cm.make_chunk_locator(varlen)
 
     @cute.kernel
@@ -406,22 +407,10 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
             for f in cutlass.range_constexpr(cute.size(rP)):
                 pi, pj = cP[map_p[f]]
                 pval = Float32(0.0)
-                if cutlass.const_expr(P_SELECT):
-                    # the factors read unconditionally (shared by a thread's elements of one row or column,
-                    # not reloaded behind a branch per element); the lower-triangle test a select. The
-                    # same operations on the same values: the same bits (above the diagonal exp2 may be
-                    # inf, never kept)
-                    pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
-                    if cutlass.const_expr(l2norm):
-                        pcoef = pcoef * sRq[pi] * sRk[pj]
-                    pv = accP[map_p[f]] * pcoef
-                    if pj <= pi:
-                        pval = pv
+                if cutlass.const_expr(P_SELECT):  # the factors read unconditionally, the triangle by a select
+                    pval = p_kept(accP, map_p[f], pi, pj, sGc, sRq, sRk, scale)
                 elif pj <= pi:
-                    pcoef = scale * cute.math.exp2((sGc[pi] - sGc[pj]) * LOG2E, fastmath=True)
-                    if cutlass.const_expr(l2norm):
-                        pcoef = pcoef * sRq[pi] * sRk[pj]
-                    pval = accP[map_p[f]] * pcoef
+                    pval = p_value(accP, map_p[f], pi, pj, sGc, sRq, sRk, scale)
                 rP[f] = pval.to(dtype)
             # ---- o = scale exp(gc_i) rq_i q S + P vn
             cO = thr_o.partition_C(cute.make_identity_tensor((C, V)))
