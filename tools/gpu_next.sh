@@ -41,6 +41,8 @@
 #                                   # synchronous loads and both profiles; then the op's host cost split by path;
 #                                   # then the reverse sweep's per-phase profile (time_gdn_sweep.py --profile);
 #                                   # then stage 3 at K = V = 64 on one warpgroup against two (--k64)
+#   bash tools/gpu_next.sh s19|s19b|s20  # the twelfth session's prepared variants (see the stages below)
+#   bash tools/gpu_next.sh s21      # the thirteenth session's specialized-warpgroup state pass: cases, timing
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -288,6 +290,11 @@ s20)
   # rows): where the sweep's 31% "chunk wait" and stage 3's loads phase go
   timed sweep_prof 120 python3 tools/time_gdn_sweep.py --shapes 2 --profile
   timed dchunk_prof 200 python3 tools/time_gdn_dchunk.py --shapes 1 --profile ;;
+s21)
+  # prepared in the thirteenth session: the fused state pass on two specialized warpgroups (CUDNN_TRAIN_GDN_FWD_WS):
+  # its cases (oracle, final state bitwise the fused kernel's), then its time against the fused kernel, alternating
+  tier s21 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py -k "specialized_warpgroups"
+  timed ws 150 python3 tools/time_gdn_fwd.py --shapes 2 --ws-only ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

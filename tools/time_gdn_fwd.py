@@ -4,7 +4,11 @@ the whole forward as chosen and with each state pass forced, and FLA's forward i
 also the wy and state kernels on two warpgroups (the wy kernel's default at K = V = 128; the state
 kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
-    python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only]
+    python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only]
+
+``--ws-only``: the fused state kernel (default) against its variant on two specialized warpgroups
+(``gated_delta_rule_fwd_ws_sm90``, ``CUDNN_TRAIN_GDN_FWD_WS``): the outputs compared, alternating times,
+and the whole forward with each.
 
 ``--wy-only``: the wy kernel alone in its variants (the scan preparation or the serial one, the tiles by
 cp.async, the A matrix in two passes: ``CUDNN_TRAIN_GDN_WY_A2``), bitwise checks between them, alternating
@@ -39,6 +43,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="per-phase cycles from the profile variants")
+    ap.add_argument("--ws-only", action="store_true",
+                    help="only the fused state kernel against its specialized-warpgroup variant (and whole forwards)")
     ap.add_argument("--wy-only", action="store_true",
                     help="only the wy kernel at its default warpgroups: its time and (with --profile) its phases")
     args = ap.parse_args()
@@ -87,6 +93,37 @@ def main():
                 print(f"  wy kernel (default warpgroups), {name}: {bench(outs[name][0], 10, 40):.3f} ms")
             if args.profile:
                 profile_wy(k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group)
+            continue
+
+        if args.ws_only:  # the fused state kernel against its specialized-warpgroup variant, alternating
+            wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
+                                    False, False, 1.0, False)
+            wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
+            d4 = f32.view(1, 1, 1, 1)
+            sk = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False)
+            o_def = torch.full((B, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16)
+
+            def run_def():
+                sk(q, k, w, u, gc, d4, o_def, d4, cu, cuc, d4, K**-0.5, T, NT, group, B, i64)
+
+            run_def()
+            torch.cuda.synchronize()
+            print(f"\nB{B} T{T} H{H} HV{HV}:")
+            run_ws, _ = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def)
+            for _ in range(2):
+                print(f"  state kernel (default)               {bench(run_def, 10, 40):.3f} ms")
+                print(f"  state kernel, specialized warpgroups {bench(run_ws, 10, 40):.3f} ms")
+            F90.SPLIT = False
+            print(f"  whole forward, fused state kernel    "
+                  f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
+            print(f"  whole forward, specialized warpgroups {whole_forward_ws(q, k, v, g, beta):.3f} ms")
+            F90.SPLIT = None
+            train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True)
+            for _ in range(2):  # the training forward: its default (the split pass) against the specialized warpgroups
+                print(f"  training forward (store_states, keep_vn), default      "
+                      f"{bench(lambda: F90.forward(q, k, v, g, beta, **train), 10, 40):.3f} ms")
+                print(f"  training forward, specialized warpgroups               "
+                      f"{whole_forward_ws(q, k, v, g, beta, **train):.3f} ms")
             continue
 
         wy = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,
@@ -143,6 +180,9 @@ def main():
         print(f"  state kernel, p_select={not F90.STATE_PSEL}: o bitwise the default's: {torch.equal(o_sel, outs[True])}")
         rows_out.append((f"state kernel, prefetch, p_select={not F90.STATE_PSEL}", bench(run_sel, 10, 40)))
         rows_out.append(("state kernel, prefetch=True (again)", bench(lambda: run_state(True), 10, 40)))
+        # the fused state pass on two specialized warpgroups (CUDNN_TRAIN_GDN_FWD_WS), into its own o
+        run_ws, o_ws = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, outs[True])
+        rows_out.append(("state kernel, specialized warpgroups", bench(run_ws, 10, 40)))
         # two warpgroups splitting every product's N (CUDNN_TRAIN_GDN_FWD_WGS=2; for inference opt-in)
         run_state2, o2 = state_variant(wgs=2)
         print(f"  two-warpgroup state kernel: o vs one warpgroup's rel L2 {rel_l2(o2, outs[True]):.2e}")
@@ -190,6 +230,7 @@ def main():
                             (False, "whole forward, fused state kernel")):
             F90.SPLIT = split
             rows_out.append((name, bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40)))
+        rows_out.append(("whole forward, specialized warpgroups", whole_forward_ws(q, k, v, g, beta)))
         # the training forward (store_states): its default (the split pass) and kernel 2 with the stores
         for split, name in ((None, "training forward (store_states), default"),
                             (False, "training forward, fused state kernel")):
@@ -205,6 +246,37 @@ def main():
             print(f"  {name:38s} {ms:8.3f} ms  {fl / ms / 1e9:7.1f} TFLOP/s")
         if args.profile:
             profile(q, k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group, d4, outs)
+
+
+def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref):
+    """The state pass on two specialized warpgroups (``gated_delta_rule_fwd_ws_sm90``) into its own o, run
+    once and compared with ``o_ref`` (the fused kernel's): ``(run, o)``."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    K, V = q.shape[-1], u.shape[-1]
+    fn = WS.get_kernel(torch.bfloat16, K, V, True, False, False, False, False)
+    o_ws = torch.full_like(o_ref, float("nan"))
+
+    def run():
+        fn(q, k, w, u, gc, d4, o_ws, d4, cu, cuc, K**-0.5, T, NT, group, B)
+
+    run()
+    torch.cuda.synchronize()
+    print(f"  specialized warpgroups: o finite {bool(torch.isfinite(o_ws).all())}, bitwise the fused kernel's "
+          f"{torch.equal(o_ws, o_ref)}, rel L2 {rel_l2(o_ws.float(), o_ref.float()):.2e}")
+    return run, o_ws
+
+
+def whole_forward_ws(q, k, v, g, beta, **kw) -> float:
+    """ms of the whole forward with the fused state pass on the specialized warpgroups (split pass off);
+    ``kw``: more of ``forward``'s arguments (default: the l2norm in the kernel)."""
+    split, ws = F90.SPLIT, F90.STATE_WS
+    F90.SPLIT, F90.STATE_WS = False, True
+    kw = kw or dict(use_qk_l2norm_in_kernel=True)
+    try:
+        return bench(lambda: F90.forward(q, k, v, g, beta, **kw), 10, 40)
+    finally:
+        F90.SPLIT, F90.STATE_WS = split, ws
 
 
 def _report(title, buf, phases, ctas, per=1):

@@ -118,6 +118,11 @@ WY_A2 = env_flag("CUDNN_TRAIN_GDN_WY_A2", False)
 # (CUDNN_TRAIN_GDN_FWD_PSEL=1): the same bits; in its PTX 246 branches against 302 and no spill against 16
 # bytes (255 registers either way). Prepared in the twelfth session, compiled, not yet GPU-run: off.
 STATE_PSEL = env_flag("CUDNN_TRAIN_GDN_FWD_PSEL", False)
+# The fused state pass on two specialized warpgroups (CUDNN_TRAIN_GDN_FWD_WS=1; gated_delta_rule_fwd_ws_sm90:
+# the chain on one, the outputs on the other, handed over in shared memory), where the fused kernel would
+# serve, and for the training forward (store_states, with vn) instead of the split pass unless the grid leaves
+# SMs idle. Prepared in the thirteenth session, compiled, not yet GPU-run: off.
+STATE_WS = env_flag("CUDNN_TRAIN_GDN_FWD_WS", False)
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -1152,10 +1157,11 @@ def forward(
     if split and SPLIT is None:
         from . import gated_delta_rule_fwd_split_sm90 as sp
 
-        split = store_states or sp.preferred(nseq, HV, V, dev)
+        split = (store_states and not STATE_WS) or sp.preferred(nseq, HV, V, dev)
     elif split:
         split = SPLIT
-    if not split:
+    ws = not split and STATE_WS
+    if not split and not ws:
         st = get_state_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, initial_state is not None,
                               output_final_state, state_v_first, store_states)
 
@@ -1172,7 +1178,7 @@ def forward(
     state_dummy = f32_dummy.view(1, 1, 1, 1)
     # chunk-start states [chunks, HV, K, V] (chunk b * NT + c, or cu_chunks[n] + c with varlen)
     hs = _empty(grid_chunks, HV, K, V, dtype=q.dtype, device=dev) if store_states else None
-    vn = _empty(B, T, HV, V, dtype=q.dtype, device=dev) if (store_states and keep_vn and split) else None
+    vn = _empty(B, T, HV, V, dtype=q.dtype, device=dev) if (store_states and keep_vn and (split or ws)) else None
     tm = _empty(B, T, HV, CHUNK, dtype=q.dtype, device=dev) if (store_states and keep_tm) else None
     alog = A_log.reshape(HV) if use_gate_in_kernel else f32_dummy
     dtb = dt_bias.reshape(HV) if (use_gate_in_kernel and dt_bias is not None) else f32_dummy
@@ -1192,6 +1198,11 @@ def forward(
 
             sp.state_pass(q, k, w, u, gc, o, initial_state, ht, cu, cu_chunks, grid_chunks, NT, scale,
                           use_qk_l2norm_in_kernel, state_v_first, group, nseq, hs=hs, vn=vn)
+        elif ws:
+            from . import gated_delta_rule_fwd_ws_sm90 as WS
+
+            WS.state_pass(q, k, w, u, gc, o, initial_state, ht, cu, cu_chunks, NT, scale, use_qk_l2norm_in_kernel,
+                          state_v_first, group, nseq, hs=hs, vn=vn)
         else:
             st(q, k, w, u, gc, state_dummy if initial_state is None else initial_state, o,
                state_dummy if ht is None else ht, cu, cu_chunks, state_dummy if hs is None else hs, float(scale),

@@ -130,6 +130,34 @@ def test_two_warpgroup_state_kernels_compile_for_sm90a(tmp_path, monkeypatch):
         F90.get_state_kernel(*STATE_VARIANTS[1], wgs=2)  # K = 64
 
 
+# (q dtype, K, V, l2norm, varlen, has h0, final state, state [V, K])
+WS_VARIANTS = [
+    (torch.bfloat16, 128, 128, True, False, False, False, False),  # the benchmark's call
+    (torch.float16, 64, 64, False, True, True, True, True),
+    (torch.bfloat16, 128, 64, True, True, True, True, False),
+]
+
+
+@pytest.mark.compile
+def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
+    """The fused state pass on two specialized warpgroups (CUDNN_TRAIN_GDN_FWD_WS): chain and output."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    kc.clear_memory_cache()
+    for v in WS_VARIANTS:
+        assert callable(WS.get_kernel(*v))
+    # the training forward's: the chunk-start states (and vn) written too
+    assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, keep_vn=True))
+    assert callable(WS.get_kernel(*WS_VARIANTS[1], store_states=True))
+    assert len(list(tmp_path.rglob("*.o"))) == len(WS_VARIANTS) + 2
+    with pytest.raises(ValueError, match="K=96"):
+        WS.get_kernel(torch.bfloat16, 96, 128, True, False, False, False, False)
+    with pytest.raises(ValueError, match="keep_vn"):
+        WS.get_kernel(*WS_VARIANTS[0], keep_vn=True)
+
+
 @pytest.mark.compile
 def test_layout_facts_the_kernels_rely_on():
     """The register and shared-memory layout facts, checked for more threads than at trace time."""
@@ -515,6 +543,81 @@ def test_split_state_pass_matches_oracle_and_fused_kernel(case, vb, monkeypatch,
     for name, a, b in zip(("o", "final_state"), split, fused):
         err = rel_l2(a.float(), b.float())
         assert err < 2e-3, f"{case}, VB {vb}: {name} differs from the fused kernel's by {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "k64_state_vk", "fp16_no_l2norm", "v64_gva"])
+def test_specialized_warpgroups_match_oracle_and_fused_kernel(case, monkeypatch, poisoned):
+    """The fused state pass on two specialized warpgroups (CUDNN_TRAIN_GDN_FWD_WS): o and the final state
+    against the oracle under the FLA-compat rule; against the fused kernel the final state bitwise (the
+    chain runs the fused kernel's instructions on the same values) and o close (its two products have
+    their operand roles swapped)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    K, V, vk, cu, l2, dtype, H, HV = 128, 128, False, None, True, torch.bfloat16, 2, 4
+    if case == "k64_state_vk":
+        K, vk = 64, True
+    if case == "fp16_no_l2norm":
+        l2, dtype = False, torch.float16
+    if case == "v64_gva":
+        V, H, HV = 64, 1, 4
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    if case == "varlen":
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 333, H, HV, K, V, dtype, l2norm=l2, state_v_first=vk)
+    _run_and_compare(q, k, v, g, beta, h0, cu, l2norm=l2, state_v_first=vk)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                state_v_first=vk)
+    ws = F90.forward(q, k, v, g, beta, **args).value
+    monkeypatch.setattr(F90, "STATE_WS", False)
+    fused = F90.forward(q, k, v, g, beta, **args).value
+    assert torch.isfinite(ws[0]).all(), f"{case}: o has elements the kernel did not write"
+    assert torch.equal(ws[1], fused[1]), f"{case}: the final state differs from the fused kernel's"
+    err = rel_l2(ws[0].float(), fused[0].float())
+    assert err < 2e-3, f"{case}: o differs from the fused kernel's by {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["varlen", "k64_fp16_no_l2norm"])
+def test_specialized_warpgroups_training_forward(case, monkeypatch, poisoned):
+    """The training forward (``store_states``, ``keep_vn``) on the specialized warpgroups: o and the final
+    state against the oracle; the chunk-start states and the final state bitwise the one-warpgroup fused
+    kernel's (the same chain); vn close to the split pass's chain's (other summation order)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    K, V, l2, dtype, cu = 128, 128, True, torch.bfloat16, None
+    if case == "varlen":
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, dtype, nseq=len(lengths))
+    else:
+        K, V, l2, dtype = 64, 64, False, torch.float16
+        q, k, v, g, beta, h0 = _inputs(2, 333, 1, 2, K, V, dtype, l2norm=False)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                store_states=True, keep_vn=True)
+    rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    o, ht, (_, _, _, hs, vn, _) = F90.forward(q, k, v, g, beta, **args).value
+    ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=l2)
+    _check("o", o.float(), ref_o, None)
+    _check("final_state", ht, ref_h, None)
+    monkeypatch.setattr(F90, "STATE_WS", False)
+    orig = F90.get_state_kernel
+    monkeypatch.setattr(F90, "get_state_kernel", lambda *a, **kw: orig(*a, **{**kw, "wgs": 1}))
+    _, f_ht, (_, _, _, f_hs, _, _) = F90.forward(q, k, v, g, beta, **args).value
+    assert torch.isfinite(hs[:rows]).all(), f"{case}: chunk-state rows the kernel did not write"
+    assert torch.equal(hs[:rows], f_hs[:rows]), f"{case}: chunk-start states differ from the fused kernel's"
+    assert torch.equal(ht, f_ht), f"{case}: the final state differs from the fused kernel's"
+    monkeypatch.setattr(F90, "SPLIT", True)
+    s_vn = F90.forward(q, k, v, g, beta, **args).value[2][4]
+    assert torch.isfinite(vn).all(), f"{case}: vn has elements the kernel did not write"
+    err = rel_l2(vn.float(), s_vn.float())
+    assert err < 2e-3, f"{case}: vn differs from the split chain's by {err:.2e}"
 
 
 @pytest.mark.gpu

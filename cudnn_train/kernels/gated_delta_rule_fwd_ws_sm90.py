@@ -1,0 +1,342 @@
+"""The GDN forward's state pass on two specialized warpgroups (SM90, CuTeDSL, WGMMA).
+
+Same math, same rounding points and the same notation as ``gated_delta_rule_fwd_sm90``'s fused
+``state`` kernel (kernel 2 there); one CTA per (sequence, value head, 64 columns of V), 256 threads:
+
+* warpgroup 0, the **chain**, carries the state ``S^T [v, d]`` (64 x K, float32 accumulators) over
+  the chunks and does only what the next chunk needs, exactly as the fused kernel does it::
+
+      S^T (input dtype) -> registers (A operand) and smem sS[c % 2] (for warpgroup 1)
+      vn^T = u^T - S^T w^T                  -> smem sVo[c % 2], input dtype (for warpgroup 1)
+      S^T  = exp(gc_C) S^T + (vn^T diag(exp(gc_C - gc) rk)) k
+
+* warpgroup 1, the **output**, computes the chunk's o from what the chain left in shared memory,
+  in the split pass's ``out`` orientation (``o [i, v]``, rows of o stored as element pairs)::
+
+      o = scale exp(gc_i) rq_i (q S) + tril(scale q k^T exp(gc_i - gc_j) rq_i rk_j) vn
+
+  ``q S`` and ``q k^T`` need only the chunk-start state, so they run in the chain's iteration;
+  ``P vn`` waits for vn and runs in the next one, overlapped with that chunk's first products.
+
+One CTA barrier an iteration (``bar.sync 1, 256``) hands everything over: by then every thread has
+waited for its ``cp.async`` copies of chunk c, the chain has written S_c to sS and vn_{c-1} to
+sVo, and both warpgroups are done with the buffers the next copies overwrite (q, k, w, u, gc of
+chunk c + 1 go into the other of two buffers, issued by all 256 threads right after the barrier).
+Everything else is private to a warpgroup (its own named barrier; each computes the l2norm
+factors it needs). The chain's critical path per chunk is two WGMMA groups and the conversions
+between them; the output's products and P, its exp2s and o's stores, which the fused kernel runs on
+the same warpgroup in series with the chain, run beside it.
+
+Cost: about 164 KB of shared memory (two buffers of q, k, w, u; two of sS, sVo), one CTA an SM.
+Numerics: the state and the final state are the fused kernel's bit for bit (the chain's
+instructions are its instructions); o's two products have the operand roles swapped (``q S`` with
+the state tile as the B operand, where the fused kernel computes ``S^T q^T``).
+
+Status: prepared on the CPU machine (compiles for sm_90a), not yet run on a GPU: off unless
+``CUDNN_TRAIN_GDN_FWD_WS=1`` (``gated_delta_rule_fwd_sm90.STATE_WS``), where the forward takes the fused
+state pass, and for the training forward (``store_states``, with ``keep_vn``) where the grid fills the GPU:
+then warpgroup 1 also writes the chunk-start states (the rows of sS) and vn (the rows of sVo) as 16-byte
+vectors while its products run.
+"""
+
+import torch
+
+from . import compile as kc
+from . import gated_delta_rule_common_sm90 as cm
+from . import gated_delta_rule_fwd_sm90 as F
+
+CHUNK = cm.CHUNK
+VB = F.VBLOCK  # V columns per CTA
+THREADS = 256
+BAR_ITER = 1  # the whole CTA, once an iteration
+BAR_CHAIN = 2  # warpgroup 0
+BAR_OUT = 3  # warpgroup 1
+_SOURCES = (__file__, F.__file__, cm.__file__)
+
+
+def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
+           store_states: bool, keep_vn: bool):
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import warpgroup
+
+    C = CHUNK
+    LOG2E = cm.LOG2E
+    U_STRIDE = VB + 8  # padded row-major u tile, read transposed (as in the fused kernel)
+    issue_tiles = F.make_issue_tiles(dtype, C, THREADS)
+    issue_gc = F.make_issue_gc()
+    gemm = cm.make_gemm()
+    row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
+    load_state, store_state = cm.make_state_io()
+    p_value, p_kept = cm.make_p_value(l2norm)
+    locate_seq = cm.make_seq_locator(varlen)
+
+    @cute.jit
+    def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
+                    sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, sGc: cute.Tensor,
+                    b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32, tidx: Int32):
+        issue_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
+                     (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),
+                     (cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K, 0),
+                     (cute.domain_offset((t0, 0), mU[b, None, hv, None]), sU, VB, v0 // 8)), length, tidx)
+        issue_gc(mGc, sGc, b, hv, t0, length, tidx)
+
+    @cute.jit
+    def pairs_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor):
+        """Accumulator element pairs (columns n, n + 1 of one row) into ``sX`` in the input dtype, 4-byte stores."""
+        for e in cutlass.range_constexpr(cute.size(acc) // 2):
+            r, c = cAcc[2 * e]
+            pair = cute.make_rmem_tensor((1, 2), dtype)
+            pair[0] = acc[2 * e].to(dtype)
+            pair[1] = acc[2 * e + 1].to(dtype)
+            cute.autovec_copy(pair, cute.local_tile(sX, (1, 2), (r, c // 2)))
+
+    @cute.jit
+    def tile_to_rows(sX: cute.Tensor, gX: cute.Tensor, rows: cutlass.Constexpr, nvalid: Int32, v0: Int32, lt: Int32):
+        """The transposed ``[VB, rows]`` smem tile ``sX`` (``[v, r]``) as rows ``r < nvalid`` of ``gX`` (``[r, v]``,
+        columns ``v0 :``), 16-byte vectors; consecutive threads take consecutive rows (conflict-free reads)."""
+        for p in cutlass.range_constexpr(rows * VB // 8 // 128):
+            idx = p * 128 + lt
+            r = idx % rows
+            v8 = idx // rows
+            if r < nvalid:
+                vec = cute.make_rmem_tensor((1, 8), dtype)
+                for e in cutlass.range_constexpr(8):
+                    vec[e] = sX[v8 * 8 + e, r]
+                cute.autovec_copy(vec, cute.local_tile(gX, (1, 8), (r, v0 // 8 + v8)))
+
+    @cute.kernel
+    def kernel(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
+               mH0: cute.Tensor, mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
+               mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        n, hv, vb = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        lt = tidx % 128  # thread within its warpgroup
+        h = hv // group
+        v0 = vb * VB
+
+        # chain: the fused kernel's orientation (S^T [v, d] accumulators, register A operands)
+        mma_s = cm.make_mma(dtype, K, a_regs=True, b_mn_major=True)  # S^T += vd^T k      [v, d]
+        mma_x = cm.make_mma(dtype, C, a_regs=True, b_mn_major=False)  # S^T w^T           [v, i]
+        map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
+        map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
+        cm.check_acc_pairs(mma_s, (VB, K))  # S^T pairs -> sS
+        cm.check_acc_pairs(mma_x, (VB, C))  # vn^T pairs -> sVo
+        # output: the out kernel's orientation (o [i, v])
+        mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)  # q k^T   [i, j]
+        mma_o = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=False)  # q S   [i, v], B = the S^T tile [v, d]
+        mma_ov = cm.make_mma(dtype, VB, a_regs=True, b_mn_major=False)  # P vn  [i, v], B = the vn^T tile [v, j]
+        cm.check_same_acc_layout(mma_o, mma_ov, (C, VB))
+        cm.check_acc_pairs(mma_o, (C, VB))
+        map_p = cm.acc_to_frag_map(mma_p, (C, C), mma_ov, (C, C))
+
+        smem = cutlass.utils.SmemAllocator()
+        sQb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
+        sKb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
+        sWb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
+        sSb = [cm.alloc_tile(smem, dtype, VB, K) for _ in range(2)]  # S^T [v, d] at a chunk's start
+        sVob = [cm.alloc_tile(smem, dtype, VB, C) for _ in range(2)]  # vn^T [v, i]
+        sUb = [smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16) for _ in range(2)]
+        sGcb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(2)]
+        sRk0 = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # the chain's k factors
+        sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # the output's q and k factors
+        sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+
+        b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
+        niter = nchunks + cutlass.min(nchunks, 1)  # the output finishes chunk c in iteration c + 1
+
+        if nchunks > 0:
+            issue_chunk(mQ, mK, mW, mU, mGc, sQb[0], sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts, v0,
+                        cutlass.min(te - ts, C), tidx)
+        cute.arch.cp_async_commit_group()
+
+        if wg == 0:
+            # ---------------------------------------------------------------- the chain
+            thr_s = mma_s.get_slice(lt)
+            thr_x = mma_x.get_slice(lt)
+            tBw = [mma_x.make_fragment_B(thr_x.partition_B(t)) for t in sWb]
+            tBkt = [mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(t))) for t in sKb]
+            rS = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
+            rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
+            cS = thr_s.partition_C(cute.make_identity_tensor((VB, K)))  # (v, d)
+            cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
+            accS = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
+            if cutlass.const_expr(has_h0):
+                load_state(accS, cS, mH0, n, hv, v0, state_vk)
+            else:
+                accS.fill(0.0)
+            for cp in cutlass.range((niter + 1) // 2, unroll=1):
+                for par in cutlass.range_constexpr(2):  # chunk ci in buffer par: every tile stays static
+                    ci = cp * 2 + par
+                    if ci < niter:
+                        if ci < nchunks:
+                            # S^T in the input dtype: this warpgroup's A operand, and sS for the output's q S
+                            for f in cutlass.range_constexpr(cute.size(rS)):
+                                rS[f] = accS[map_s[f]].to(dtype)
+                            pairs_to_tile(accS, cS, sSb[par])
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
+                        if ci + 1 < nchunks:
+                            t1 = ts + (ci + 1) * C
+                            issue_chunk(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
+                                        sGcb[1 - par], b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx)
+                        cute.arch.cp_async_commit_group()
+                        if ci < nchunks:
+                            accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
+                            gemm(mma_x, accX, rS, tBw[par], True)  # S^T w^T   [v, i]
+                            warpgroup.commit_group()
+                            if cutlass.const_expr(l2norm):
+                                if lt < C:
+                                    sRk0[lt] = row_inv_norm(sKb[par], lt)
+                            warpgroup.wait_group(0)
+                            if cutlass.const_expr(l2norm):
+                                cute.arch.barrier(barrier_id=BAR_CHAIN, number_of_threads=128)  # sRk0 written
+                            # ---- vn^T = u^T - S^T w^T (in place), to sVo for the output
+                            for e in cutlass.range_constexpr(cute.size(accX)):
+                                xv, xi = cX[e]
+                                accX[e] = sUb[par][xi, xv].to(Float32) - accX[e]
+                            pairs_to_tile(accX, cX, sVob[par])
+                            glast = sGcb[par][C - 1]
+                            for f in cutlass.range_constexpr(cute.size(rVd)):
+                                _, dj = cX[map_vd[f]]
+                                dcoef = cute.math.exp2((glast - sGcb[par][dj]) * LOG2E, fastmath=True)
+                                if cutlass.const_expr(l2norm):
+                                    dcoef = dcoef * sRk0[dj]
+                                rVd[f] = (accX[map_vd[f]] * dcoef).to(dtype)
+                            decay = cute.math.exp2(glast * LOG2E, fastmath=True)
+                            for e in cutlass.range_constexpr(cute.size(accS)):
+                                accS[e] = accS[e] * decay
+                            gemm(mma_s, accS, rVd, tBkt[par], False)  # S^T += (vn^T diag(exp(gl - gc) rk)) k
+                            warpgroup.commit_group()
+                            warpgroup.wait_group(0)
+            if cutlass.const_expr(out_final):
+                store_state(accS, cS, mHT, n, hv, v0, state_vk)
+        else:
+            # ---------------------------------------------------------------- the output
+            thr_p = mma_p.get_slice(lt)
+            thr_o = mma_o.get_slice(lt)
+            thr_ov = mma_ov.get_slice(lt)
+            tAq = [mma_p.make_fragment_A(thr_p.partition_A(t)) for t in sQb]
+            tBk = [mma_p.make_fragment_B(thr_p.partition_B(t)) for t in sKb]
+            tAqo = [mma_o.make_fragment_A(thr_o.partition_A(t)) for t in sQb]
+            tBs = [mma_o.make_fragment_B(thr_o.partition_B(t)) for t in sSb]
+            tBvo = [mma_ov.make_fragment_B(thr_ov.partition_B(t)) for t in sVob]
+            cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
+            cO = thr_o.partition_C(cute.make_identity_tensor((C, VB)))  # (i, v)
+            # chunk c's o and P live from iteration c (q S, P) to c + 1 (P vn, the stores): one of each a parity
+            accOb = [cute.make_rmem_tensor(thr_o.partition_shape_C((C, VB)), Float32) for _ in range(2)]
+            rPb = [mma_ov.make_fragment_A(thr_ov.partition_shape_A((C, C))) for _ in range(2)]
+            for cp in cutlass.range((niter + 1) // 2, unroll=1):
+                for par in cutlass.range_constexpr(2):
+                    ci = cp * 2 + par
+                    if ci < niter:
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
+                        if ci + 1 < nchunks:
+                            t1 = ts + (ci + 1) * C
+                            issue_chunk(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
+                                        sGcb[1 - par], b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx)
+                        cute.arch.cp_async_commit_group()
+                        accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
+                        if ci < nchunks:
+                            gemm(mma_p, accP, tAq[par], tBk[par], True)  # q k^T  [i, j]
+                            gemm(mma_o, accOb[par], tAqo[par], tBs[par], True)  # q S  [i, v]
+                        if ci > 0:
+                            gemm(mma_ov, accOb[1 - par], rPb[1 - par], tBvo[1 - par], False)  # chunk ci - 1: += P vn
+                        warpgroup.commit_group()
+                        if cutlass.const_expr(store_states):  # while the products run (they only read sS, sVo)
+                            if ci < nchunks:  # chunk ci's start state: a row of the chunk states
+                                tile_to_rows(sSb[par], mHs[cbase + ci, hv, None, None], K, K, v0, lt)
+                            if cutlass.const_expr(keep_vn):
+                                if ci > 0:  # chunk ci - 1's vn rows
+                                    tq = ts + (ci - 1) * C
+                                    tile_to_rows(sVob[1 - par], cute.domain_offset((tq, 0), mVn[b, None, hv, None]),
+                                                 C, cutlass.min(te - tq, C), v0, lt)
+                        if cutlass.const_expr(l2norm):
+                            if ci < nchunks:
+                                if lt < C:
+                                    sRq[lt] = row_inv_norm(sQb[par], lt)
+                                else:
+                                    sRk[lt - C] = row_inv_norm(sKb[par], lt - C)
+                        warpgroup.wait_group(0)
+                        if ci > 0:
+                            # ---- chunk ci - 1's o rows, element pairs (4-byte stores)
+                            tp = ts + (ci - 1) * C
+                            lp = cutlass.min(te - tp, C)
+                            gO = cute.domain_offset((tp, 0), mO[b, None, hv, None])
+                            for e in cutlass.range_constexpr(cute.size(accOb[1 - par]) // 2):
+                                oi, ov = cO[2 * e]
+                                if oi < lp:
+                                    pair = cute.make_rmem_tensor((1, 2), dtype)
+                                    pair[0] = accOb[1 - par][2 * e].to(dtype)
+                                    pair[1] = accOb[1 - par][2 * e + 1].to(dtype)
+                                    cute.autovec_copy(pair, cute.local_tile(gO, (1, 2), (oi, (v0 + ov) // 2)))
+                        if ci < nchunks:
+                            if cutlass.const_expr(l2norm):
+                                cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=128)  # sRq, sRk written
+                            # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j, in registers (A of P vn)
+                            for f in cutlass.range_constexpr(cute.size(rPb[par])):
+                                pi, pj = cP[map_p[f]]
+                                rPb[par][f] = p_kept(accP, map_p[f], pi, pj, sGcb[par], sRq, sRk, scale).to(dtype)
+                            # ---- o = scale exp(gc_i) rq_i q S + ... (P vn in the next iteration)
+                            for e in cutlass.range_constexpr(cute.size(accOb[par])):
+                                oi, _ = cO[e]
+                                ocoef = scale * cute.math.exp2(sGcb[par][oi] * LOG2E, fastmath=True)
+                                if cutlass.const_expr(l2norm):
+                                    ocoef = ocoef * sRq[oi]
+                                accOb[par][e] = accOb[par][e] * ocoef
+
+    @cute.jit
+    def host(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
+             mH0: cute.Tensor, mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
+             mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32,
+             stream):
+        F._static_checks(dtype, K, V)
+        cm.check_mn_major_view(dtype, C, K)  # k: MN-major B operand of the state update
+        HV = mU.shape[2]
+        kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group).launch(
+            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
+        )
+
+    f = F._fakes()
+    args = (
+        f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
+        f.state(), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
+        f.rows4(dtype, V) if store_states else f.state(), f.rows4(dtype, V) if keep_vn else f.state(),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+    )
+    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
+
+
+def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False):
+    if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
+        raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
+    if keep_vn and not store_states:
+        raise ValueError("keep_vn: only with store_states (the training forward)")
+    key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
+           bool(store_states), bool(keep_vn))
+
+    def build():
+        return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
+                      bool(keep_vn))
+
+    return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
+
+
+def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq, hs=None,
+               vn=None):
+    """Fill ``o`` (and ``ht`` when given) from the wy kernel's w, u, gc: the fused state kernel's job.
+    ``h0`` / ``ht``: float32 states or None. The training forward's ``hs`` (the chunk-start states, input dtype
+    ``[rows, HV, K, V]``) and ``vn`` (input dtype ``[B, T, HV, V]``, only with ``hs``), when given, are
+    written too."""
+    B, T, HV, V = u.shape
+    K = q.shape[-1]
+    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, hs is not None,
+                    vn is not None)
+    f32_dummy, _, _ = F._dummies(q.device)
+    d4 = f32_dummy.view(1, 1, 1, 1)
+    fn(q, k, w, u, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
+       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq)
