@@ -109,15 +109,21 @@ def main():
             run_def()
             torch.cuda.synchronize()
             print(f"\nB{B} T{T} H{H} HV{HV}:")
-            run_ws, _ = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def)
+            run_ws, o_ws = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def)
+            run_early, _ = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, late_issue=False)
+            run_tn, _ = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, coop_norms=False)
+            if args.profile:
+                profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ws)
             for _ in range(2):
                 print(f"  state kernel (default)               {bench(run_def, 10, 40):.3f} ms")
                 print(f"  state kernel, specialized warpgroups {bench(run_ws, 10, 40):.3f} ms")
-            F90.SPLIT = False
+                print(f"  the same, copies issued before the products {bench(run_early, 10, 40):.3f} ms")
+                print(f"  the same, a thread a norm row             {bench(run_tn, 10, 40):.3f} ms")
+            F90.SPLIT, F90.STATE_WS = False, False
             print(f"  whole forward, fused state kernel    "
                   f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
             print(f"  whole forward, specialized warpgroups {whole_forward_ws(q, k, v, g, beta):.3f} ms")
-            F90.SPLIT = None
+            F90.SPLIT, F90.STATE_WS = None, None
             train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True)
             for _ in range(2):  # the training forward: its default (the split pass) against the specialized warpgroups
                 print(f"  training forward (store_states, keep_vn), default      "
@@ -225,10 +231,10 @@ def main():
         err = rel_l2(o_split, outs[True])
         print(f"  split pass o vs the fused state kernel's: rel L2 {err:.2e}; VB chosen: "
               f"{SP.chain_vblock(B, HV, V, q.device)}")
-        default = "split" if SP.preferred(B, HV, V, q.device) else "fused"
+        default = "split" if SP.preferred(B, HV, V, q.device) else "specialized warpgroups"
         for split, name in ((None, f"whole forward (default: {default})"), (True, "whole forward, split pass"),
                             (False, "whole forward, fused state kernel")):
-            F90.SPLIT = split
+            F90.SPLIT, F90.STATE_WS = split, (False if split is False else None)
             rows_out.append((name, bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40)))
         rows_out.append(("whole forward, specialized warpgroups", whole_forward_ws(q, k, v, g, beta)))
         # the training forward (store_states): its default (the split pass) and kernel 2 with the stores
@@ -237,7 +243,7 @@ def main():
             F90.SPLIT = split
             rows_out.append((name, bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                                              store_states=True), 10, 40)))
-        F90.SPLIT = None
+        F90.SPLIT, F90.STATE_WS = None, None
         if fla_fwd is not None:
             with torch.no_grad():
                 rows_out.append(("FLA chunk_gated_delta_rule forward", bench(
@@ -248,23 +254,44 @@ def main():
             profile(q, k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group, d4, outs)
 
 
-def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref):
+def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     """The state pass on two specialized warpgroups (``gated_delta_rule_fwd_ws_sm90``) into its own o, run
     once and compared with ``o_ref`` (the fused kernel's): ``(run, o)``."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     K, V = q.shape[-1], u.shape[-1]
-    fn = WS.get_kernel(torch.bfloat16, K, V, True, False, False, False, False)
+    fn = WS.get_kernel(torch.bfloat16, K, V, True, False, False, False, False, **kw)
+    i64 = F90._dummies(q.device)[2]
     o_ws = torch.full_like(o_ref, float("nan"))
 
     def run():
-        fn(q, k, w, u, gc, d4, o_ws, d4, cu, cuc, K**-0.5, T, NT, group, B)
+        fn(q, k, w, u, gc, d4, o_ws, d4, cu, cuc, d4, d4, K**-0.5, T, NT, group, B, i64)
 
     run()
     torch.cuda.synchronize()
-    print(f"  specialized warpgroups: o finite {bool(torch.isfinite(o_ws).all())}, bitwise the fused kernel's "
+    print(f"  specialized warpgroups {kw}: o finite {bool(torch.isfinite(o_ws).all())}, bitwise the fused kernel's "
           f"{torch.equal(o_ws, o_ref)}, rel L2 {rel_l2(o_ws.float(), o_ref.float()):.2e}")
     return run, o_ws
+
+
+def profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref):
+    """The specialized-warpgroup kernel's profile variant once: mean cycles a CTA and chunk per phase, each
+    warpgroup (its thread 0)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    K, HV, V = q.shape[-1], u.shape[2], u.shape[-1]
+    fn = WS.get_kernel(torch.bfloat16, K, V, True, False, False, False, False, profile=True)
+    ctas = B * HV * (V // WS.VB)
+    nph = len(WS.WS_PHASES[0])
+    buf = torch.zeros(ctas * 2 * (nph + 1), dtype=torch.int64, device=q.device)
+    o = torch.full_like(o_ref, float("nan"))
+    fn(q, k, w, u, gc, d4, o, d4, cu, cuc, d4, d4, K**-0.5, T, NT, group, B, buf)
+    torch.cuda.synchronize()
+    print(f"  profile variant's o equals the plain kernel's: {torch.equal(o, o_ref)}")
+    per_wg = buf.view(ctas, 2, nph + 1)
+    for wg in range(2):
+        _report(f"specialized warpgroups, warpgroup {wg}", per_wg[:, wg].contiguous().view(-1), WS.WS_PHASES[wg],
+                ctas, per=NT)
 
 
 def whole_forward_ws(q, k, v, g, beta, **kw) -> float:

@@ -269,6 +269,42 @@ def make_row_inv_norm(dtype, cols: int, eps: float):
     return row_inv_norm
 
 
+def make_rows_inv_norm(dtype, cols: int, eps: float, threads: int = THREADS):
+    """``rows_inv_norm(sX, sR, t)``: the l2norm factors ``1 / sqrt(sum_c sX[r, c]^2 + eps)`` of all CHUNK rows
+    of a ``[CHUNK, cols]`` smem tile into ``sR``, by ``threads`` threads (``t`` = 0 .. threads - 1, whole warps):
+    eight threads a row, each summing its 16-byte vectors, then three butterfly shuffles. A warp's load
+    reads four whole rows, so every bank once per 128 bytes with the tile's swizzle (where
+    :func:`make_row_inv_norm`, a thread a row, reads the same column of 32 rows: a 4-way conflict). Another
+    summation order than that helper's: the factors may differ in their last bit. The caller syncs before
+    reading ``sR``."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+
+    TPR = 8
+    VPT = cols // 8 // TPR  # 16-byte vectors a thread
+    RPP = threads // TPR  # rows a pass
+    assert VPT >= 1 and cols % 64 == 0 and CHUNK % RPP == 0, (cols, threads)
+
+    @cute.jit
+    def rows_inv_norm(sX: cute.Tensor, sR: cute.Tensor, t: Int32):
+        for p in cutlass.range_constexpr(CHUNK // RPP):
+            r = p * RPP + t // TPR
+            c = t % TPR
+            ss = Float32(0.0)
+            for j in cutlass.range_constexpr(VPT):
+                frag = cute.make_rmem_tensor((1, 8), dtype)
+                cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, j * TPR + c)), frag)
+                xv = frag.load().to(Float32)
+                ss = ss + (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)
+            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)
+            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=4)
+            if c == 0:
+                sR[r] = cute.math.rsqrt(ss + eps)
+
+    return rows_inv_norm
+
+
 def check_same_acc_layout(mma_a, mma_b, shape_mn, threads=SAMPLE_THREADS) -> None:
     """Assert that two tiled MMAs give every thread the same accumulator coordinates (so one
     accumulator tensor can collect both)."""

@@ -54,8 +54,18 @@ BAR_OUT = 3  # warpgroup 1
 _SOURCES = (__file__, F.__file__, cm.__file__)
 
 
+# Phases timed by the profile variant (``tools/time_gdn_fwd.py --ws-only --profile``), per warpgroup
+WS_PHASES = (
+    ("S -> registers + sS", "loads wait + CTA barrier", "S w^T issued, next chunk's copies", "k norms, S w^T wait",
+     "vn, sVo, scaled vn, decay", "state update"),
+    ("(none)", "loads wait + CTA barrier", "products issued, next chunk's copies", "norms, stores, products wait",
+     "o stores", "P, o scaling"),
+)
+
+
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
-           store_states: bool, keep_vn: bool):
+           store_states: bool, keep_vn: bool, profile: bool = False, late_issue: bool = True,
+           coop_norms: bool = True):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -67,9 +77,12 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     issue_gc = F.make_issue_gc()
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
+    rows_inv_norm = cm.make_rows_inv_norm(dtype, K, F.L2NORM_EPS, 128)
     load_state, store_state = cm.make_state_io()
     p_value, p_kept = cm.make_p_value(l2norm)
     locate_seq = cm.make_seq_locator(varlen)
+    NPH = len(WS_PHASES[0])
+    pstart, pmark, _ = F.make_profile(profile, NPH)
 
     @cute.jit
     def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
@@ -80,6 +93,16 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                      (cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K, 0),
                      (cute.domain_offset((t0, 0), mU[b, None, hv, None]), sU, VB, v0 // 8)), length, tidx)
         issue_gc(mGc, sGc, b, hv, t0, length, tidx)
+
+    @cute.jit
+    def issue_next(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
+                   sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, sGc: cute.Tensor,
+                   b: Int32, h: Int32, hv: Int32, ts: Int32, te: Int32, ci: Int32, v0: Int32, tidx: Int32):
+        """Chunk ci + 1's copies (if it exists) into the given buffers, committed as one group (empty if not)."""
+        if ci + 1 < (te - ts + C - 1) // C:
+            t1 = ts + (ci + 1) * C
+            issue_chunk(mQ, mK, mW, mU, mGc, sQ, sK, sW, sU, sGc, b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx)
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def pairs_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor):
@@ -108,11 +131,13 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     @cute.kernel
     def kernel(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
                mH0: cute.Tensor, mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
-               mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32):
+               mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32,
+               mProf: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
         lt = tidx % 128  # thread within its warpgroup
+        prof = pstart()
         h = hv // group
         v0 = vb * VB
 
@@ -170,29 +195,37 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                 for par in cutlass.range_constexpr(2):  # chunk ci in buffer par: every tile stays static
                     ci = cp * 2 + par
                     if ci < niter:
+                        pmark(prof, -1)
                         if ci < nchunks:
                             # S^T in the input dtype: this warpgroup's A operand, and sS for the output's q S
                             for f in cutlass.range_constexpr(cute.size(rS)):
                                 rS[f] = accS[map_s[f]].to(dtype)
                             pairs_to_tile(accS, cS, sSb[par])
+                        pmark(prof, 0)
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
-                        if ci + 1 < nchunks:
-                            t1 = ts + (ci + 1) * C
-                            issue_chunk(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
-                                        sGcb[1 - par], b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx)
-                        cute.arch.cp_async_commit_group()
+                        pmark(prof, 1)
+                        if cutlass.const_expr(not late_issue):
+                            issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
+                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx)
                         if ci < nchunks:
                             accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
                             gemm(mma_x, accX, rS, tBw[par], True)  # S^T w^T   [v, i]
                             warpgroup.commit_group()
-                            if cutlass.const_expr(l2norm):
+                            if cutlass.const_expr(late_issue):  # the copies' issue stalls in the product's shadow
+                                issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par],
+                                           sUb[1 - par], sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx)
+                            pmark(prof, 2)
+                            if cutlass.const_expr(l2norm and coop_norms):
+                                rows_inv_norm(sKb[par], sRk0, lt)
+                            elif cutlass.const_expr(l2norm):
                                 if lt < C:
                                     sRk0[lt] = row_inv_norm(sKb[par], lt)
                             warpgroup.wait_group(0)
                             if cutlass.const_expr(l2norm):
                                 cute.arch.barrier(barrier_id=BAR_CHAIN, number_of_threads=128)  # sRk0 written
+                            pmark(prof, 3)
                             # ---- vn^T = u^T - S^T w^T (in place), to sVo for the output
                             for e in cutlass.range_constexpr(cute.size(accX)):
                                 xv, xi = cX[e]
@@ -208,9 +241,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             decay = cute.math.exp2(glast * LOG2E, fastmath=True)
                             for e in cutlass.range_constexpr(cute.size(accS)):
                                 accS[e] = accS[e] * decay
+                            pmark(prof, 4)
                             gemm(mma_s, accS, rVd, tBkt[par], False)  # S^T += (vn^T diag(exp(gl - gc) rk)) k
                             warpgroup.commit_group()
                             warpgroup.wait_group(0)
+                            pmark(prof, 5)
             if cutlass.const_expr(out_final):
                 store_state(accS, cS, mHT, n, hv, v0, state_vk)
         else:
@@ -232,14 +267,14 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                 for par in cutlass.range_constexpr(2):
                     ci = cp * 2 + par
                     if ci < niter:
+                        pmark(prof, -1)
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
-                        if ci + 1 < nchunks:
-                            t1 = ts + (ci + 1) * C
-                            issue_chunk(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
-                                        sGcb[1 - par], b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx)
-                        cute.arch.cp_async_commit_group()
+                        pmark(prof, 1)
+                        if cutlass.const_expr(not late_issue):
+                            issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
+                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx)
                         accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
                         if ci < nchunks:
                             gemm(mma_p, accP, tAq[par], tBk[par], True)  # q k^T  [i, j]
@@ -247,6 +282,10 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         if ci > 0:
                             gemm(mma_ov, accOb[1 - par], rPb[1 - par], tBvo[1 - par], False)  # chunk ci - 1: += P vn
                         warpgroup.commit_group()
+                        if cutlass.const_expr(late_issue):
+                            issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
+                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx)
+                        pmark(prof, 2)
                         if cutlass.const_expr(store_states):  # while the products run (they only read sS, sVo)
                             if ci < nchunks:  # chunk ci's start state: a row of the chunk states
                                 tile_to_rows(sSb[par], mHs[cbase + ci, hv, None, None], K, K, v0, lt)
@@ -255,13 +294,18 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                     tq = ts + (ci - 1) * C
                                     tile_to_rows(sVob[1 - par], cute.domain_offset((tq, 0), mVn[b, None, hv, None]),
                                                  C, cutlass.min(te - tq, C), v0, lt)
-                        if cutlass.const_expr(l2norm):
+                        if cutlass.const_expr(l2norm and coop_norms):
+                            if ci < nchunks:
+                                rows_inv_norm(sQb[par], sRq, lt)
+                                rows_inv_norm(sKb[par], sRk, lt)
+                        elif cutlass.const_expr(l2norm):
                             if ci < nchunks:
                                 if lt < C:
                                     sRq[lt] = row_inv_norm(sQb[par], lt)
                                 else:
                                     sRk[lt - C] = row_inv_norm(sKb[par], lt - C)
                         warpgroup.wait_group(0)
+                        pmark(prof, 3)
                         if ci > 0:
                             # ---- chunk ci - 1's o rows, element pairs (4-byte stores)
                             tp = ts + (ci - 1) * C
@@ -274,6 +318,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                     pair[0] = accOb[1 - par][2 * e].to(dtype)
                                     pair[1] = accOb[1 - par][2 * e + 1].to(dtype)
                                     cute.autovec_copy(pair, cute.local_tile(gO, (1, 2), (oi, (v0 + ov) // 2)))
+                        pmark(prof, 4)
                         if ci < nchunks:
                             if cutlass.const_expr(l2norm):
                                 cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=128)  # sRq, sRk written
@@ -288,16 +333,23 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                 if cutlass.const_expr(l2norm):
                                     ocoef = ocoef * sRq[oi]
                                 accOb[par][e] = accOb[par][e] * ocoef
+                        pmark(prof, 5)
+        if cutlass.const_expr(profile):  # thread 0 of each warpgroup: [phase sums..., kernel total]
+            prof[NPH] = cute.arch.clock64() - prof[NPH]
+            if lt == 0:
+                cta = (n * cute.arch.grid_dim()[1] + hv) * cute.arch.grid_dim()[2] + vb
+                for p in cutlass.range_constexpr(NPH + 1):
+                    mProf[(cta * 2 + wg) * (NPH + 1) + p] = prof[p]
 
     @cute.jit
     def host(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
              mH0: cute.Tensor, mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
              mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32,
-             stream):
+             mProf: cute.Tensor, stream):
         F._static_checks(dtype, K, V)
         cm.check_mn_major_view(dtype, C, K)  # k: MN-major B operand of the state update
         HV = mU.shape[2]
-        kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group).launch(
+        kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group, mProf).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
         )
 
@@ -306,22 +358,24 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
         f.state(), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
         f.rows4(dtype, V) if store_states else f.state(), f.rows4(dtype, V) if keep_vn else f.state(),
-        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream(),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
 
-def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False):
+def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
+               profile=False, late_issue=True, coop_norms=True):
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if keep_vn and not store_states:
         raise ValueError("keep_vn: only with store_states (the training forward)")
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
-           bool(store_states), bool(keep_vn))
+           bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (
+           () if late_issue else ("early_issue",)) + (() if coop_norms else ("thread_norms",))
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn))
+                      bool(keep_vn), bool(profile), bool(late_issue), bool(coop_norms))
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 
@@ -336,7 +390,7 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, stat
     K = q.shape[-1]
     fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, hs is not None,
                     vn is not None)
-    f32_dummy, _, _ = F._dummies(q.device)
+    f32_dummy, _, i64_dummy = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)
     fn(q, k, w, u, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
-       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq)
+       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq, i64_dummy)
