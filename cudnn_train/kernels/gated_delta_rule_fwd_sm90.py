@@ -109,11 +109,12 @@ WY_SCAN = env_flag("CUDNN_TRAIN_GDN_WY_SCAN", True)
 # while warp 0 forms g, beta and the cumsum, instead of through registers before it (bitwise the same
 # outputs; H200 B4 T4096 and B1 T16384: 0.288 ms against 0.311, twelfth session). 0: the synchronous loads.
 WY_ASYNC = env_flag("CUDNN_TRAIN_GDN_WY_ASYNC", True)
-# The A matrix built in two passes (CUDNN_TRAIN_GDN_WY_A2=1): every element's value in registers first, then
-# the stores, so that the per-row and per-column factors are read once a thread instead of once an element
+# The A matrix built in two passes (CUDNN_TRAIN_GDN_WY_A2, default 1): every element's value in registers first,
+# then the stores, so that the per-row and per-column factors are read once a thread instead of once an element
 # (the one-pass loop reloads five shared values per element: 80 loads a thread where 22 are distinct). The same
-# bits. Prepared in the twelfth session, compiled, not yet GPU-run: off.
-WY_A2 = env_flag("CUDNN_TRAIN_GDN_WY_A2", False)
+# bits (w, u, gc bitwise equal; GPU cases passed); H200 B4 T4096 H16 HV32: 0.261 ms against 0.288 (thirteenth
+# session). 0: the one-pass loop.
+WY_A2 = env_flag("CUDNN_TRAIN_GDN_WY_A2", True)
 # The fused state kernel's P with its factors read unconditionally and the triangle kept by a select
 # (CUDNN_TRAIN_GDN_FWD_PSEL=1): the same bits; in its PTX 246 branches against 302 and no spill against 16
 # bytes (255 registers either way). Prepared in the twelfth session, compiled, not yet GPU-run: off.
