@@ -44,6 +44,7 @@
 #   bash tools/gpu_next.sh s19|s19b|s20  # the twelfth session's prepared variants (see the stages below)
 #   bash tools/gpu_next.sh s21      # the thirteenth session's specialized-warpgroup state pass: cases, timing
 #   bash tools/gpu_next.sh s21b     # it as the inference default: the fused-kernel cases, then bench_gdn (1 shape)
+#   bash tools/gpu_next.sh s22      # its loads by TMA (prepared): bitwise cases, timing and profile
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -302,6 +303,11 @@ s21b)
   tier s21b ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py \
     -k "specialized or prefetch_matches or p_select or two_warpgroup_state or split_state_pass or store_states_fused"
   BENCH_S=${BENCH_S:-300} SHAPES=1 ROUNDS=${ROUNDS:-3} bash "$0" bench_gdn ;;
+s22)
+  # prepared in the thirteenth session: the specialized warpgroups' loads by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA): its
+  # bitwise cases against the cp.async loads, then its time and profile next to them
+  tier s22 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py -k "tma_loads"
+  timed ws_tma 200 python3 tools/time_gdn_fwd.py --shapes 2 --ws-only --profile ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

@@ -112,13 +112,17 @@ def main():
             run_ws, o_ws = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def)
             run_early, _ = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, late_issue=False)
             run_tn, _ = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, coop_norms=False)
+            run_tma, o_tma = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, tma=True)
+            print(f"  TMA loads: o bitwise the cp.async loads': {torch.equal(o_tma, o_ws)}")
             if args.profile:
                 profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ws)
+                profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_tma, tma=True)
             for _ in range(2):
                 print(f"  state kernel (default)               {bench(run_def, 10, 40):.3f} ms")
                 print(f"  state kernel, specialized warpgroups {bench(run_ws, 10, 40):.3f} ms")
                 print(f"  the same, copies issued before the products {bench(run_early, 10, 40):.3f} ms")
                 print(f"  the same, a thread a norm row             {bench(run_tn, 10, 40):.3f} ms")
+                print(f"  the default with its loads by TMA         {bench(run_tma, 10, 40):.3f} ms")
             F90.SPLIT, F90.STATE_WS = False, False
             print(f"  whole forward, fused state kernel    "
                   f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
@@ -274,13 +278,13 @@ def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     return run, o_ws
 
 
-def profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref):
+def profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     """The specialized-warpgroup kernel's profile variant once: mean cycles a CTA and chunk per phase, each
     warpgroup (its thread 0)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     K, HV, V = q.shape[-1], u.shape[2], u.shape[-1]
-    fn = WS.get_kernel(torch.bfloat16, K, V, True, False, False, False, False, profile=True)
+    fn = WS.get_kernel(torch.bfloat16, K, V, True, False, False, False, False, profile=True, **kw)
     ctas = B * HV * (V // WS.VB)
     nph = len(WS.WS_PHASES[0])
     buf = torch.zeros(ctas * 2 * (nph + 1), dtype=torch.int64, device=q.device)
@@ -290,7 +294,7 @@ def profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref):
     print(f"  profile variant's o equals the plain kernel's: {torch.equal(o, o_ref)}")
     per_wg = buf.view(ctas, 2, nph + 1)
     for wg in range(2):
-        _report(f"specialized warpgroups, warpgroup {wg}", per_wg[:, wg].contiguous().view(-1), WS.WS_PHASES[wg],
+        _report(f"specialized warpgroups {kw}, warpgroup {wg}", per_wg[:, wg].contiguous().view(-1), WS.WS_PHASES[wg],
                 ctas, per=NT)
 
 

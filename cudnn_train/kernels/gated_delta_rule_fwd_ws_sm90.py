@@ -27,6 +27,15 @@ factors it needs). The chain's critical path per chunk is two WGMMA groups and t
 between them; the output's products and P, its exp2s and o's stores, which the fused kernel runs on
 the same warpgroup in series with the chain, run beside it.
 
+Loads: by default ``cp.async`` by all 256 threads, issued after each warpgroup's first product group (the
+issue stalls while the load queues are full: half the chain's cycles in the thirteenth session's profile).
+``CUDNN_TRAIN_GDN_FWD_WS_TMA=1`` (prepared, compiled, not yet GPU-run): q, k, w and u's columns by TMA, issued
+by the output warpgroup's first warp (one elected thread arms the buffer's mbarrier with the bytes; every
+thread waits on it before the CTA barrier), gc still by ``cp.async`` (its rows are HV floats apart, under
+TMA's 16-byte minimum); u then sits in a swizzled tile. Rows past a varlen sequence's end then hold the
+next sequence's tokens where ``cp.async`` zero-fills them, so the chain zeroes those rows of vn by a select
+(the state update and o never see them otherwise): the same bits as the ``cp.async`` loads.
+
 Cost: about 164 KB of shared memory (two buffers of q, k, w, u; two of sS, sVo), one CTA an SM.
 Numerics: the state and the final state are the fused kernel's bit for bit (the chain's
 instructions are its instructions); o's two products have the operand roles swapped (``q S`` with
@@ -52,6 +61,10 @@ BAR_ITER = 1  # the whole CTA, once an iteration
 BAR_CHAIN = 2  # warpgroup 0
 BAR_OUT = 3  # warpgroup 1
 _SOURCES = (__file__, F.__file__, cm.__file__)
+# q, k, w, u by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA=1): one thread issues a chunk's tiles, so neither warpgroup stalls
+# issuing cp.async (half the chain's cycles in the thirteenth session's profile). Prepared in the thirteenth
+# session, compiled, not yet GPU-run: off.
+TMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TMA", False)
 
 
 # Phases timed by the profile variant (``tools/time_gdn_fwd.py --ws-only --profile``), per warpgroup
@@ -65,14 +78,21 @@ WS_PHASES = (
 
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
            store_states: bool, keep_vn: bool, profile: bool = False, late_issue: bool = True,
-           coop_norms: bool = True):
+           coop_norms: bool = True, tma: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
-    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.cute.nvgpu import cpasync, warpgroup
 
     C = CHUNK
     LOG2E = cm.LOG2E
     U_STRIDE = VB + 8  # padded row-major u tile, read transposed (as in the fused kernel)
+    # tma: q, k, w, u by TMA (one thread issues a chunk's four tiles on the buffer's mbarrier; u then in a
+    # swizzled tile, TMA writes no padding), gc still by cp.async (its rows are HV floats apart)
+    TX_BYTES = (3 * C * K + C * VB) * (dtype.width // 8)
+    TMA_WARP = 4  # the output warpgroup's first warp issues them (one elected thread arms the mbarrier)
+    # with TMA, right after the barrier: a one-thread branch between a warpgroup's products and their wait makes
+    # ptxas serialize the products (C7520)
+    late = late_issue and not tma
     issue_tiles = F.make_issue_tiles(dtype, C, THREADS)
     issue_gc = F.make_issue_gc()
     gemm = cm.make_gemm()
@@ -95,14 +115,57 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         issue_gc(mGc, sGc, b, hv, t0, length, tidx)
 
     @cute.jit
+    def tma_chunk(ta: cutlass.Constexpr, sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, bar,
+                  b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32):
+        """(One warp) the chunk at row t0: q, k (head h), w and u's columns v0 : v0 + VB (value head hv) by TMA on
+        the mbarrier ``bar`` (one elected arrive with the bytes expected). Rows past the tensor's end arrive as
+        zeros; rows past a varlen sequence's end are the next sequence's (the chain masks their vn)."""
+        aQ, aK, aW, aU, tQ, tK, tW, tU = ta
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, TX_BYTES)
+        for atom, tT, sX, head, c0, cols in ((aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K), (aW, tW, sW, hv, 0, K),
+                                             (aU, tU, sU, hv, v0, VB)):
+            gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
+            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                           cute.group_modes(gT, 0, 2))
+            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+
+    @cute.jit
     def issue_next(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
                    sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, sGc: cute.Tensor,
-                   b: Int32, h: Int32, hv: Int32, ts: Int32, te: Int32, ci: Int32, v0: Int32, tidx: Int32):
-        """Chunk ci + 1's copies (if it exists) into the given buffers, committed as one group (empty if not)."""
+                   b: Int32, h: Int32, hv: Int32, ts: Int32, te: Int32, ci: Int32, v0: Int32, tidx: Int32,
+                   ta: cutlass.Constexpr, bar):
+        """Chunk ci + 1's copies (if it exists) into the given buffers, the cp.async ones committed as one group
+        (empty if none); with ``tma`` the tiles by TMA on ``bar`` (warp TMA_WARP) and only gc by cp.async."""
         if ci + 1 < (te - ts + C - 1) // C:
             t1 = ts + (ci + 1) * C
-            issue_chunk(mQ, mK, mW, mU, mGc, sQ, sK, sW, sU, sGc, b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx)
+            if cutlass.const_expr(tma):
+                issue_gc(mGc, sGc, b, hv, t1, cutlass.min(te - t1, C), tidx)
+                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
+                    tma_chunk(ta, sQ, sK, sW, sU, bar, b, h, hv, t1, v0)
+            else:
+                issue_chunk(mQ, mK, mW, mU, mGc, sQ, sK, sW, sU, sGc, b, h, hv, t1, v0, cutlass.min(te - t1, C),
+                            tidx)
         cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def p_and_scale(accP: cute.Tensor, rP: cute.Tensor, accO: cute.Tensor, cP: cute.Tensor, cO: cute.Tensor,
+                    sGc: cute.Tensor, sRq: cute.Tensor, sRk: cute.Tensor, scale: Float32, map_p: cutlass.Constexpr):
+        """(The output warpgroup) P from the q k^T accumulator into the register A operand rP, and o's first term
+        scaled in place; the l2norm factors are in sRq, sRk once the warpgroup's barrier is passed."""
+        if cutlass.const_expr(l2norm):
+            cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=128)  # sRq, sRk written
+        # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j, in registers (A of P vn)
+        for f in cutlass.range_constexpr(cute.size(rP)):
+            pi, pj = cP[map_p[f]]
+            rP[f] = p_kept(accP, map_p[f], pi, pj, sGc, sRq, sRk, scale).to(dtype)
+        # ---- o = scale exp(gc_i) rq_i q S + ... (P vn in the next iteration)
+        for e in cutlass.range_constexpr(cute.size(accO)):
+            oi, _ = cO[e]
+            ocoef = scale * cute.math.exp2(sGc[oi] * LOG2E, fastmath=True)
+            if cutlass.const_expr(l2norm):
+                ocoef = ocoef * sRq[oi]
+            accO[e] = accO[e] * ocoef
 
     @cute.jit
     def pairs_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor):
@@ -132,7 +195,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     def kernel(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
                mH0: cute.Tensor, mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
                mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32,
-               mProf: cute.Tensor):
+               mProf: cute.Tensor, aQ: cute.CopyAtom, aK: cute.CopyAtom, aW: cute.CopyAtom, aU: cute.CopyAtom,
+               tQ: cute.Tensor, tK: cute.Tensor, tW: cute.Tensor, tU: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -162,18 +226,39 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         sWb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
         sSb = [cm.alloc_tile(smem, dtype, VB, K) for _ in range(2)]  # S^T [v, d] at a chunk's start
         sVob = [cm.alloc_tile(smem, dtype, VB, C) for _ in range(2)]  # vn^T [v, i]
-        sUb = [smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16) for _ in range(2)]
+        if cutlass.const_expr(tma):
+            sUb = [cm.alloc_tile(smem, dtype, C, VB) for _ in range(2)]
+        else:
+            sUb = [smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16) for _ in range(2)]
         sGcb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(2)]
         sRk0 = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # the chain's k factors
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # the output's q and k factors
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
 
+        ta = (aQ, aK, aW, aU, tQ, tK, tW, tU)
+        mbar = None
+        if cutlass.const_expr(tma):  # one mbarrier a buffer: chunk c in buffer c % 2 completes its phase (c // 2) % 2
+            mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
+                for a in (aQ, aK, aW, aU):
+                    cpasync.prefetch_descriptor(a)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(mbar, 1)
+                    cute.arch.mbarrier_init(mbar + 1, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
         niter = nchunks + cutlass.min(nchunks, 1)  # the output finishes chunk c in iteration c + 1
 
         if nchunks > 0:
-            issue_chunk(mQ, mK, mW, mU, mGc, sQb[0], sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts, v0,
-                        cutlass.min(te - ts, C), tidx)
+            if cutlass.const_expr(tma):
+                issue_gc(mGc, sGcb[0], b, hv, ts, cutlass.min(te - ts, C), tidx)
+                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
+                    tma_chunk(ta, sQb[0], sKb[0], sWb[0], sUb[0], mbar, b, h, hv, ts, v0)
+            else:
+                issue_chunk(mQ, mK, mW, mU, mGc, sQb[0], sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts, v0,
+                            cutlass.min(te - ts, C), tidx)
         cute.arch.cp_async_commit_group()
 
         if wg == 0:
@@ -202,20 +287,25 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                 rS[f] = accS[map_s[f]].to(dtype)
                             pairs_to_tile(accS, cS, sSb[par])
                         pmark(prof, 0)
+                        if cutlass.const_expr(tma):
+                            if ci < nchunks:  # chunk ci's tiles have landed
+                                cute.arch.mbarrier_wait(mbar + par, cp % 2)
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
                         pmark(prof, 1)
-                        if cutlass.const_expr(not late_issue):
+                        if cutlass.const_expr(not late):
                             issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
-                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx)
+                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
+                                       None if mbar is None else mbar + (1 - par))
                         if ci < nchunks:
                             accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
                             gemm(mma_x, accX, rS, tBw[par], True)  # S^T w^T   [v, i]
                             warpgroup.commit_group()
-                            if cutlass.const_expr(late_issue):  # the copies' issue stalls in the product's shadow
+                            if cutlass.const_expr(late):  # the copies' issue stalls in the product's shadow
                                 issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par],
-                                           sUb[1 - par], sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx)
+                                           sUb[1 - par], sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
+                                       None if mbar is None else mbar + (1 - par))
                             pmark(prof, 2)
                             if cutlass.const_expr(l2norm and coop_norms):
                                 rows_inv_norm(sKb[par], sRk0, lt)
@@ -230,6 +320,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             for e in cutlass.range_constexpr(cute.size(accX)):
                                 xv, xi = cX[e]
                                 accX[e] = sUb[par][xi, xv].to(Float32) - accX[e]
+                            if cutlass.const_expr(tma):  # rows past the chunk's end hold the next sequence's w, u
+                                length = cutlass.min(te - (ts + ci * C), C)
+                                for e in cutlass.range_constexpr(cute.size(accX)):  # a select, not a branch:
+                                    _, xi = cX[e]  # accumulator registers written under one make ptxas serialize
+                                    accX[e] = Float32(cutlass.select_(xi < length, accX[e], Float32(0.0)))
                             pairs_to_tile(accX, cX, sVob[par])
                             glast = sGcb[par][C - 1]
                             for f in cutlass.range_constexpr(cute.size(rVd)):
@@ -268,13 +363,17 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                     ci = cp * 2 + par
                     if ci < niter:
                         pmark(prof, -1)
+                        if cutlass.const_expr(tma):
+                            if ci < nchunks:  # chunk ci's tiles have landed
+                                cute.arch.mbarrier_wait(mbar + par, cp % 2)
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.fence_view_async_shared()
                         cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
                         pmark(prof, 1)
-                        if cutlass.const_expr(not late_issue):
+                        if cutlass.const_expr(not late):
                             issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
-                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx)
+                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
+                                       None if mbar is None else mbar + (1 - par))
                         accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
                         if ci < nchunks:
                             gemm(mma_p, accP, tAq[par], tBk[par], True)  # q k^T  [i, j]
@@ -282,9 +381,10 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         if ci > 0:
                             gemm(mma_ov, accOb[1 - par], rPb[1 - par], tBvo[1 - par], False)  # chunk ci - 1: += P vn
                         warpgroup.commit_group()
-                        if cutlass.const_expr(late_issue):
+                        if cutlass.const_expr(late):
                             issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
-                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx)
+                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
+                                       None if mbar is None else mbar + (1 - par))
                         pmark(prof, 2)
                         if cutlass.const_expr(store_states):  # while the products run (they only read sS, sVo)
                             if ci < nchunks:  # chunk ci's start state: a row of the chunk states
@@ -319,20 +419,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                     pair[1] = accOb[1 - par][2 * e + 1].to(dtype)
                                     cute.autovec_copy(pair, cute.local_tile(gO, (1, 2), (oi, (v0 + ov) // 2)))
                         pmark(prof, 4)
-                        if ci < nchunks:
-                            if cutlass.const_expr(l2norm):
-                                cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=128)  # sRq, sRk written
-                            # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j, in registers (A of P vn)
-                            for f in cutlass.range_constexpr(cute.size(rPb[par])):
-                                pi, pj = cP[map_p[f]]
-                                rPb[par][f] = p_kept(accP, map_p[f], pi, pj, sGcb[par], sRq, sRk, scale).to(dtype)
-                            # ---- o = scale exp(gc_i) rq_i q S + ... (P vn in the next iteration)
-                            for e in cutlass.range_constexpr(cute.size(accOb[par])):
-                                oi, _ = cO[e]
-                                ocoef = scale * cute.math.exp2(sGcb[par][oi] * LOG2E, fastmath=True)
-                                if cutlass.const_expr(l2norm):
-                                    ocoef = ocoef * sRq[oi]
-                                accOb[par][e] = accOb[par][e] * ocoef
+                        if cutlass.const_expr(tma):  # in the last iteration too (unused there): with the P
+                            # registers written under a branch, ptxas serializes this kernel's products (C7520)
+                            p_and_scale(accP, rPb[par], accOb[par], cP, cO, sGcb[par], sRq, sRk, scale, map_p)
+                        elif ci < nchunks:
+                            p_and_scale(accP, rPb[par], accOb[par], cP, cO, sGcb[par], sRq, sRk, scale, map_p)
                         pmark(prof, 5)
         if cutlass.const_expr(profile):  # thread 0 of each warpgroup: [phase sums..., kernel total]
             prof[NPH] = cute.arch.clock64() - prof[NPH]
@@ -349,7 +440,21 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         F._static_checks(dtype, K, V)
         cm.check_mn_major_view(dtype, C, K)  # k: MN-major B operand of the state update
         HV = mU.shape[2]
-        kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group, mProf).launch(
+        if cutlass.const_expr(tma):
+            def rows_first(m):  # [B, T, heads, D] -> (T, D, B, heads): the TMA box is (C rows, D columns)
+                return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
+
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            lqk = cm.smem_tile_layout(dtype, C, K)
+            aQ, tQ = cpasync.make_tiled_tma_atom(g2s, rows_first(mQ), lqk, (C, K))
+            aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), lqk, (C, K))
+            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), lqk, (C, K))
+            aU, tU = cpasync.make_tiled_tma_atom(g2s, rows_first(mU), cm.smem_tile_layout(dtype, C, VB), (C, VB))
+        else:  # placeholders, never used
+            aQ = aK = aW = aU = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
+            tQ, tK, tW, tU = mQ, mK, mW, mU
+        kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group, mProf,
+               aQ, aK, aW, aU, tQ, tK, tW, tU).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
         )
 
@@ -364,18 +469,20 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
-               profile=False, late_issue=True, coop_norms=True):
+               profile=False, late_issue=True, coop_norms=True, tma=None):
+    tma = TMA if tma is None else bool(tma)
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if keep_vn and not store_states:
         raise ValueError("keep_vn: only with store_states (the training forward)")
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (
-           () if late_issue else ("early_issue",)) + (() if coop_norms else ("thread_norms",))
+           () if late_issue else ("early_issue",)) + (() if coop_norms else ("thread_norms",)) + (
+           ("tma",) if tma else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn), bool(profile), bool(late_issue), bool(coop_norms))
+                      bool(keep_vn), bool(profile), bool(late_issue), bool(coop_norms), tma)
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 

@@ -36,7 +36,7 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(F90, "WY_SCAN", True)  # the defaults, whatever the environment says
     monkeypatch.setattr(F90, "WY_ASYNC", True)
-    monkeypatch.setattr(F90, "WY_A2", False)
+    monkeypatch.setattr(F90, "WY_A2", True)
     monkeypatch.setattr(F90, "STATE_PSEL", False)
     if not torch.cuda.is_available():
         assert kc.target_arch() == "sm_90a"
@@ -56,8 +56,8 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
                                       K, V, l2, gate, dtb, sig, bscale, varlen, store_t=True))
     # its serial preparation (CUDNN_TRAIN_GDN_WY_SCAN=0) and its synchronous tile loads (CUDNN_TRAIN_GDN_WY_ASYNC=0)
-    # and the A matrix in two passes (CUDNN_TRAIN_GDN_WY_A2=1)
-    for extra in (dict(scan=False), dict(async_loads=False), dict(a2=True)):
+    # and the A matrix in one pass (CUDNN_TRAIN_GDN_WY_A2=0)
+    for extra in (dict(scan=False), dict(async_loads=False), dict(a2=False)):
         assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None,
                                           torch.float32 if dtb else None, K, V, l2, gate, dtb, sig, bscale, varlen,
                                           **extra))
@@ -156,6 +156,11 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeyp
         WS.get_kernel(torch.bfloat16, 96, 128, True, False, False, False, False)
     with pytest.raises(ValueError, match="keep_vn"):
         WS.get_kernel(*WS_VARIANTS[0], keep_vn=True)
+    # its loads by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA)
+    for v in WS_VARIANTS:
+        assert callable(WS.get_kernel(*v, tma=not WS.TMA))
+    assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, keep_vn=True, tma=not WS.TMA))
+    assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 3
 
 
 @pytest.mark.compile
@@ -627,6 +632,46 @@ def test_specialized_warpgroups_training_forward(case, monkeypatch, poisoned):
     assert torch.isfinite(vn).all(), f"{case}: vn has elements the kernel did not write"
     err = rel_l2(vn.float(), s_vn.float())
     assert err < 2e-3, f"{case}: vn differs from the split chain's by {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm", "varlen_training"])
+def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, monkeypatch, poisoned):
+    """The specialized-warpgroup state pass with q, k, w, u by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA): rows past a
+    varlen sequence's end arrive as the next sequence's, where cp.async zero-fills them, and the chain masks
+    their vn; everything it writes is bitwise what the cp.async loads give (tails at T = 333 and in every
+    varlen sequence; the training forward's chunk states and vn too)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    K, V, l2, dtype, cu, train = 128, 128, True, torch.bfloat16, None, case == "varlen_training"
+    if case.startswith("varlen"):
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0, 5]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, dtype, nseq=len(lengths))
+    elif case == "dense":
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, V, dtype)
+    else:
+        K, V, l2, dtype = 64, 64, False, torch.float16
+        q, k, v, g, beta, h0 = _inputs(2, 333, 1, 2, K, V, dtype, l2norm=False)
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    if train:
+        args.update(store_states=True, keep_vn=True)
+    outs = []
+    for tma in (False, True):
+        monkeypatch.setattr(WS, "TMA", tma)
+        o, ht, *inter = F90.forward(q, k, v, g, beta, **args).value
+        outs.append({"o": o, "final_state": ht} if not train else {"o": o, "final_state": ht, "vn": inter[0][4]})
+    if train:
+        rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
+        for tma in (False, True):
+            monkeypatch.setattr(WS, "TMA", tma)
+            outs[int(tma)]["chunk_states"] = F90.forward(q, k, v, g, beta, **args).value[2][3][:rows]
+    for name, a in outs[1].items():
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the TMA variant did not write"
+        assert torch.equal(a, outs[0][name]), f"{case}: {name} differs with the TMA loads"
 
 
 @pytest.mark.gpu
