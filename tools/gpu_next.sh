@@ -45,6 +45,7 @@
 #   bash tools/gpu_next.sh s21      # the thirteenth session's specialized-warpgroup state pass: cases, timing
 #   bash tools/gpu_next.sh s21b     # it as the inference default: the fused-kernel cases, then bench_gdn (1 shape)
 #   bash tools/gpu_next.sh s22      # its loads by TMA (prepared): bitwise cases, timing and profile
+#   bash tools/gpu_next.sh s23      # w, u formed in its chain (prepared): oracle cases, timings
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -308,6 +309,11 @@ s22)
   # bitwise cases against the cp.async loads, then its time and profile next to them
   tier s22 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py -k "tma_loads"
   timed ws_tma 200 python3 tools/time_gdn_fwd.py --shapes 2 --ws-only --profile ;;
+s23)
+  # prepared in the thirteenth session: w and u formed in the specialized warpgroups' chain (CUDNN_TRAIN_GDN_FWD_ONFLY)
+  # after the wy kernel's gate-free inverse variant: its oracle cases, then the timings (--ws-only)
+  tier s23 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py -k "formed_in_the_chain"
+  timed ws_onfly 200 python3 tools/time_gdn_fwd.py --shapes 2 --ws-only ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

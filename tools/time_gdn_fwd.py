@@ -127,6 +127,30 @@ def main():
             print(f"  whole forward, fused state kernel    "
                   f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
             print(f"  whole forward, specialized warpgroups {whole_forward_ws(q, k, v, g, beta):.3f} ms")
+            # w and u formed in the chain (CUDNN_TRAIN_GDN_FWD_ONFLY): the wy kernel's INV variant alone, the
+            # whole forward against the default's, o compared
+            inv = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
+                                    False, False, 1.0, False, inv=True)
+            a0 = torch.empty(B, T, HV, 64, device=dev, dtype=torch.bfloat16)
+            be = torch.empty(B, T, HV, device=dev)
+            gci = torch.empty_like(gc)
+            run_inv = lambda: inv(k, g, beta, f32, f32, cu, cuc, gci, a0, be, T, NT, B, group, rows, i64)  # noqa: E731
+            for _ in range(2):
+                print(f"  wy kernel (w, u)                      {bench(lambda: wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64), 10, 40):.3f} ms")
+                print(f"  wy kernel, gate-free inverse only     {bench(run_inv, 10, 40):.3f} ms")
+            F90.ONFLY = True
+            o_on = F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True).value[0]
+            F90.ONFLY = False
+            o_base = F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True).value[0]
+            print(f"  w, u in the chain: o rel L2 to the default's {rel_l2(o_on.float(), o_base.float()):.2e}, "
+                  f"finite {bool(torch.isfinite(o_on).all())}")
+            for _ in range(2):
+                print(f"  whole forward (default)               "
+                      f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
+                F90.ONFLY = True
+                print(f"  whole forward, w, u in the chain      "
+                      f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
+                F90.ONFLY = False
             F90.SPLIT, F90.STATE_WS = None, None
             train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True)
             for _ in range(2):  # the training forward: its default (the split pass) against the specialized warpgroups
@@ -269,7 +293,7 @@ def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     o_ws = torch.full_like(o_ref, float("nan"))
 
     def run():
-        fn(q, k, w, u, gc, d4, o_ws, d4, cu, cuc, d4, d4, K**-0.5, T, NT, group, B, i64)
+        fn(q, k, w, u, gc, d4, o_ws, d4, cu, cuc, d4, d4, K**-0.5, T, NT, group, B, i64, gc)
 
     run()
     torch.cuda.synchronize()
@@ -289,7 +313,7 @@ def profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     nph = len(WS.WS_PHASES[0])
     buf = torch.zeros(ctas * 2 * (nph + 1), dtype=torch.int64, device=q.device)
     o = torch.full_like(o_ref, float("nan"))
-    fn(q, k, w, u, gc, d4, o, d4, cu, cuc, d4, d4, K**-0.5, T, NT, group, B, buf)
+    fn(q, k, w, u, gc, d4, o, d4, cu, cuc, d4, d4, K**-0.5, T, NT, group, B, buf, gc)
     torch.cuda.synchronize()
     print(f"  profile variant's o equals the plain kernel's: {torch.equal(o, o_ref)}")
     per_wg = buf.view(ctas, 2, nph + 1)

@@ -127,6 +127,11 @@ STATE_PSEL = env_flag("CUDNN_TRAIN_GDN_FWD_PSEL", False)
 # the training forward's, instead of the split pass unless the grid leaves SMs idle; False (=0): never.
 _ws_env = os.environ.get("CUDNN_TRAIN_GDN_FWD_WS", "").strip()
 STATE_WS = None if not _ws_env else env_flag("CUDNN_TRAIN_GDN_FWD_WS")
+# Where the inference forward takes the specialized warpgroups: w and u never materialized
+# (CUDNN_TRAIN_GDN_FWD_ONFLY=1): the wy kernel's INV variant writes only the gate-free chunk inverses, gc and the
+# effective beta, and the state pass's chain forms vn = T diag(beta) (v - diag(exp(gc) rk) k S) itself
+# (FlashQLA's structure). Prepared in the thirteenth session, compiled, not yet GPU-run: off.
+ONFLY = env_flag("CUDNN_TRAIN_GDN_FWD_ONFLY", False)
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -356,7 +361,12 @@ def _make_issue_chunk(dtype, K: int, VB: int, threads: int = THREADS):
 
 def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int, l2norm: bool, gate: bool,
               has_dt_bias: bool, beta_sigmoid: bool, beta_scale: float, varlen: bool, profile: bool = False,
-              WGS: int = 1, STORE_T: bool = False, SCAN: bool = True, ASYNC: bool = False, A2: bool = False):
+              WGS: int = 1, STORE_T: bool = False, SCAN: bool = True, ASYNC: bool = False, A2: bool = False,
+              INV: bool = False):
+    # INV: the gate-free chunk inverse only (gated_delta_rule_fwd_ws_sm90's forward that forms w and u in its
+    # chain): A without the exp(gc_i - gc_j) factor, T = (I + A)^-1 rounded once to the input dtype into mTm,
+    # gc and the effective beta (float32) out; no v tile, no w, u
+    assert not INV or (SCAN and STORE_T), "INV needs the scan preparation and writes T"
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -415,7 +425,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     def kernel(
         mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAlog: cute.Tensor, mDtb: cute.Tensor,
         mCu: cute.Tensor, mCuC: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mTm: cute.Tensor,
-        T: Int32, NT: Int32, nseq: Int32, group: Int32, mProf: cute.Tensor,
+        T: Int32, NT: Int32, nseq: Int32, group: Int32, mProf: cute.Tensor, mBe: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cid, hv, _ = cute.arch.block_idx()
@@ -434,9 +444,11 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
         lv = cm.smem_tile_layout(dtype, C, V)
         lt = cm.smem_tile_layout(dtype, C, C)
         sK = smem.allocate_tensor(dtype, lk.outer, 1024, lk.inner)
-        sV = smem.allocate_tensor(dtype, lv.outer, 1024, lv.inner)
-        sTw = smem.allocate_tensor(dtype, lt.outer, 1024, lt.inner)
-        sTu = smem.allocate_tensor(dtype, lt.outer, 1024, lt.inner)
+        sV = sTw = sTu = sK  # unused with INV
+        if cutlass.const_expr(not INV):
+            sV = smem.allocate_tensor(dtype, lv.outer, 1024, lv.inner)
+            sTw = smem.allocate_tensor(dtype, lt.outer, 1024, lt.inner)
+            sTu = smem.allocate_tensor(dtype, lt.outer, 1024, lt.inner)
         sA = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_STRIDE, 1)), 16)
         sT = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_STRIDE, 1)), 16)
         sM = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(A_STRIDE, 1)), 16)
@@ -468,7 +480,12 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                     if r0 + 1 < length:
                         g1 = mG[b, t0 + r0 + 1, hv].to(Float32)
                         b1 = mBeta[b, t0 + r0 + 1, hv].to(Float32)
-                if cutlass.const_expr(ASYNC):
+                if cutlass.const_expr(INV and ASYNC):
+                    issue_tiles(((gK, sK, K, 0),), length, tidx)
+                    cute.arch.cp_async_commit_group()
+                elif cutlass.const_expr(INV):
+                    load_tiles(((gK, sK, K),), length, tidx)
+                elif cutlass.const_expr(ASYNC):
                     issue_tiles(((gK, sK, K, 0), (gV, sV, V, 0)), length, tidx)
                     cute.arch.cp_async_commit_group()
                 else:
@@ -495,8 +512,12 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                     sB[r0 + 1] = b1
                     if r0 < length:
                         mGc[b, t0 + r0, hv] = gc0
+                        if cutlass.const_expr(INV):
+                            mBe[b, t0 + r0, hv] = b0
                     if r0 + 1 < length:
                         mGc[b, t0 + r0 + 1, hv] = gc1
+                        if cutlass.const_expr(INV):
+                            mBe[b, t0 + r0 + 1, hv] = b1
                 if cutlass.const_expr(ASYNC):
                     cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_view_async_shared()  # the k tile's stores, before the k k^T product reads it
@@ -561,7 +582,9 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                 # diagonal may be inf there, never kept)
                 for e in cutlass.range_constexpr(cute.size(accA)):
                     i, j = cA[e]
-                    coef = sB[i] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+                    coef = sB[i]
+                    if cutlass.const_expr(not INV):
+                        coef = coef * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
                     if cutlass.const_expr(l2norm):
                         coef = coef * sRk[i] * sRk[j]
                     a = accA[e] * coef
@@ -576,7 +599,9 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                     i, j = cA[e]
                     a = Float32(0.0)
                     if i > j:
-                        coef = sB[i] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+                        coef = sB[i]
+                        if cutlass.const_expr(not INV):
+                            coef = coef * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
                         if cutlass.const_expr(l2norm):
                             coef = coef * sRk[i] * sRk[j]
                         a = accA[e] * coef
@@ -587,61 +612,78 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
             # ---- T = (I + A)^-1 in float32 by block doubling (see `solve` below)
             solve(sA, sT, sM, tidx)
             pmark(prof, 3)
-            # column-scaled copies of T in the input dtype: A operands of the w and u products
-            # (a thread: 4 adjacent columns, 16-byte reads of T, 8-byte writes of each copy)
-            cg = tidx % (C // 4)
-            cw = cute.make_rmem_tensor((4,), Float32)
-            cu = cute.make_rmem_tensor((4,), Float32)
-            for j in cutlass.range_constexpr(4):
-                c = cg * 4 + j
-                cu[j] = sB[c]
-                cw[j] = sB[c] * cute.math.exp2(sGc[c] * LOG2E, fastmath=True)
-                if cutlass.const_expr(l2norm):
-                    cw[j] = cw[j] * sRk[c]
-            for q in cutlass.range_constexpr(C * C // (4 * THREADS)):
-                i = tidx // (C // 4) + (4 * THREADS // C) * q
-                tv = cute.make_rmem_tensor((1, 4), Float32)
-                cute.autovec_copy(cute.local_tile(sT, (1, 4), (i, cg)), tv)
-                tw = cute.make_rmem_tensor((1, 4), dtype)
-                tu = cute.make_rmem_tensor((1, 4), dtype)
-                tt = cute.make_rmem_tensor((1, 4), dtype)  # STORE_T: T itself, rounded once, for stage 3
-                for j in cutlass.range_constexpr(4):
-                    x = tv[j]
-                    if i < cg * 4 + j:  # T is lower triangular; blocks above the diagonal are never written
-                        x = Float32(0.0)
-                    tw[j] = (x * cw[j]).to(dtype)
-                    tu[j] = (x * cu[j]).to(dtype)
-                    if cutlass.const_expr(STORE_T):
+            if cutlass.const_expr(INV):
+                # T = (I + A)^-1 itself, rounded once, into its chunk rows of mTm (4 adjacent columns a thread)
+                cg = tidx % (C // 4)
+                for q in cutlass.range_constexpr(C * C // (4 * THREADS)):
+                    i = tidx // (C // 4) + (4 * THREADS // C) * q
+                    tv = cute.make_rmem_tensor((1, 4), Float32)
+                    cute.autovec_copy(cute.local_tile(sT, (1, 4), (i, cg)), tv)
+                    tt = cute.make_rmem_tensor((1, 4), dtype)
+                    for j in cutlass.range_constexpr(4):
+                        x = tv[j]
+                        if i < cg * 4 + j:  # T is lower triangular; blocks above the diagonal are never written
+                            x = Float32(0.0)
                         tt[j] = x.to(dtype)
-                cute.autovec_copy(tw, cute.local_tile(sTw, (1, 4), (i, cg)))
-                cute.autovec_copy(tu, cute.local_tile(sTu, (1, 4), (i, cg)))
-                if cutlass.const_expr(STORE_T):
                     if i < length:
                         cute.autovec_copy(tt, cute.local_tile(gTm, (1, 4), (i, cg)))
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()
-            pmark(prof, 4)
+                pmark(prof, 4)
+            else:
+                # column-scaled copies of T in the input dtype: A operands of the w and u products
+                # (a thread: 4 adjacent columns, 16-byte reads of T, 8-byte writes of each copy)
+                cg = tidx % (C // 4)
+                cw = cute.make_rmem_tensor((4,), Float32)
+                cu = cute.make_rmem_tensor((4,), Float32)
+                for j in cutlass.range_constexpr(4):
+                    c = cg * 4 + j
+                    cu[j] = sB[c]
+                    cw[j] = sB[c] * cute.math.exp2(sGc[c] * LOG2E, fastmath=True)
+                    if cutlass.const_expr(l2norm):
+                        cw[j] = cw[j] * sRk[c]
+                for q in cutlass.range_constexpr(C * C // (4 * THREADS)):
+                    i = tidx // (C // 4) + (4 * THREADS // C) * q
+                    tv = cute.make_rmem_tensor((1, 4), Float32)
+                    cute.autovec_copy(cute.local_tile(sT, (1, 4), (i, cg)), tv)
+                    tw = cute.make_rmem_tensor((1, 4), dtype)
+                    tu = cute.make_rmem_tensor((1, 4), dtype)
+                    tt = cute.make_rmem_tensor((1, 4), dtype)  # STORE_T: T itself, rounded once, for stage 3
+                    for j in cutlass.range_constexpr(4):
+                        x = tv[j]
+                        if i < cg * 4 + j:  # T is lower triangular; blocks above the diagonal are never written
+                            x = Float32(0.0)
+                        tw[j] = (x * cw[j]).to(dtype)
+                        tu[j] = (x * cu[j]).to(dtype)
+                        if cutlass.const_expr(STORE_T):
+                            tt[j] = x.to(dtype)
+                    cute.autovec_copy(tw, cute.local_tile(sTw, (1, 4), (i, cg)))
+                    cute.autovec_copy(tu, cute.local_tile(sTu, (1, 4), (i, cg)))
+                    if cutlass.const_expr(STORE_T):
+                        if i < length:
+                            cute.autovec_copy(tt, cute.local_tile(gTm, (1, 4), (i, cg)))
+                cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+                pmark(prof, 4)
 
-            # ---- w = Tw k, u = Tu v  (B operands: MN-major views of the k and v tiles)
-            thr_w = mma_w.get_slice(tidx)
-            thr_u = mma_u.get_slice(tidx)
-            accW = cute.make_rmem_tensor(thr_w.partition_shape_C((C, K)), Float32)
-            accU = cute.make_rmem_tensor(thr_u.partition_shape_C((C, V)), Float32)
-            gemm(mma_w, accW, mma_w.make_fragment_A(thr_w.partition_A(sTw)),
-                 mma_w.make_fragment_B(thr_w.partition_B(cm.transpose_view(sK))), True)
-            gemm(mma_u, accU, mma_u.make_fragment_A(thr_u.partition_A(sTu)),
-                 mma_u.make_fragment_B(thr_u.partition_B(cm.transpose_view(sV))), True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            pmark(prof, 5)
-            # staged through the k and v tiles (the products are done with them), then 16-byte rows
-            cute.arch.sync_threads()
-            stage_pairs(accW, thr_w.partition_C(cute.make_identity_tensor((C, K))), sK)
-            stage_pairs(accU, thr_u.partition_C(cute.make_identity_tensor((C, V))), sV)
-            cute.arch.sync_threads()
-            store_tile(sK, gW, K, length, tidx)
-            store_tile(sV, gU, V, length, tidx)
-            pmark(prof, 6)
+                # ---- w = Tw k, u = Tu v  (B operands: MN-major views of the k and v tiles)
+                thr_w = mma_w.get_slice(tidx)
+                thr_u = mma_u.get_slice(tidx)
+                accW = cute.make_rmem_tensor(thr_w.partition_shape_C((C, K)), Float32)
+                accU = cute.make_rmem_tensor(thr_u.partition_shape_C((C, V)), Float32)
+                gemm(mma_w, accW, mma_w.make_fragment_A(thr_w.partition_A(sTw)),
+                     mma_w.make_fragment_B(thr_w.partition_B(cm.transpose_view(sK))), True)
+                gemm(mma_u, accU, mma_u.make_fragment_A(thr_u.partition_A(sTu)),
+                     mma_u.make_fragment_B(thr_u.partition_B(cm.transpose_view(sV))), True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                pmark(prof, 5)
+                # staged through the k and v tiles (the products are done with them), then 16-byte rows
+                cute.arch.sync_threads()
+                stage_pairs(accW, thr_w.partition_C(cute.make_identity_tensor((C, K))), sK)
+                stage_pairs(accU, thr_u.partition_C(cute.make_identity_tensor((C, V))), sV)
+                cute.arch.sync_threads()
+                store_tile(sK, gW, K, length, tidx)
+                store_tile(sV, gU, V, length, tidx)
+                pmark(prof, 6)
         pfinish(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
 
     @cute.jit
@@ -652,11 +694,31 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     ):
         _static_checks(dtype, K, V)
         HV = mV.shape[2]
-        kernel(mK, mV, mG, mBeta, mAlog, mDtb, mCu, mCuC, mW, mU, mGc, mTm, T, NT, nseq, group, mProf).launch(
+        kernel(mK, mV, mG, mBeta, mAlog, mDtb, mCu, mCuC, mW, mU, mGc, mTm, T, NT, nseq, group, mProf, mGc).launch(
+            grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
+        )
+
+    @cute.jit
+    def host_inv(
+        mK: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAlog: cute.Tensor, mDtb: cute.Tensor,
+        mCu: cute.Tensor, mCuC: cute.Tensor, mGc: cute.Tensor, mTm: cute.Tensor, mBe: cute.Tensor,
+        T: Int32, NT: Int32, nseq: Int32, group: Int32, nchunks_grid: Int32, mProf: cute.Tensor, stream,
+    ):
+        _static_checks(dtype, K, V)
+        HV = mTm.shape[2]
+        # k stands in for the v, w, u tensors that this variant never touches
+        kernel(mK, mK, mG, mBeta, mAlog, mDtb, mCu, mCuC, mK, mK, mGc, mTm, T, NT, nseq, group, mProf, mBe).launch(
             grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
         )
 
     f = _fakes()
+    if INV:
+        args = (
+            f.rows4(dtype, K), f.any3(g_dtype), f.any3(beta_dtype), f.vec(alog_dtype), f.vec(dtb_dtype),
+            f.vec(cutlass.Int32), f.vec(cutlass.Int32), f.any3(Float32), f.rows4(dtype, C), f.any3(Float32),
+            Int32(1), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.stream(),
+        )
+        return cute.compile(host_inv, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
     args = (
         f.rows4(dtype, K), f.rows4(dtype, V), f.any3(g_dtype), f.any3(beta_dtype), f.vec(alog_dtype), f.vec(dtb_dtype),
         f.vec(cutlass.Int32), f.vec(cutlass.Int32), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
@@ -971,7 +1033,11 @@ def _wgs_choice(env: str, value: str, wgs, K: int, V: int) -> int:
 
 def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2norm, gate, has_dt_bias,
                   beta_sigmoid, beta_scale, varlen, profile=False, wgs=None, store_t=False, scan=None,
-                  async_loads=None, a2=None):
+                  async_loads=None, a2=None, inv=False):
+    """The wy kernel; with ``inv`` its gate-free chunk-inverse variant (``_build_wy``'s INV), launched as
+    ``fn(k, g, beta, A_log, dt_bias, cu, cu_chunks, gc, tm, beta_eff, T, NT, nseq, group, chunks, prof)``."""
+    if inv:
+        scan, store_t = True, True
     wgs = _wgs_choice("CUDNN_TRAIN_GDN_WY_WGS", WY_WGS, wgs, K, V)
     scan = WY_SCAN if scan is None else bool(scan)
     async_loads = scan and (WY_ASYNC if async_loads is None else bool(async_loads))  # cp.async: scan prep only
@@ -979,12 +1045,13 @@ def get_wy_kernel(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K, V, l2nor
     key = ("wy", str(dtype), str(g_dtype), str(beta_dtype), str(alog_dtype), str(dtb_dtype), K, V, bool(l2norm),
            bool(gate), bool(has_dt_bias), bool(beta_sigmoid), float(beta_scale), bool(varlen)) + (
            ("profile",) if profile else ()) + ((("wgs", wgs),) if wgs != 1 else ()) + (("store_t",) if store_t else ()) + (
-           () if scan else ("no_scan",)) + (("async",) if async_loads else ()) + (("a2",) if a2 else ())
+           () if scan else ("no_scan",)) + (("async",) if async_loads else ()) + (("a2",) if a2 else ()) + (
+           ("inv",) if inv else ())
 
     def build():
         return _build_wy(_dt(dtype), _dt(g_dtype), _dt(beta_dtype), _dt(alog_dtype), _dt(dtb_dtype), K, V, l2norm,
                          gate, has_dt_bias, beta_sigmoid, beta_scale, varlen, bool(profile), wgs, bool(store_t), scan,
-                         async_loads, a2)
+                         async_loads, a2, bool(inv))
 
     return kc.get_kernel("gdn_fwd_wy", key, build, _SOURCES)
 
@@ -1165,13 +1232,14 @@ def forward(
     elif split:
         split = SPLIT
     ws = not split and (not store_states if STATE_WS is None else STATE_WS)
+    onfly = ws and ONFLY and not store_states and not return_intermediates
     if not split and not ws:
         st = get_state_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, initial_state is not None,
                               output_final_state, state_v_first, store_states)
 
     o = _empty(B, T, HV, V, dtype=q.dtype, device=dev)
-    w = _empty(B, T, HV, K, dtype=q.dtype, device=dev)
-    u = _empty(B, T, HV, V, dtype=q.dtype, device=dev)
+    w = None if onfly else _empty(B, T, HV, K, dtype=q.dtype, device=dev)
+    u = None if onfly else _empty(B, T, HV, V, dtype=q.dtype, device=dev)
     gc = _empty(B, T, HV, dtype=torch.float32, device=dev)
     if output_final_state:
         ht = _empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
@@ -1194,6 +1262,20 @@ def forward(
                 ht.zero_()
             else:
                 ht.copy_(initial_state)
+    elif onfly:
+        from . import gated_delta_rule_fwd_ws_sm90 as WS
+
+        inv = get_wy_kernel(
+            q.dtype, g.dtype, beta.dtype, A_log.dtype if use_gate_in_kernel else None,
+            dt_bias.dtype if (use_gate_in_kernel and dt_bias is not None) else None,
+            K, V, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_gate_in_kernel and dt_bias is not None,
+            use_beta_sigmoid_in_kernel, beta_scale, varlen, inv=True,
+        )
+        a0 = _empty(B, T, HV, CHUNK, dtype=q.dtype, device=dev)
+        beta_eff = _empty(B, T, HV, dtype=torch.float32, device=dev)
+        inv(k, g, beta, alog, dtb, cu, cu_chunks, gc, a0, beta_eff, T, NT, nseq, group, grid_chunks, i64_dummy)
+        WS.state_pass_onfly(q, k, v, a0, gc, beta_eff, o, initial_state, ht, cu, cu_chunks, NT, scale,
+                            use_qk_l2norm_in_kernel, state_v_first, group, nseq)
     else:
         wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, w[..., :CHUNK] if tm is None else tm, T, NT, nseq, group,
            grid_chunks, i64_dummy)

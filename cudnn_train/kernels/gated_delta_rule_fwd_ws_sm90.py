@@ -78,7 +78,7 @@ WS_PHASES = (
 
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
            store_states: bool, keep_vn: bool, profile: bool = False, late_issue: bool = True,
-           coop_norms: bool = True, tma: bool = False):
+           coop_norms: bool = True, tma: bool = False, onfly: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -89,6 +89,13 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     # tma: q, k, w, u by TMA (one thread issues a chunk's four tiles on the buffer's mbarrier; u then in a
     # swizzled tile, TMA writes no padding), gc still by cp.async (its rows are HV floats apart)
     TX_BYTES = (3 * C * K + C * VB) * (dtype.width // 8)
+    # onfly: w and u never exist; the wy kernel's INV variant leaves the gate-free chunk inverse A0 (rows of mW's
+    # slot, [B, T, HV, C]), gc and the effective beta (mBe), and the chain forms, per chunk,
+    #     X^T = S^T k^T,  R^T = (v^T - X^T diag(exp(gc) rk)) diag(beta),  vn^T = R^T T^T,
+    #     T = A0 * exp(gc_i - gc_j) (j <= i, else 0)      (the gated inverse is A0's similarity transform)
+    # with v in u's slot (the tile of columns v0 : v0 + VB) and T built in shared memory while X^T runs
+    assert not (onfly and tma), "onfly: cp.async loads only"
+    WCOLS = C if onfly else K  # columns of the tile in w's slot
     TMA_WARP = 4  # the output warpgroup's first warp issues them (one elected thread arms the mbarrier)
     # with TMA, right after the barrier: a one-thread branch between a warpgroup's products and their wait makes
     # ptxas serialize the products (C7520)
@@ -107,12 +114,15 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     @cute.jit
     def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
                     sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, sGc: cute.Tensor,
-                    b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32, tidx: Int32):
+                    b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32, tidx: Int32,
+                    mBe: cute.Tensor, sBe: cute.Tensor):
         issue_tiles(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
                      (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),
-                     (cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K, 0),
+                     (cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, WCOLS, 0),
                      (cute.domain_offset((t0, 0), mU[b, None, hv, None]), sU, VB, v0 // 8)), length, tidx)
         issue_gc(mGc, sGc, b, hv, t0, length, tidx)
+        if cutlass.const_expr(onfly):  # the effective beta, like gc (rows past the end: never used)
+            issue_gc(mBe, sBe, b, hv, t0, length, tidx)
 
     @cute.jit
     def tma_chunk(ta: cutlass.Constexpr, sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, bar,
@@ -134,7 +144,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     def issue_next(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
                    sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, sGc: cute.Tensor,
                    b: Int32, h: Int32, hv: Int32, ts: Int32, te: Int32, ci: Int32, v0: Int32, tidx: Int32,
-                   ta: cutlass.Constexpr, bar):
+                   ta: cutlass.Constexpr, bar, mBe: cute.Tensor, sBe: cute.Tensor):
         """Chunk ci + 1's copies (if it exists) into the given buffers, the cp.async ones committed as one group
         (empty if none); with ``tma`` the tiles by TMA on ``bar`` (warp TMA_WARP) and only gc by cp.async."""
         if ci + 1 < (te - ts + C - 1) // C:
@@ -145,8 +155,27 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                     tma_chunk(ta, sQ, sK, sW, sU, bar, b, h, hv, t1, v0)
             else:
                 issue_chunk(mQ, mK, mW, mU, mGc, sQ, sK, sW, sU, sGc, b, h, hv, t1, v0, cutlass.min(te - t1, C),
-                            tidx)
+                            tidx, mBe, sBe)
         cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def build_t(sA0: cute.Tensor, sGc: cute.Tensor, sT: cute.Tensor, lt: Int32):
+        """(The chain, onfly) T[i, j] = A0[i, j] exp(gc_i - gc_j) for j <= i, else 0, in the input dtype: eight
+        adjacent columns a thread and step, 16-byte reads and writes (the factor above the diagonal may be
+        inf there, never kept)."""
+        for p in cutlass.range_constexpr(C * C // 8 // 128):
+            idx = p * 128 + lt
+            i = idx // (C // 8)
+            c8 = idx % (C // 8)
+            a8 = cute.make_rmem_tensor((1, 8), dtype)
+            cute.autovec_copy(cute.local_tile(sA0, (1, 8), (i, c8)), a8)
+            t8 = cute.make_rmem_tensor((1, 8), dtype)
+            gi = sGc[i]
+            for e in cutlass.range_constexpr(8):
+                j = c8 * 8 + e
+                tv = a8[e].to(Float32) * cute.math.exp2((gi - sGc[j]) * LOG2E, fastmath=True)
+                t8[e] = Float32(cutlass.select_(j <= i, tv, Float32(0.0))).to(dtype)
+            cute.autovec_copy(t8, cute.local_tile(sT, (1, 8), (i, c8)))
 
     @cute.jit
     def p_and_scale(accP: cute.Tensor, rP: cute.Tensor, accO: cute.Tensor, cP: cute.Tensor, cO: cute.Tensor,
@@ -196,7 +225,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                mH0: cute.Tensor, mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
                mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32,
                mProf: cute.Tensor, aQ: cute.CopyAtom, aK: cute.CopyAtom, aW: cute.CopyAtom, aU: cute.CopyAtom,
-               tQ: cute.Tensor, tK: cute.Tensor, tW: cute.Tensor, tU: cute.Tensor):
+               tQ: cute.Tensor, tK: cute.Tensor, tW: cute.Tensor, tU: cute.Tensor, mBe: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -210,6 +239,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         mma_x = cm.make_mma(dtype, C, a_regs=True, b_mn_major=False)  # S^T w^T           [v, i]
         map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
         map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
+        map_vn = cm.acc_to_frag_map(mma_x, (VB, C), mma_x, (VB, C))  # onfly: R^T as the A operand of R^T T^T
         cm.check_acc_pairs(mma_s, (VB, K))  # S^T pairs -> sS
         cm.check_acc_pairs(mma_x, (VB, C))  # vn^T pairs -> sVo
         # output: the out kernel's orientation (o [i, v])
@@ -223,7 +253,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         smem = cutlass.utils.SmemAllocator()
         sQb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
         sKb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
-        sWb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
+        sWb = [cm.alloc_tile(smem, dtype, C, WCOLS) for _ in range(2)]  # w, or with onfly A0
         sSb = [cm.alloc_tile(smem, dtype, VB, K) for _ in range(2)]  # S^T [v, d] at a chunk's start
         sVob = [cm.alloc_tile(smem, dtype, VB, C) for _ in range(2)]  # vn^T [v, i]
         if cutlass.const_expr(tma):
@@ -232,6 +262,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             sUb = [smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16) for _ in range(2)]
         sGcb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(2)]
         sRk0 = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # the chain's k factors
+        sBeb = sGcb  # onfly: the effective beta, like gc; and the chain's gated inverse T (input dtype)
+        sT = sQb[0]
+        if cutlass.const_expr(onfly):
+            sBeb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(2)]
+            sT = cm.alloc_tile(smem, dtype, C, C)
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # the output's q and k factors
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
 
@@ -258,14 +293,16 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                     tma_chunk(ta, sQb[0], sKb[0], sWb[0], sUb[0], mbar, b, h, hv, ts, v0)
             else:
                 issue_chunk(mQ, mK, mW, mU, mGc, sQb[0], sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts, v0,
-                            cutlass.min(te - ts, C), tidx)
+                            cutlass.min(te - ts, C), tidx, mBe, sBeb[0])
         cute.arch.cp_async_commit_group()
 
         if wg == 0:
             # ---------------------------------------------------------------- the chain
             thr_s = mma_s.get_slice(lt)
             thr_x = mma_x.get_slice(lt)
-            tBw = [mma_x.make_fragment_B(thr_x.partition_B(t)) for t in sWb]
+            tBw = [mma_x.make_fragment_B(thr_x.partition_B(t)) for t in (sKb if onfly else sWb)]  # k: X^T = S^T k^T
+            tBt = mma_x.make_fragment_B(thr_x.partition_B(sT))  # onfly: vn^T = R^T T^T
+            rR = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, C)))
             tBkt = [mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(t))) for t in sKb]
             rS = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
             rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
@@ -297,29 +334,46 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         if cutlass.const_expr(not late):
                             issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
                                        sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
-                                       None if mbar is None else mbar + (1 - par))
+                                       None if mbar is None else mbar + (1 - par), mBe, sBeb[1 - par])
                         if ci < nchunks:
                             accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
-                            gemm(mma_x, accX, rS, tBw[par], True)  # S^T w^T   [v, i]
+                            gemm(mma_x, accX, rS, tBw[par], True)  # S^T w^T   [v, i]  (onfly: S^T k^T)
                             warpgroup.commit_group()
                             if cutlass.const_expr(late):  # the copies' issue stalls in the product's shadow
                                 issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par],
                                            sUb[1 - par], sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
-                                       None if mbar is None else mbar + (1 - par))
+                                       None if mbar is None else mbar + (1 - par), mBe, sBeb[1 - par])
                             pmark(prof, 2)
                             if cutlass.const_expr(l2norm and coop_norms):
                                 rows_inv_norm(sKb[par], sRk0, lt)
                             elif cutlass.const_expr(l2norm):
                                 if lt < C:
                                     sRk0[lt] = row_inv_norm(sKb[par], lt)
+                            if cutlass.const_expr(onfly):
+                                build_t(sWb[par], sGcb[par], sT, lt)
+                                cute.arch.fence_view_async_shared()  # T: B operand of the next product
                             warpgroup.wait_group(0)
-                            if cutlass.const_expr(l2norm):
-                                cute.arch.barrier(barrier_id=BAR_CHAIN, number_of_threads=128)  # sRk0 written
+                            if cutlass.const_expr(l2norm or onfly):
+                                cute.arch.barrier(barrier_id=BAR_CHAIN, number_of_threads=128)  # sRk0 (sT) written
                             pmark(prof, 3)
-                            # ---- vn^T = u^T - S^T w^T (in place), to sVo for the output
-                            for e in cutlass.range_constexpr(cute.size(accX)):
-                                xv, xi = cX[e]
-                                accX[e] = sUb[par][xi, xv].to(Float32) - accX[e]
+                            if cutlass.const_expr(onfly):
+                                # ---- R^T = (v^T - X^T diag(exp(gc) rk)) diag(beta), the A operand of vn^T = R^T T^T
+                                for e in cutlass.range_constexpr(cute.size(accX)):
+                                    xv, xi = cX[e]
+                                    xcoef = cute.math.exp2(sGcb[par][xi] * LOG2E, fastmath=True)
+                                    if cutlass.const_expr(l2norm):
+                                        xcoef = xcoef * sRk0[xi]
+                                    accX[e] = (sUb[par][xi, xv].to(Float32) - accX[e] * xcoef) * sBeb[par][xi]
+                                for f in cutlass.range_constexpr(cute.size(rR)):
+                                    rR[f] = accX[map_vn[f]].to(dtype)
+                                gemm(mma_x, accX, rR, tBt, True)  # vn^T [v, i]
+                                warpgroup.commit_group()
+                                warpgroup.wait_group(0)
+                            else:
+                                # ---- vn^T = u^T - S^T w^T (in place), to sVo for the output
+                                for e in cutlass.range_constexpr(cute.size(accX)):
+                                    xv, xi = cX[e]
+                                    accX[e] = sUb[par][xi, xv].to(Float32) - accX[e]
                             if cutlass.const_expr(tma):  # rows past the chunk's end hold the next sequence's w, u
                                 length = cutlass.min(te - (ts + ci * C), C)
                                 for e in cutlass.range_constexpr(cute.size(accX)):  # a select, not a branch:
@@ -373,7 +427,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         if cutlass.const_expr(not late):
                             issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
                                        sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
-                                       None if mbar is None else mbar + (1 - par))
+                                       None if mbar is None else mbar + (1 - par), mBe, sBeb[1 - par])
                         accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
                         if ci < nchunks:
                             gemm(mma_p, accP, tAq[par], tBk[par], True)  # q k^T  [i, j]
@@ -384,7 +438,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         if cutlass.const_expr(late):
                             issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
                                        sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
-                                       None if mbar is None else mbar + (1 - par))
+                                       None if mbar is None else mbar + (1 - par), mBe, sBeb[1 - par])
                         pmark(prof, 2)
                         if cutlass.const_expr(store_states):  # while the products run (they only read sS, sVo)
                             if ci < nchunks:  # chunk ci's start state: a row of the chunk states
@@ -436,7 +490,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     def host(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
              mH0: cute.Tensor, mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
              mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32,
-             mProf: cute.Tensor, stream):
+             mProf: cute.Tensor, mBe: cute.Tensor, stream):
         F._static_checks(dtype, K, V)
         cm.check_mn_major_view(dtype, C, K)  # k: MN-major B operand of the state update
         HV = mU.shape[2]
@@ -454,23 +508,23 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             aQ = aK = aW = aU = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
             tQ, tK, tW, tU = mQ, mK, mW, mU
         kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group, mProf,
-               aQ, aK, aW, aU, tQ, tK, tW, tU).launch(
+               aQ, aK, aW, aU, tQ, tK, tW, tU, mBe).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
         )
 
     f = F._fakes()
     args = (
-        f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.any3(Float32),
+        f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, WCOLS), f.rows4(dtype, V), f.any3(Float32),
         f.state(), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
         f.rows4(dtype, V) if store_states else f.state(), f.rows4(dtype, V) if keep_vn else f.state(),
-        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.stream(),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.any3(Float32), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
-               profile=False, late_issue=True, coop_norms=True, tma=None):
-    tma = TMA if tma is None else bool(tma)
+               profile=False, late_issue=True, coop_norms=True, tma=None, onfly=False):
+    tma = (TMA and not onfly) if tma is None else bool(tma)
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if keep_vn and not store_states:
@@ -478,11 +532,11 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (
            () if late_issue else ("early_issue",)) + (() if coop_norms else ("thread_norms",)) + (
-           ("tma",) if tma else ())
+           ("tma",) if tma else ()) + (("onfly",) if onfly else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn), bool(profile), bool(late_issue), bool(coop_norms), tma)
+                      bool(keep_vn), bool(profile), bool(late_issue), bool(coop_norms), tma, bool(onfly))
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 
@@ -500,4 +554,17 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, stat
     f32_dummy, _, i64_dummy = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)
     fn(q, k, w, u, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
-       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq, i64_dummy)
+       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq, i64_dummy, gc)
+
+
+def state_pass_onfly(q, k, v, a0, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq):
+    """The inference state pass from the wy kernel's INV outputs (``a0``: the gate-free chunk inverses, input
+    dtype ``[B, T, HV, 64]``; ``gc``, ``beta_eff``: float32 ``[B, T, HV]``) and v: w and u are formed in the chain.
+    Fills ``o`` (and ``ht`` when given)."""
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, onfly=True)
+    f32_dummy, _, i64_dummy = F._dummies(q.device)
+    d4 = f32_dummy.view(1, 1, 1, 1)
+    fn(q, k, a0, v, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks, d4, d4, float(scale),
+       T, NT, group, nseq, i64_dummy, beta_eff)

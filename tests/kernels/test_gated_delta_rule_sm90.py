@@ -142,6 +142,7 @@ WS_VARIANTS = [
 def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     """The fused state pass on two specialized warpgroups (CUDNN_TRAIN_GDN_FWD_WS): chain and output."""
     from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
@@ -156,11 +157,19 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeyp
         WS.get_kernel(torch.bfloat16, 96, 128, True, False, False, False, False)
     with pytest.raises(ValueError, match="keep_vn"):
         WS.get_kernel(*WS_VARIANTS[0], keep_vn=True)
+    # w and u formed in the chain (CUDNN_TRAIN_GDN_FWD_ONFLY), and the wy kernel's gate-free inverse variant
+    for v in WS_VARIANTS:
+        assert callable(WS.get_kernel(*v, onfly=True))
+    for v in WY_VARIANTS:
+        dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = v
+        assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
+                                          K, V, l2, gate, dtb, sig, bscale, varlen, inv=True))
+    n_onfly = len(WS_VARIANTS) + len(WY_VARIANTS)
     # its loads by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA)
     for v in WS_VARIANTS:
         assert callable(WS.get_kernel(*v, tma=not WS.TMA))
     assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, keep_vn=True, tma=not WS.TMA))
-    assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 3
+    assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 3 + n_onfly
 
 
 @pytest.mark.compile
@@ -672,6 +681,53 @@ def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, mo
     for name, a in outs[1].items():
         assert torch.isfinite(a).all(), f"{case}: {name} has elements the TMA variant did not write"
         assert torch.equal(a, outs[0][name]), f"{case}: {name} differs with the TMA loads"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense_h0", "dense_fp16_t1000", "varlen", "gate_sigmoid_neg", "k64_fp16_no_l2norm_vk",
+                                  "v64_gva"])
+def test_w_u_formed_in_the_chain_match_oracle(case, monkeypatch, poisoned):
+    """The inference forward with w and u never materialized (CUDNN_TRAIN_GDN_FWD_ONFLY): the wy kernel's INV
+    variant (the gate-free chunk inverse in the input dtype, gc, the effective beta), then the specialized
+    warpgroups forming vn = T diag(beta) (v - diag(exp(gc) rk) k S) with T = A0 exp(gc_i - gc_j). o and the
+    final state against the oracle under the FLA-compat rule, and close to the default path's."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    K, V, vk, cu, l2, dtype, H, HV, T = 128, 128, False, None, True, torch.bfloat16, 2, 4, 333
+    flags = {}
+    if case == "dense_fp16_t1000":
+        dtype, T = torch.float16, 1000
+    if case == "k64_fp16_no_l2norm_vk":
+        K, V, vk, l2, dtype = 64, 64, True, False, torch.float16
+    if case == "v64_gva":
+        V, H, HV = 64, 1, 4
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(F90, "ONFLY", True)
+    if case == "varlen":
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0, 5]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
+    elif case == "gate_sigmoid_neg":
+        q, k, v, g, beta, h0 = _inputs(2, 97, H, HV, K, V, dtype, raw_gate=True, beta_logits=True)
+        A_log = torch.log(torch.empty(HV, device="cuda").uniform_(1, 16))
+        dt = torch.exp(torch.empty(HV, device="cuda").uniform_(math.log(1e-3), math.log(1e-1)))
+        flags = dict(A_log=A_log, dt_bias=dt + torch.log(-torch.expm1(-dt)), beta_sigmoid=True, neg=True)
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, T, H, HV, K, V, dtype, l2norm=l2, state_v_first=vk)
+    _run_and_compare(q, k, v, g, beta, h0, cu, l2norm=l2, state_v_first=vk, **flags)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                state_v_first=vk)
+    if flags:
+        args.update(use_gate_in_kernel=True, A_log=flags["A_log"], dt_bias=flags["dt_bias"],
+                    use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    onfly = F90.forward(q, k, v, g, beta, **args).value
+    monkeypatch.setattr(F90, "ONFLY", False)
+    base = F90.forward(q, k, v, g, beta, **args).value
+    for name, a, b in zip(("o", "final_state"), onfly, base):
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the kernels did not write"
+        err = rel_l2(a.float(), b.float())
+        assert err < 1e-2, f"{case}: {name} differs from the w, u path's by {err:.2e}"
 
 
 @pytest.mark.gpu
