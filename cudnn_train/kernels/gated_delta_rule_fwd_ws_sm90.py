@@ -88,13 +88,13 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     U_STRIDE = VB + 8  # padded row-major u tile, read transposed (as in the fused kernel)
     # tma: q, k, w, u by TMA (one thread issues a chunk's four tiles on the buffer's mbarrier; u then in a
     # swizzled tile, TMA writes no padding), gc still by cp.async (its rows are HV floats apart)
-    TX_BYTES = (3 * C * K + C * VB) * (dtype.width // 8)
+    TX_BYTES = ((2 * C * K + C * (C if onfly else K) + C * VB) * (dtype.width // 8))
     # onfly: w and u never exist; the wy kernel's INV variant leaves the gate-free chunk inverse A0 (rows of mW's
     # slot, [B, T, HV, C]), gc and the effective beta (mBe), and the chain forms, per chunk,
     #     X^T = S^T k^T,  R^T = (v^T - X^T diag(exp(gc) rk)) diag(beta),  vn^T = R^T T^T,
     #     T = A0 * exp(gc_i - gc_j) (j <= i, else 0)      (the gated inverse is A0's similarity transform)
-    # with v in u's slot (the tile of columns v0 : v0 + VB) and T built in shared memory while X^T runs
-    assert not (onfly and tma), "onfly: cp.async loads only"
+    # with v in u's slot (the tile of columns v0 : v0 + VB) and T built in shared memory while X^T runs; with tma
+    # the rows past a varlen sequence's end (the next sequence's k, v, A0) are masked out of R and of vn
     WCOLS = C if onfly else K  # columns of the tile in w's slot
     TMA_WARP = 4  # the output warpgroup's first warp issues them (one elected thread arms the mbarrier)
     # with TMA, right after the barrier: a one-thread branch between a warpgroup's products and their wait makes
@@ -133,8 +133,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         aQ, aK, aW, aU, tQ, tK, tW, tU = ta
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar, TX_BYTES)
-        for atom, tT, sX, head, c0, cols in ((aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K), (aW, tW, sW, hv, 0, K),
-                                             (aU, tU, sU, hv, v0, VB)):
+        for atom, tT, sX, head, c0, cols in ((aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K),
+                                             (aW, tW, sW, hv, 0, WCOLS), (aU, tU, sU, hv, v0, VB)):
             gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
             tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                            cute.group_modes(gT, 0, 2))
@@ -364,6 +364,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                     if cutlass.const_expr(l2norm):
                                         xcoef = xcoef * sRk0[xi]
                                     accX[e] = (sUb[par][xi, xv].to(Float32) - accX[e] * xcoef) * sBeb[par][xi]
+                                if cutlass.const_expr(tma):  # rows past a varlen sequence's end: the next one's k, v
+                                    rlen = cutlass.min(te - (ts + ci * C), C)
+                                    for e in cutlass.range_constexpr(cute.size(accX)):
+                                        _, xi = cX[e]
+                                        accX[e] = Float32(cutlass.select_(xi < rlen, accX[e], Float32(0.0)))
                                 for f in cutlass.range_constexpr(cute.size(rR)):
                                     rR[f] = accX[map_vn[f]].to(dtype)
                                 gemm(mma_x, accX, rR, tBt, True)  # vn^T [v, i]
@@ -502,7 +507,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             lqk = cm.smem_tile_layout(dtype, C, K)
             aQ, tQ = cpasync.make_tiled_tma_atom(g2s, rows_first(mQ), lqk, (C, K))
             aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), lqk, (C, K))
-            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), lqk, (C, K))
+            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), cm.smem_tile_layout(dtype, C, WCOLS), (C, WCOLS))
             aU, tU = cpasync.make_tiled_tma_atom(g2s, rows_first(mU), cm.smem_tile_layout(dtype, C, VB), (C, VB))
         else:  # placeholders, never used
             aQ = aK = aW = aU = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
@@ -524,7 +529,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
                profile=False, late_issue=True, coop_norms=True, tma=None, onfly=False):
-    tma = (TMA and not onfly) if tma is None else bool(tma)
+    tma = TMA if tma is None else bool(tma)
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if keep_vn and not store_states:

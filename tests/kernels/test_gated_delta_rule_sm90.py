@@ -169,7 +169,8 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeyp
     for v in WS_VARIANTS:
         assert callable(WS.get_kernel(*v, tma=not WS.TMA))
     assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, keep_vn=True, tma=not WS.TMA))
-    assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 3 + n_onfly
+    assert callable(WS.get_kernel(*WS_VARIANTS[2], onfly=True, tma=not WS.TMA))  # both
+    assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 4 + n_onfly
 
 
 @pytest.mark.compile
@@ -644,16 +645,20 @@ def test_specialized_warpgroups_training_forward(case, monkeypatch, poisoned):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm", "varlen_training"])
+@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm", "varlen_training", "onfly_dense",
+                                  "onfly_varlen"])
 def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, monkeypatch, poisoned):
     """The specialized-warpgroup state pass with q, k, w, u by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA): rows past a
     varlen sequence's end arrive as the next sequence's, where cp.async zero-fills them, and the chain masks
     their vn; everything it writes is bitwise what the cp.async loads give (tails at T = 333 and in every
-    varlen sequence; the training forward's chunk states and vn too)."""
+    varlen sequence; the training forward's chunk states and vn too; and with w, u formed in the chain, where the
+    next sequence's k, v and chunk inverse are masked out of R and vn)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     K, V, l2, dtype, cu, train = 128, 128, True, torch.bfloat16, None, case == "varlen_training"
+    monkeypatch.setattr(F90, "ONFLY", case.startswith("onfly"))  # w, u formed in the chain: k, v, A0 by TMA
+    case = case.removeprefix("onfly_")
     if case.startswith("varlen"):
         lengths = [0, 1, 63, 130, 1, 257, 64, 0, 5]
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
