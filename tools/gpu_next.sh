@@ -46,6 +46,7 @@
 #   bash tools/gpu_next.sh s21b     # it as the inference default: the fused-kernel cases, then bench_gdn (1 shape)
 #   bash tools/gpu_next.sh s22      # its loads by TMA (prepared): bitwise cases, timing and profile
 #   bash tools/gpu_next.sh s23      # w, u formed in its chain (prepared): oracle cases, timings
+#   bash tools/gpu_next.sh s24      # the reverse sweep on specialized warpgroups (prepared): cases, timing
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -314,6 +315,11 @@ s23)
   # after the wy kernel's gate-free inverse variant: its oracle cases, then the timings (--ws-only)
   tier s23 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py -k "formed_in_the_chain"
   timed ws_onfly 200 python3 tools/time_gdn_fwd.py --shapes 2 --ws-only ;;
+s24)
+  # prepared in the thirteenth session: the reverse sweep on two specialized warpgroups (CUDNN_TRAIN_GDN_SWEEP_WS):
+  # its cases (reference, vs the fused kernel, varlen GVA K = 64), then its time against the fused kernel
+  tier s24 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "specialized_warpgroups"
+  timed sweep_ws 150 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

@@ -3,7 +3,7 @@ splitting every product's N, each with the next chunk's loads in flight (cp.asyn
 with synchronous loads, on the same inputs, as the training path calls it (bf16 dvn and dH rows,
 l2norm in kernel, no final-state gradient).
 
-    python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2]
+    python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2 | --ws]
 
 Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 32 and
 64; opt-in ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1``) against the default; ``--split-only``: the default and the
@@ -13,6 +13,9 @@ kernel's, printed as mean cycles a CTA and chunk. ``--early-qk``: the default ke
 the next chunk's q and k issued early (``early_qk=True``; outputs must be bitwise equal), timed twice each,
 alternating, then the early variant's profile. ``--p2``: the split sweep with its ``dvl`` building P in two
 passes (``CUDNN_TRAIN_GDN_DVL_P2=1``) against the one pass: bitwise check, timed twice each, alternating.
+``--ws``: the fused kernel (its defaults) against its variant on two specialized warpgroups
+(``gated_delta_rule_bwd_ws_sm90``, ``CUDNN_TRAIN_GDN_SWEEP_WS``): relative L2 of the outputs, timed twice each,
+alternating.
 
 Before timing, the variants' outputs are compared with the default's (relative L2; the prefetch
 must not change a bit). Each line: median ms of
@@ -39,6 +42,8 @@ def main():
                     help="only the fused kernel's profile variant at its defaults: cycles a CTA and chunk per phase")
     ap.add_argument("--early-qk", action="store_true",
                     help="the default fused kernel against early_qk=True: bitwise check, time, profile")
+    ap.add_argument("--ws", action="store_true",
+                    help="the fused kernel against its specialized-warpgroup variant: compare, time")
     ap.add_argument("--p2", action="store_true",
                     help="the split sweep with dvl's P in two passes against one: bitwise check, time")
     args = ap.parse_args()
@@ -75,6 +80,21 @@ def main():
 
         if args.profile:
             profile(run, run_profiled, B, T, HV, V, NT)
+            continue
+        if args.ws:
+            def sweep_ws(ws):
+                return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
+                                         out_dtype=dt, split=False, ws=ws)
+
+            a = [t.clone() for t in sweep_ws(False)]
+            b = sweep_ws(True)
+            torch.cuda.synchronize()
+            diffs = ", ".join(f"{n} {rel_l2(y.float(), x.float()):.1e}" for n, x, y in zip(("dvn", "dH", "dh0"), a, b))
+            print(f"B{B} T{T} H{H} HV{HV}: specialized warpgroups vs the fused kernel: {diffs}; "
+                  f"finite {all(bool(torch.isfinite(y).all()) for y in b)}")
+            for _ in range(2):
+                for ws, name in ((False, "fused kernel, defaults"), (True, "specialized warpgroups")):
+                    print(f"  {name:28s} {bench(lambda: sweep_ws(ws), warmup=10, rep=50):.3f} ms")
             continue
         if args.early_qk or args.p2:
             if args.early_qk:

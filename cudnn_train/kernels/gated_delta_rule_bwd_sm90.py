@@ -365,7 +365,7 @@ def split_default(nseq: int, HV: int, V: int, device) -> bool:
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
                   cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None,
                   prefetch: bool | None = None, split: bool | None = None, profile: torch.Tensor | None = None,
-                  early_qk: bool | None = None):
+                  early_qk: bool | None = None, ws: bool | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
@@ -378,7 +378,9 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     (default :func:`split_default`; served with ``out_dtype`` the input dtype, else the fused kernel runs).
     ``profile``: an int64 tensor of at least N x HV x V/64 x (len(SWEEP_PHASES) + 1) elements: runs the fused
     kernel's profile variant (never the split pair), which writes thread 0's clock64 cycles per phase,
-    summed over the CTA's chunks, and the CTA's total (``tools/time_gdn_sweep.py --profile``)."""
+    summed over the CTA's chunks, and the CTA's total (``tools/time_gdn_sweep.py --profile``). ``ws``: where the
+    fused kernel would run, its variant on two specialized warpgroups instead (``gated_delta_rule_bwd_ws_sm90``;
+    default ``CUDNN_TRAIN_GDN_SWEEP_WS``, off)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -412,7 +414,12 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         if profile.dtype != torch.int64 or profile.device != dev or profile.numel() < need:
             raise ValueError(f"profile: int64 on {dev} with at least {need} elements")
         split = False
-    if not split:
+    from . import gated_delta_rule_bwd_ws_sm90 as WS
+
+    ws = (WS.enabled() if ws is None else bool(ws)) and not split and profile is None
+    if ws:
+        fn = WS.get_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first, out_dtype)
+    elif not split:
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
                                out_dtype, wgs, prefetch, profile is not None, early_qk)
     if T == 0 or nseq == 0:
@@ -424,6 +431,10 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     if split:
         sp.sweep(q, k, w, gc, do, dht, dvn, dH, dh0, cu, cu_chunks, total_chunks, NT, scale,
                  use_qk_l2norm_in_kernel, state_v_first, HV // H, nseq)
+        return dvn, dH, dh0
+    if ws:
+        fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1) if dht is None else dht, dvn, dH, dh0, cu, cu_chunks,
+           float(scale), T, NT, HV // H, nseq)
         return dvn, dH, dh0
     fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1) if dht is None else dht, dvn, dH, dh0, cu, cu_chunks,
        float(scale), T, NT, HV // H, nseq, i64_dummy if profile is None else profile)

@@ -38,6 +38,22 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
 
 
 @pytest.mark.compile
+def test_specialized_warpgroup_sweep_compiles_for_sm90a(tmp_path, monkeypatch):
+    """The reverse sweep on two specialized warpgroups (CUDNN_TRAIN_GDN_SWEEP_WS), the training path's call and a
+    varlen K = 64 one."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_bwd_ws_sm90 as SW
+
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    kc.clear_memory_cache()
+    assert callable(SW.get_kernel(*VARIANTS[2]))
+    assert callable(SW.get_kernel(torch.float16, 64, 128, False, True, True, True))
+    assert len(list(tmp_path.rglob("*.o"))) == 2
+    with pytest.raises(ValueError, match="K=96"):
+        SW.get_kernel(torch.bfloat16, 96, 128, True, False, False, False)
+
+
+@pytest.mark.compile
 def test_split_sweep_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     """The split sweep (``gated_delta_rule_bwd_split_sm90``, opt-in): ``dvl`` and ``dchain`` at both V blocks,
     dense and varlen, both state layouts, K = 128 and 64."""
@@ -158,6 +174,42 @@ def _check_varlen(dvn, dh0, case, state_v_first):
                                          scale, do.shape[2], False)
         assert rel_l2(dvn[:, sl].float(), ref_dvn) <= 2e-2, (n, rel_l2(dvn[:, sl].float(), ref_dvn))
         assert rel_l2(dh0[n : n + 1], ref_dh0) <= 2e-2, (n, rel_l2(dh0[n : n + 1], ref_dh0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 65, 300])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_reverse_sweep_specialized_warpgroups_match_reference_and_fused(T, out_dtype):
+    """The sweep on two specialized warpgroups (CUDNN_TRAIN_GDN_SWEEP_WS): dvn, every chunk's dH and dh0 against
+    the reference, and close to the fused kernel's (dvn's two terms summed in another order)."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    Bn, H, HV, K, V = 2, 2, 4, 128, 128
+    q, k, g, beta, w, gc, _, scale = _case(Bn, T, H, HV, K, V, torch.bfloat16, l2norm=True)
+    do = torch.randn(Bn, T, HV, V, device="cuda", dtype=torch.bfloat16)
+    dht = torch.randn(Bn, HV, K, V, device="cuda")
+    args = dict(scale=scale, use_qk_l2norm_in_kernel=True, out_dtype=out_dtype, split=False)
+    got = B90.reverse_sweep(q, k, w, gc, do, dht, ws=True, **args)
+    ref_dvn, ref_dH, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
+    NC = ref_dH.shape[2]
+    ref_dH = ref_dH.permute(0, 2, 1, 3, 4).reshape(Bn * NC, HV, K, V)
+    fused = B90.reverse_sweep(q, k, w, gc, do, dht, ws=False, **args)
+    for name, a, r, f in zip(("dvn", "dH", "dh0"), got, (ref_dvn, ref_dH, ref_dh0), fused):
+        assert torch.isfinite(a).all(), name
+        assert rel_l2(a.float(), r) <= 2e-2, (name, rel_l2(a.float(), r))
+        assert rel_l2(a.float(), f.float()) <= 2e-3, (name, "vs fused", rel_l2(a.float(), f.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_reverse_sweep_specialized_warpgroups_varlen_gva_k64(state_v_first):
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    case = _varlen_case(state_v_first)
+    q, k, _g, _beta, w, gc, cu, scale, do, _dht, dht_in = case
+    dvn, _, dh0 = B90.reverse_sweep(q, k, w, gc, do, dht_in, scale=scale, cu_seqlens=cu, state_v_first=state_v_first,
+                                    split=False, ws=True)
+    _check_varlen(dvn, dh0, case, state_v_first)
 
 
 @pytest.mark.gpu
