@@ -110,8 +110,6 @@ def main():
             torch.cuda.synchronize()
             print(f"\nB{B} T{T} H{H} HV{HV}:")
             run_ws, o_ws = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def)
-            run_early, _ = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, late_issue=False)
-            run_tn, _ = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, coop_norms=False)
             run_tma, o_tma = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, tma=True)
             print(f"  TMA loads: o bitwise the cp.async loads': {torch.equal(o_tma, o_ws)}")
             if args.profile:
@@ -120,8 +118,6 @@ def main():
             for _ in range(2):
                 print(f"  state kernel (default)               {bench(run_def, 10, 40):.3f} ms")
                 print(f"  state kernel, specialized warpgroups {bench(run_ws, 10, 40):.3f} ms")
-                print(f"  the same, copies issued before the products {bench(run_early, 10, 40):.3f} ms")
-                print(f"  the same, a thread a norm row             {bench(run_tn, 10, 40):.3f} ms")
                 print(f"  the default with its loads by TMA         {bench(run_tma, 10, 40):.3f} ms")
             F90.SPLIT, F90.STATE_WS = False, False
             print(f"  whole forward, fused state kernel    "
