@@ -62,10 +62,17 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
     locate_seq = cm.make_seq_locator(varlen)
 
     @cute.jit
-    def issue_next(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mDO: cute.Tensor, mGc: cute.Tensor,
-                   sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sDo: cute.Tensor, sGc: cute.Tensor,
-                   b: Int32, h: Int32, hv: Int32, ts: Int32, nchunks: Int32, it: Int32, v0: Int32, tidx: Int32):
-        """The chunk the aux takes next iteration (the one before it in the sequence), committed as one group."""
+    def handover(gm: cutlass.Constexpr, sb: cutlass.Constexpr, p6: cutlass.Constexpr, b: Int32, h: Int32, hv: Int32,
+                 ts: Int32, nchunks: Int32, it: Int32, v0: Int32, tidx: Int32):
+        """The top of iteration ``it`` (``p6`` = it % 6), both warpgroups: this thread's copies of chunk it have
+        landed, the CTA barrier, then the copies of the chunk the aux takes next (the one before it in the
+        sequence) into its buffers, committed as one group. ``gm``: q, k, w, do, gc; ``sb``: their buffer lists."""
+        mQ, mK, mW, mDO, mGc = gm
+        sQ, sK, sW, sGc = (x[(p6 + 1) % 3] for x in (sb[0], sb[1], sb[2], sb[4]))
+        sDo = sb[3][(p6 + 1) % 2]
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
         if it + 1 < nchunks:
             t1 = ts + (nchunks - 2 - it) * C  # only the sequence's last chunk (the first taken) can be partial
             issue_qk(mQ, mK, sQ, sK, b, h, t1, C, tidx)
@@ -110,6 +117,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
 
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
         niter = nchunks + cutlass.min(nchunks, 1)  # the chain takes chunk cr in iteration cr + 1
+        gm = (mQ, mK, mW, mDO, mGc)
 
         if nchunks > 0:  # the sequence's last chunk, the first taken (cr = 0)
             t1 = ts + (nchunks - 1) * C
@@ -139,11 +147,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
                 for p6 in cutlass.range_constexpr(6):  # chunk cr in buffers cr % 3 and cr % 2: all static
                     it = cp * 6 + p6
                     if it < niter:
-                        cute.arch.cp_async_wait_group(0)
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
-                        issue_next(mQ, mK, mW, mDO, mGc, sQb[(p6 + 1) % 3], sKb[(p6 + 1) % 3], sWb[(p6 + 1) % 3],
-                                   sDob[(p6 + 1) % 2], sGcb[(p6 + 1) % 3], b, h, hv, ts, nchunks, it, v0, tidx)
+                        handover(gm, (sQb, sKb, sWb, sDob, sGcb), p6, b, h, hv, ts, nchunks, it, v0, tidx)
                         if it > 0:
                             b3 = (p6 + 2) % 3  # chunk cr = it - 1
                             b2 = (p6 + 1) % 2
@@ -193,11 +197,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
                 for p6 in cutlass.range_constexpr(6):
                     it = cp * 6 + p6
                     if it < niter:
-                        cute.arch.cp_async_wait_group(0)
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
-                        issue_next(mQ, mK, mW, mDO, mGc, sQb[(p6 + 1) % 3], sKb[(p6 + 1) % 3], sWb[(p6 + 1) % 3],
-                                   sDob[(p6 + 1) % 2], sGcb[(p6 + 1) % 3], b, h, hv, ts, nchunks, it, v0, tidx)
+                        handover(gm, (sQb, sKb, sWb, sDob, sGcb), p6, b, h, hv, ts, nchunks, it, v0, tidx)
                         if it < nchunks:
                             b3 = p6 % 3  # chunk cr = it
                             b2 = p6 % 2

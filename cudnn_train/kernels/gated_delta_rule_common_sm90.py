@@ -421,6 +421,42 @@ def make_p_value(l2norm: bool):
     return p_value, p_kept
 
 
+def make_p_frag_and_o_scale(dtype, l2norm: bool):
+    """``(p_to_frag, scale_o_rows)``, for kernels whose P is the register A operand of ``P vn``:
+    ``p_to_frag(accP, rP, cP, map_p, sGc, sRq, sRk, scale, select)``: P (:func:`make_p_value`) from the ``q k^T``
+    accumulator into ``rP`` (element ``f`` from accumulator element ``map_p[f]``, coordinates ``cP``), a branch
+    around each value or, with ``select``, the factors read unconditionally and the triangle kept by a select (the
+    same bits); ``scale_o_rows(accO, cO, sGc, sRq, scale)``: o's first term ``q S`` scaled in place by
+    ``scale exp(gc_i) (rq_i)`` (coordinates ``cO``, rows first)."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32
+
+    p_value, p_kept = make_p_value(l2norm)
+
+    @cute.jit
+    def p_to_frag(accP: cute.Tensor, rP: cute.Tensor, cP: cute.Tensor, map_p: cutlass.Constexpr, sGc: cute.Tensor,
+                  sRq: cute.Tensor, sRk: cute.Tensor, scale: Float32, select: cutlass.Constexpr):
+        for f in cutlass.range_constexpr(cute.size(rP)):
+            pi, pj = cP[map_p[f]]
+            pval = Float32(0.0)
+            if cutlass.const_expr(select):
+                pval = p_kept(accP, map_p[f], pi, pj, sGc, sRq, sRk, scale)
+            elif pj <= pi:
+                pval = p_value(accP, map_p[f], pi, pj, sGc, sRq, sRk, scale)
+            rP[f] = pval.to(dtype)
+
+    @cute.jit
+    def scale_o_rows(accO: cute.Tensor, cO: cute.Tensor, sGc: cute.Tensor, sRq: cute.Tensor, scale: Float32):
+        for e in cutlass.range_constexpr(cute.size(accO)):
+            oi, _ = cO[e]
+            ocoef = scale * cute.math.exp2(sGc[oi] * LOG2E, fastmath=True)
+            if cutlass.const_expr(l2norm):
+                ocoef = ocoef * sRq[oi]
+            accO[e] = accO[e] * ocoef
+
+    return p_to_frag, scale_o_rows
+
+
 def make_store_p(dtype, l2norm: bool, two_pass: bool = False, select: bool = False):
     """``store_p(accP, cP, sP, sGc, sRq, sRk, scale)``: ``P`` (:func:`make_p_value`) from the ``q k^T``
     accumulator into the smem tile ``sP [i, j]``, an element at a time with a branch around each value.

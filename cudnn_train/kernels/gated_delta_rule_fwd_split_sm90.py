@@ -341,7 +341,7 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
     store_pairs = cm.make_store_pairs()
-    p_value, p_kept = cm.make_p_value(l2norm)
+    p_to_frag, scale_o_rows = cm.make_p_frag_and_o_scale(dtype, l2norm)
     locate = cm.make_chunk_locator(varlen)
 
     @cute.kernel
@@ -401,25 +401,14 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
             if cutlass.const_expr(l2norm):
                 cute.arch.sync_threads()  # sRq, sRk written
 
-            # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j, in registers as the A operand
+            # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j, in registers as the A operand (with P_SELECT
+            # the factors read unconditionally, the triangle by a select)
             cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))
             rP = mma_ov.make_fragment_A(thr_ov.partition_shape_A((C, C)))
-            for f in cutlass.range_constexpr(cute.size(rP)):
-                pi, pj = cP[map_p[f]]
-                pval = Float32(0.0)
-                if cutlass.const_expr(P_SELECT):  # the factors read unconditionally, the triangle by a select
-                    pval = p_kept(accP, map_p[f], pi, pj, sGc, sRq, sRk, scale)
-                elif pj <= pi:
-                    pval = p_value(accP, map_p[f], pi, pj, sGc, sRq, sRk, scale)
-                rP[f] = pval.to(dtype)
+            p_to_frag(accP, rP, cP, map_p, sGc, sRq, sRk, scale, P_SELECT)
             # ---- o = scale exp(gc_i) rq_i q S + P vn
             cO = thr_o.partition_C(cute.make_identity_tensor((C, V)))
-            for e in cutlass.range_constexpr(cute.size(accO)):
-                oi, _ = cO[e]
-                ocoef = scale * cute.math.exp2(sGc[oi] * LOG2E, fastmath=True)
-                if cutlass.const_expr(l2norm):
-                    ocoef = ocoef * sRq[oi]
-                accO[e] = accO[e] * ocoef
+            scale_o_rows(accO, cO, sGc, sRq, scale)
             gemm(mma_ov, accO, rP, mma_ov.make_fragment_B(thr_ov.partition_B(cm.transpose_view(sVn))), False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)

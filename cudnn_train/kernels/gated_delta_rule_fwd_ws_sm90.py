@@ -106,7 +106,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
     rows_inv_norm = cm.make_rows_inv_norm(dtype, K, F.L2NORM_EPS, 128)
     load_state, store_state = cm.make_state_io()
-    p_value, p_kept = cm.make_p_value(l2norm)
+    p_to_frag, scale_o_rows = cm.make_p_frag_and_o_scale(dtype, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
     NPH = len(WS_PHASES[0])
     pstart, pmark, _ = F.make_profile(profile, NPH)
@@ -141,12 +141,14 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             cute.copy(atom, tG, tS, tma_bar_ptr=bar)
 
     @cute.jit
-    def issue_next(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
-                   sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, sGc: cute.Tensor,
-                   b: Int32, h: Int32, hv: Int32, ts: Int32, te: Int32, ci: Int32, v0: Int32, tidx: Int32,
-                   ta: cutlass.Constexpr, bar, mBe: cute.Tensor, sBe: cute.Tensor):
-        """Chunk ci + 1's copies (if it exists) into the given buffers, the cp.async ones committed as one group
-        (empty if none); with ``tma`` the tiles by TMA on ``bar`` (warp TMA_WARP) and only gc by cp.async."""
+    def issue_next(gm: cutlass.Constexpr, sb: cutlass.Constexpr, nb: cutlass.Constexpr, b: Int32, h: Int32,
+                   hv: Int32, ts: Int32, te: Int32, ci: Int32, v0: Int32, tidx: Int32, ta: cutlass.Constexpr, mbar):
+        """Chunk ci + 1's copies (if it exists) into buffer ``nb`` of the tiles ``sb`` (lists of buffers of q, k,
+        w, u, gc, beta) from the tensors ``gm`` (q, k, w, u, gc, beta), the cp.async ones committed as one group
+        (empty if none); with ``tma`` the tiles by TMA on buffer nb's mbarrier (warp TMA_WARP), gc by cp.async."""
+        mQ, mK, mW, mU, mGc, mBe = gm
+        sQ, sK, sW, sU, sGc, sBe = (x[nb] for x in sb)
+        bar = None if mbar is None else mbar + nb
         if ci + 1 < (te - ts + C - 1) // C:
             t1 = ts + (ci + 1) * C
             if cutlass.const_expr(tma):
@@ -184,17 +186,22 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         scaled in place; the l2norm factors are in sRq, sRk once the warpgroup's barrier is passed."""
         if cutlass.const_expr(l2norm):
             cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=128)  # sRq, sRk written
-        # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j, in registers (A of P vn)
-        for f in cutlass.range_constexpr(cute.size(rP)):
-            pi, pj = cP[map_p[f]]
-            rP[f] = p_kept(accP, map_p[f], pi, pj, sGc, sRq, sRk, scale).to(dtype)
+        # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j, in registers (A of P vn), by a select
+        p_to_frag(accP, rP, cP, map_p, sGc, sRq, sRk, scale, True)
         # ---- o = scale exp(gc_i) rq_i q S + ... (P vn in the next iteration)
-        for e in cutlass.range_constexpr(cute.size(accO)):
-            oi, _ = cO[e]
-            ocoef = scale * cute.math.exp2(sGc[oi] * LOG2E, fastmath=True)
-            if cutlass.const_expr(l2norm):
-                ocoef = ocoef * sRq[oi]
-            accO[e] = accO[e] * ocoef
+        scale_o_rows(accO, cO, sGc, sRq, scale)
+
+    @cute.jit
+    def handover(ci: Int32, cp: Int32, nchunks: Int32, bar):
+        """The top of an iteration, both warpgroups: chunk ci's tiles have landed (with TMA its buffer's mbarrier
+        ``bar``, phase cp % 2; gc, and without TMA every tile, by this thread's cp.async groups), then the CTA
+        barrier that hands everything over."""
+        if cutlass.const_expr(tma):
+            if ci < nchunks:
+                cute.arch.mbarrier_wait(bar, cp % 2)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
 
     @cute.jit
     def pairs_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor):
@@ -271,6 +278,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
 
         ta = (aQ, aK, aW, aU, tQ, tK, tW, tU)
+        gm = (mQ, mK, mW, mU, mGc, mBe)
+        sb = (sQb, sKb, sWb, sUb, sGcb, sBeb)
         mbar = None
         if cutlass.const_expr(tma):  # one mbarrier a buffer: chunk c in buffer c % 2 completes its phase (c // 2) % 2
             mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
@@ -324,25 +333,16 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                 rS[f] = accS[map_s[f]].to(dtype)
                             pairs_to_tile(accS, cS, sSb[par])
                         pmark(prof, 0)
-                        if cutlass.const_expr(tma):
-                            if ci < nchunks:  # chunk ci's tiles have landed
-                                cute.arch.mbarrier_wait(mbar + par, cp % 2)
-                        cute.arch.cp_async_wait_group(0)
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
+                        handover(ci, cp, nchunks, None if mbar is None else mbar + par)
                         pmark(prof, 1)
                         if cutlass.const_expr(not late):
-                            issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
-                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
-                                       None if mbar is None else mbar + (1 - par), mBe, sBeb[1 - par])
+                            issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
                         if ci < nchunks:
                             accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
                             gemm(mma_x, accX, rS, tBw[par], True)  # S^T w^T   [v, i]  (onfly: S^T k^T)
                             warpgroup.commit_group()
                             if cutlass.const_expr(late):  # the copies' issue stalls in the product's shadow
-                                issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par],
-                                           sUb[1 - par], sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
-                                       None if mbar is None else mbar + (1 - par), mBe, sBeb[1 - par])
+                                issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
                             pmark(prof, 2)
                             if cutlass.const_expr(l2norm and coop_norms):
                                 rows_inv_norm(sKb[par], sRk0, lt)
@@ -422,17 +422,10 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                     ci = cp * 2 + par
                     if ci < niter:
                         pmark(prof, -1)
-                        if cutlass.const_expr(tma):
-                            if ci < nchunks:  # chunk ci's tiles have landed
-                                cute.arch.mbarrier_wait(mbar + par, cp % 2)
-                        cute.arch.cp_async_wait_group(0)
-                        cute.arch.fence_view_async_shared()
-                        cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
+                        handover(ci, cp, nchunks, None if mbar is None else mbar + par)
                         pmark(prof, 1)
                         if cutlass.const_expr(not late):
-                            issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
-                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
-                                       None if mbar is None else mbar + (1 - par), mBe, sBeb[1 - par])
+                            issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
                         accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
                         if ci < nchunks:
                             gemm(mma_p, accP, tAq[par], tBk[par], True)  # q k^T  [i, j]
@@ -441,9 +434,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             gemm(mma_ov, accOb[1 - par], rPb[1 - par], tBvo[1 - par], False)  # chunk ci - 1: += P vn
                         warpgroup.commit_group()
                         if cutlass.const_expr(late):
-                            issue_next(mQ, mK, mW, mU, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sUb[1 - par],
-                                       sGcb[1 - par], b, h, hv, ts, te, ci, v0, tidx, ta,
-                                       None if mbar is None else mbar + (1 - par), mBe, sBeb[1 - par])
+                            issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
                         pmark(prof, 2)
                         if cutlass.const_expr(store_states):  # while the products run (they only read sS, sVo)
                             if ci < nchunks:  # chunk ci's start state: a row of the chunk states
