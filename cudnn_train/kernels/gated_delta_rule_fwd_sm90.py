@@ -65,8 +65,11 @@ by the split pass of ``gated_delta_rule_fwd_split_sm90`` (a chain over the chunk
 carries the state, V split into blocks of 32, then the outputs of all chunks in parallel); the
 training forward (``store_states``) takes it at every grid: its chain writes the chunk-start
 states in the input dtype (the precision the backward reads them in) as 16-byte rows of its
-shared state tile, cheaper than kernel 2's element-wise stores from its accumulators. Not yet: splitting one sequence across
-CTAs; TMA and warp specialization. The backward lives in
+shared state tile, cheaper than kernel 2's element-wise stores from its accumulators. Where the inference
+forward would take kernel 2, it runs its warp-specialized variant instead (``gated_delta_rule_fwd_ws_sm90``:
+the chain on one warpgroup, the outputs on another; ``STATE_WS``), with prepared, not yet GPU-run switches
+for TMA loads and for w, u formed in the chain after kernel 1's gate-free inverse variant (``ONFLY``). Not
+yet: splitting one sequence across CTAs. The backward lives in
 ``gated_delta_rule_bwd_sm90.py`` / ``gated_delta_rule_bwd_chunk_sm90.py`` and the
 training path in ``gated_delta_rule_train_sm90.py``.
 
