@@ -173,6 +173,32 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeyp
     assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 4 + n_onfly
 
 
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_w_u_in_the_chain_use_an_exact_identity(beta_scale):
+    """The algebra of CUDNN_TRAIN_GDN_FWD_ONFLY, in float64 on the CPU: the gated chunk inverse is the gate-free
+    one's similarity transform, T = tril(A0 exp(gc_i - gc_j)), and vn = u - w S = T diag(beta) (v - diag(exp(gc) rk)
+    k S) with the module docstring's w, u (l2norm folded in as the row factors rk of raw keys)."""
+    g64 = torch.Generator().manual_seed(7)
+    C, K, V, dt = 64, 32, 16, torch.float64
+    k = torch.randn(C, K, dtype=dt, generator=g64)
+    rk = 1.0 / k.norm(dim=-1)
+    kn = k * rk[:, None]
+    v = torch.randn(C, V, dtype=dt, generator=g64)
+    beta = beta_scale * torch.rand(C, dtype=dt, generator=g64)
+    gc = (F.logsigmoid(torch.rand(C, dtype=dt, generator=g64)) * 3).cumsum(0)
+    S = torch.randn(K, V, dtype=dt, generator=g64)
+    gam = torch.exp(gc[:, None] - gc[None, :])
+    eye = torch.eye(C, dtype=dt)
+    T = torch.linalg.inv(eye + torch.tril(beta[:, None] * (kn @ kn.T) * gam, -1))
+    w = T @ (beta[:, None] * torch.exp(gc)[:, None] * kn)
+    u = T @ (beta[:, None] * v)
+    A0 = torch.linalg.inv(eye + torch.tril(beta[:, None] * (kn @ kn.T), -1))
+    T2 = torch.tril(A0 * gam)
+    R = beta[:, None] * (v - (torch.exp(gc) * rk)[:, None] * (k @ S))
+    assert torch.allclose(T2, T, rtol=0, atol=1e-12)
+    assert torch.allclose(T2 @ R, u - w @ S, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.compile
 def test_layout_facts_the_kernels_rely_on():
     """The register and shared-memory layout facts, checked for more threads than at trace time."""
