@@ -325,7 +325,7 @@ s25)
   # the thirteenth session's prepared work in one call: every new GPU case (TMA loads, w and u formed in the chain,
   # the specialized-warpgroup sweep), then the forward's and the sweep's timings (flip a default only if faster)
   tier s25 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    -k "tma_loads or formed_in_the_chain or specialized_warpgroups_match_reference or specialized_warpgroups_varlen"
+    -k "tma_loads or formed_in_the_chain or output_warpgroups or specialized_warpgroups_match_reference or specialized_warpgroups_varlen"
   timed ws_all 260 python3 tools/time_gdn_fwd.py --shapes 2 --ws-only --profile
   timed sweep_ws 100 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
 order)

@@ -112,6 +112,8 @@ def main():
             run_ws, o_ws = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def)
             run_tma, o_tma = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, tma=True)
             print(f"  TMA loads: o bitwise the cp.async loads': {torch.equal(o_tma, o_ws)}")
+            run_wg3, o_wg3 = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, tma=True, wg3=True)
+            print(f"  two output warpgroups: o bitwise one's: {torch.equal(o_wg3, o_tma)}")
             if args.profile:
                 profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ws)
                 profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_tma, tma=True)
@@ -119,6 +121,7 @@ def main():
                 print(f"  state kernel (default)               {bench(run_def, 10, 40):.3f} ms")
                 print(f"  state kernel, specialized warpgroups {bench(run_ws, 10, 40):.3f} ms")
                 print(f"  the default with its loads by TMA         {bench(run_tma, 10, 40):.3f} ms")
+                print(f"  TMA loads, two output warpgroups          {bench(run_wg3, 10, 40):.3f} ms")
             F90.SPLIT, F90.STATE_WS = False, False
             print(f"  whole forward, fused state kernel    "
                   f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")

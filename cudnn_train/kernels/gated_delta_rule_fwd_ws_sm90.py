@@ -65,6 +65,10 @@ _SOURCES = (__file__, F.__file__, cm.__file__)
 # issuing cp.async (half the chain's cycles in the thirteenth session's profile). Prepared in the thirteenth
 # session, compiled, not yet GPU-run: off.
 TMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TMA", False)
+# With the TMA loads, two output warpgroups taking alternate chunks (CUDNN_TRAIN_GDN_FWD_WS_WG3=1; 384 threads,
+# setmaxnreg 240 / 136): the output's 20 product units a chunk were the longer half once the chain stops stalling
+# on copies. Prepared in the thirteenth session, compiled, not yet GPU-run: off.
+WG3 = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_WG3", False)
 
 
 # Phases timed by the profile variant (``tools/time_gdn_fwd.py --ws-only --profile``), per warpgroup
@@ -78,7 +82,7 @@ WS_PHASES = (
 
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
            store_states: bool, keep_vn: bool, profile: bool = False, late_issue: bool = True,
-           coop_norms: bool = True, tma: bool = False, onfly: bool = False):
+           coop_norms: bool = True, tma: bool = False, onfly: bool = False, wg3: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -96,6 +100,12 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     # with v in u's slot (the tile of columns v0 : v0 + VB) and T built in shared memory while X^T runs; with tma
     # the rows past a varlen sequence's end (the next sequence's k, v, A0) are masked out of R and of vn
     WCOLS = C if onfly else K  # columns of the tile in w's slot
+    # wg3: two output warpgroups taking alternate chunks (the one of the chunk's parity does q S, q k^T, P in the
+    # chain's iteration, the same warpgroup P vn and the stores in the next, while the other starts the next
+    # chunk), registers moved to the chain by setmaxnreg (CHAIN_REGS + 2 OUT_REGS = 512 a lane's worth of 128)
+    assert not wg3 or (tma and not store_states), "wg3: with the TMA loads, inference only"
+    NTHR = 384 if wg3 else THREADS
+    CHAIN_REGS, OUT_REGS = 240, 136
     TMA_WARP = 4  # the output warpgroup's first warp issues them (one elected thread arms the mbarrier)
     # with TMA, right after the barrier: a one-thread branch between a warpgroup's products and their wait makes
     # ptxas serialize the products (C7520)
@@ -181,11 +191,12 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
     @cute.jit
     def p_and_scale(accP: cute.Tensor, rP: cute.Tensor, accO: cute.Tensor, cP: cute.Tensor, cO: cute.Tensor,
-                    sGc: cute.Tensor, sRq: cute.Tensor, sRk: cute.Tensor, scale: Float32, map_p: cutlass.Constexpr):
+                    sGc: cute.Tensor, sRq: cute.Tensor, sRk: cute.Tensor, scale: Float32, map_p: cutlass.Constexpr,
+                    bar_id=BAR_OUT):
         """(The output warpgroup) P from the q k^T accumulator into the register A operand rP, and o's first term
         scaled in place; the l2norm factors are in sRq, sRk once the warpgroup's barrier is passed."""
         if cutlass.const_expr(l2norm):
-            cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=128)  # sRq, sRk written
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)  # sRq, sRk written
         # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j, in registers (A of P vn), by a select
         p_to_frag(accP, rP, cP, map_p, sGc, sRq, sRk, scale, True)
         # ---- o = scale exp(gc_i) rq_i q S + ... (P vn in the next iteration)
@@ -201,7 +212,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                 cute.arch.mbarrier_wait(bar, cp % 2)
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
+        cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=NTHR)
 
     @cute.jit
     def pairs_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor):
@@ -307,6 +318,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
         if wg == 0:
             # ---------------------------------------------------------------- the chain
+            if cutlass.const_expr(wg3):
+                cute.arch.setmaxregister_increase(CHAIN_REGS)
             thr_s = mma_s.get_slice(lt)
             thr_x = mma_x.get_slice(lt)
             tBw = [mma_x.make_fragment_B(thr_x.partition_B(t)) for t in (sKb if onfly else sWb)]  # k: X^T = S^T k^T
@@ -402,6 +415,57 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             pmark(prof, 5)
             if cutlass.const_expr(out_final):
                 store_state(accS, cS, mHT, n, hv, v0, state_vk)
+        elif cutlass.const_expr(wg3):
+            # ---------------------------------------------------------------- two outputs, alternate chunks
+            cute.arch.setmaxregister_decrease(OUT_REGS)
+            j = wg - 1  # this warpgroup's chunks: ci % 2 == j
+            thr_p = mma_p.get_slice(lt)
+            thr_o = mma_o.get_slice(lt)
+            thr_ov = mma_ov.get_slice(lt)
+            tAq = [mma_p.make_fragment_A(thr_p.partition_A(t)) for t in sQb]
+            tBk = [mma_p.make_fragment_B(thr_p.partition_B(t)) for t in sKb]
+            tAqo = [mma_o.make_fragment_A(thr_o.partition_A(t)) for t in sQb]
+            tBs = [mma_o.make_fragment_B(thr_o.partition_B(t)) for t in sSb]
+            tBvo = [mma_ov.make_fragment_B(thr_ov.partition_B(t)) for t in sVob]
+            cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
+            cO = thr_o.partition_C(cute.make_identity_tensor((C, VB)))  # (i, v)
+            accO = cute.make_rmem_tensor(thr_o.partition_shape_C((C, VB)), Float32)
+            rP = mma_ov.make_fragment_A(thr_ov.partition_shape_A((C, C)))
+            for cp in cutlass.range((niter + 1) // 2, unroll=1):
+                for par in cutlass.range_constexpr(2):
+                    ci = cp * 2 + par
+                    if ci < niter:
+                        handover(ci, cp, nchunks, None if mbar is None else mbar + par)
+                        issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
+                        if j == par:
+                            # ---- chunk ci (this warpgroup's parity): q k^T, q S, the norms, P, o's first term (in
+                            # the last iteration, ci = nchunks, on stale tiles and never used: no branch around the
+                            # P registers, which would make ptxas serialize the products)
+                            accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
+                            gemm(mma_p, accP, tAq[par], tBk[par], True)  # q k^T  [i, j]
+                            gemm(mma_o, accO, tAqo[par], tBs[par], True)  # q S  [i, v]
+                            warpgroup.commit_group()
+                            if cutlass.const_expr(l2norm):
+                                rows_inv_norm(sQb[par], sRq, lt)
+                                rows_inv_norm(sKb[par], sRk, lt)
+                            warpgroup.wait_group(0)
+                            p_and_scale(accP, rP, accO, cP, cO, sGcb[par], sRq, sRk, scale, map_p, BAR_OUT + j)
+                        else:
+                            # ---- chunk ci - 1 (this warpgroup's, begun last iteration): o += P vn, its rows
+                            if ci > 0:
+                                gemm(mma_ov, accO, rP, tBvo[1 - par], False)
+                                warpgroup.commit_group()
+                                warpgroup.wait_group(0)
+                                tp = ts + (ci - 1) * C
+                                lp = cutlass.min(te - tp, C)
+                                gO = cute.domain_offset((tp, 0), mO[b, None, hv, None])
+                                for e in cutlass.range_constexpr(cute.size(accO) // 2):
+                                    oi, ov = cO[2 * e]
+                                    if oi < lp:
+                                        pair = cute.make_rmem_tensor((1, 2), dtype)
+                                        pair[0] = accO[2 * e].to(dtype)
+                                        pair[1] = accO[2 * e + 1].to(dtype)
+                                        cute.autovec_copy(pair, cute.local_tile(gO, (1, 2), (oi, (v0 + ov) // 2)))
         else:
             # ---------------------------------------------------------------- the output
             thr_p = mma_p.get_slice(lt)
@@ -505,7 +569,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             tQ, tK, tW, tU = mQ, mK, mW, mU
         kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group, mProf,
                aQ, aK, aW, aU, tQ, tK, tW, tU, mBe).launch(
-            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
+            grid=[nseq, HV, V // VB], block=[NTHR, 1, 1], stream=stream,
         )
 
     f = F._fakes()
@@ -519,8 +583,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
-               profile=False, late_issue=True, coop_norms=True, tma=None, onfly=False):
+               profile=False, late_issue=True, coop_norms=True, tma=None, onfly=False, wg3=None):
     tma = TMA if tma is None else bool(tma)
+    wg3 = (WG3 and tma and not store_states) if wg3 is None else bool(wg3)
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if keep_vn and not store_states:
@@ -528,11 +593,11 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (
            () if late_issue else ("early_issue",)) + (() if coop_norms else ("thread_norms",)) + (
-           ("tma",) if tma else ()) + (("onfly",) if onfly else ())
+           ("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn), bool(profile), bool(late_issue), bool(coop_norms), tma, bool(onfly))
+                      bool(keep_vn), bool(profile), bool(late_issue), bool(coop_norms), tma, bool(onfly), wg3)
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 

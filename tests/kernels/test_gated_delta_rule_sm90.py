@@ -170,7 +170,10 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeyp
         assert callable(WS.get_kernel(*v, tma=not WS.TMA))
     assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, keep_vn=True, tma=not WS.TMA))
     assert callable(WS.get_kernel(*WS_VARIANTS[2], onfly=True, tma=not WS.TMA))  # both
-    assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 4 + n_onfly
+    # two output warpgroups (CUDNN_TRAIN_GDN_FWD_WS_WG3), with the TMA loads, with and without w, u in the chain
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True))
+    assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=True, onfly=True))
+    assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 6 + n_onfly
 
 
 @pytest.mark.parametrize("beta_scale", [1.0, 2.0])
@@ -712,6 +715,40 @@ def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, mo
     for name, a in outs[1].items():
         assert torch.isfinite(a).all(), f"{case}: {name} has elements the TMA variant did not write"
         assert torch.equal(a, outs[0][name]), f"{case}: {name} differs with the TMA loads"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm", "onfly_varlen"])
+def test_two_output_warpgroups_are_bitwise_one(case, monkeypatch, poisoned):
+    """Two output warpgroups taking alternate chunks (CUDNN_TRAIN_GDN_FWD_WS_WG3, with the TMA loads) make the same
+    operations on the same values as one: o and the final state bitwise equal (and with w, u formed in the
+    chain)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    K, V, l2, dtype, cu = 128, 128, True, torch.bfloat16, None
+    monkeypatch.setattr(F90, "ONFLY", case.startswith("onfly"))
+    case = case.removeprefix("onfly_")
+    if case == "varlen":
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0, 5]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, dtype, nseq=len(lengths))
+    elif case == "dense":
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, V, dtype)
+    else:
+        K, V, l2, dtype = 64, 64, False, torch.float16
+        q, k, v, g, beta, h0 = _inputs(2, 333, 1, 2, K, V, dtype, l2norm=False)
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(WS, "TMA", True)
+    outs = []
+    for wg3 in (False, True):
+        monkeypatch.setattr(WS, "WG3", wg3)
+        outs.append(F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=l2, cu_seqlens=cu).value)
+    for name, a, b in zip(("o", "final_state"), outs[1], outs[0]):
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the kernel did not write"
+        assert torch.equal(a, b), f"{case}: {name} differs with two output warpgroups"
 
 
 @pytest.mark.gpu
