@@ -81,8 +81,8 @@ WS_PHASES = (
 
 
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
-           store_states: bool, keep_vn: bool, profile: bool = False, late_issue: bool = True,
-           coop_norms: bool = True, tma: bool = False, onfly: bool = False, wg3: bool = False):
+           store_states: bool, keep_vn: bool, profile: bool = False, tma: bool = False, onfly: bool = False,
+           wg3: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -109,11 +109,10 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     TMA_WARP = 4  # the output warpgroup's first warp issues them (one elected thread arms the mbarrier)
     # with TMA, right after the barrier: a one-thread branch between a warpgroup's products and their wait makes
     # ptxas serialize the products (C7520)
-    late = late_issue and not tma
+    late = not tma
     issue_tiles = F.make_issue_tiles(dtype, C, THREADS)
     issue_gc = F.make_issue_gc()
     gemm = cm.make_gemm()
-    row_inv_norm = cm.make_row_inv_norm(dtype, K, F.L2NORM_EPS)
     rows_inv_norm = cm.make_rows_inv_norm(dtype, K, F.L2NORM_EPS, 128)
     load_state, store_state = cm.make_state_io()
     p_to_frag, scale_o_rows = cm.make_p_frag_and_o_scale(dtype, l2norm)
@@ -213,6 +212,34 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=NTHR)
+
+    def output_operands(lt, mma_p, mma_o, mma_ov, sQb, sKb, sSb, sVob):
+        """(An output warpgroup, while tracing) ``(thr_p, thr_o, thr_ov, tAq, tBk, tAqo, tBs, tBvo, cP, cO)``: the operand
+        fragments of q k^T, q S and P vn over every buffer, and the coordinates of P and o."""
+        thr_p = mma_p.get_slice(lt)
+        thr_o = mma_o.get_slice(lt)
+        thr_ov = mma_ov.get_slice(lt)
+        return (thr_p, thr_o, thr_ov,
+                [mma_p.make_fragment_A(thr_p.partition_A(t)) for t in sQb],
+                [mma_p.make_fragment_B(thr_p.partition_B(t)) for t in sKb],
+                [mma_o.make_fragment_A(thr_o.partition_A(t)) for t in sQb],
+                [mma_o.make_fragment_B(thr_o.partition_B(t)) for t in sSb],
+                [mma_ov.make_fragment_B(thr_ov.partition_B(t)) for t in sVob],
+                thr_p.partition_C(cute.make_identity_tensor((C, C))),  # (i, j)
+                thr_o.partition_C(cute.make_identity_tensor((C, VB))))  # (i, v)
+
+    @cute.jit
+    def store_o_rows(accO: cute.Tensor, cO: cute.Tensor, mO: cute.Tensor, b: Int32, hv: Int32, tp: Int32,
+                     lp: Int32, v0: Int32):
+        """The o rows < lp of the chunk at token tp (columns v0 :), element pairs, 4-byte stores."""
+        gO = cute.domain_offset((tp, 0), mO[b, None, hv, None])
+        for e in cutlass.range_constexpr(cute.size(accO) // 2):
+            oi, ov = cO[2 * e]
+            if oi < lp:
+                pair = cute.make_rmem_tensor((1, 2), dtype)
+                pair[0] = accO[2 * e].to(dtype)
+                pair[1] = accO[2 * e + 1].to(dtype)
+                cute.autovec_copy(pair, cute.local_tile(gO, (1, 2), (oi, (v0 + ov) // 2)))
 
     @cute.jit
     def pairs_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor):
@@ -357,11 +384,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             if cutlass.const_expr(late):  # the copies' issue stalls in the product's shadow
                                 issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
                             pmark(prof, 2)
-                            if cutlass.const_expr(l2norm and coop_norms):
+                            if cutlass.const_expr(l2norm):
                                 rows_inv_norm(sKb[par], sRk0, lt)
-                            elif cutlass.const_expr(l2norm):
-                                if lt < C:
-                                    sRk0[lt] = row_inv_norm(sKb[par], lt)
                             if cutlass.const_expr(onfly):
                                 build_t(sWb[par], sGcb[par], sT, lt)
                                 cute.arch.fence_view_async_shared()  # T: B operand of the next product
@@ -419,16 +443,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             # ---------------------------------------------------------------- two outputs, alternate chunks
             cute.arch.setmaxregister_decrease(OUT_REGS)
             j = wg - 1  # this warpgroup's chunks: ci % 2 == j
-            thr_p = mma_p.get_slice(lt)
-            thr_o = mma_o.get_slice(lt)
-            thr_ov = mma_ov.get_slice(lt)
-            tAq = [mma_p.make_fragment_A(thr_p.partition_A(t)) for t in sQb]
-            tBk = [mma_p.make_fragment_B(thr_p.partition_B(t)) for t in sKb]
-            tAqo = [mma_o.make_fragment_A(thr_o.partition_A(t)) for t in sQb]
-            tBs = [mma_o.make_fragment_B(thr_o.partition_B(t)) for t in sSb]
-            tBvo = [mma_ov.make_fragment_B(thr_ov.partition_B(t)) for t in sVob]
-            cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
-            cO = thr_o.partition_C(cute.make_identity_tensor((C, VB)))  # (i, v)
+            thr_p, thr_o, thr_ov, tAq, tBk, tAqo, tBs, tBvo, cP, cO = output_operands(
+                lt, mma_p, mma_o, mma_ov, sQb, sKb, sSb, sVob)
             accO = cute.make_rmem_tensor(thr_o.partition_shape_C((C, VB)), Float32)
             rP = mma_ov.make_fragment_A(thr_ov.partition_shape_A((C, C)))
             for cp in cutlass.range((niter + 1) // 2, unroll=1):
@@ -457,27 +473,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                 warpgroup.commit_group()
                                 warpgroup.wait_group(0)
                                 tp = ts + (ci - 1) * C
-                                lp = cutlass.min(te - tp, C)
-                                gO = cute.domain_offset((tp, 0), mO[b, None, hv, None])
-                                for e in cutlass.range_constexpr(cute.size(accO) // 2):
-                                    oi, ov = cO[2 * e]
-                                    if oi < lp:
-                                        pair = cute.make_rmem_tensor((1, 2), dtype)
-                                        pair[0] = accO[2 * e].to(dtype)
-                                        pair[1] = accO[2 * e + 1].to(dtype)
-                                        cute.autovec_copy(pair, cute.local_tile(gO, (1, 2), (oi, (v0 + ov) // 2)))
+                                store_o_rows(accO, cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0)
         else:
             # ---------------------------------------------------------------- the output
-            thr_p = mma_p.get_slice(lt)
-            thr_o = mma_o.get_slice(lt)
-            thr_ov = mma_ov.get_slice(lt)
-            tAq = [mma_p.make_fragment_A(thr_p.partition_A(t)) for t in sQb]
-            tBk = [mma_p.make_fragment_B(thr_p.partition_B(t)) for t in sKb]
-            tAqo = [mma_o.make_fragment_A(thr_o.partition_A(t)) for t in sQb]
-            tBs = [mma_o.make_fragment_B(thr_o.partition_B(t)) for t in sSb]
-            tBvo = [mma_ov.make_fragment_B(thr_ov.partition_B(t)) for t in sVob]
-            cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
-            cO = thr_o.partition_C(cute.make_identity_tensor((C, VB)))  # (i, v)
+            thr_p, thr_o, thr_ov, tAq, tBk, tAqo, tBs, tBvo, cP, cO = output_operands(
+                lt, mma_p, mma_o, mma_ov, sQb, sKb, sSb, sVob)
             # chunk c's o and P live from iteration c (q S, P) to c + 1 (P vn, the stores): one of each a parity
             accOb = [cute.make_rmem_tensor(thr_o.partition_shape_C((C, VB)), Float32) for _ in range(2)]
             rPb = [mma_ov.make_fragment_A(thr_ov.partition_shape_A((C, C))) for _ in range(2)]
@@ -508,30 +508,16 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                     tq = ts + (ci - 1) * C
                                     tile_to_rows(sVob[1 - par], cute.domain_offset((tq, 0), mVn[b, None, hv, None]),
                                                  C, cutlass.min(te - tq, C), v0, lt)
-                        if cutlass.const_expr(l2norm and coop_norms):
+                        if cutlass.const_expr(l2norm):
                             if ci < nchunks:
                                 rows_inv_norm(sQb[par], sRq, lt)
                                 rows_inv_norm(sKb[par], sRk, lt)
-                        elif cutlass.const_expr(l2norm):
-                            if ci < nchunks:
-                                if lt < C:
-                                    sRq[lt] = row_inv_norm(sQb[par], lt)
-                                else:
-                                    sRk[lt - C] = row_inv_norm(sKb[par], lt - C)
                         warpgroup.wait_group(0)
                         pmark(prof, 3)
                         if ci > 0:
-                            # ---- chunk ci - 1's o rows, element pairs (4-byte stores)
+                            # ---- chunk ci - 1's o rows
                             tp = ts + (ci - 1) * C
-                            lp = cutlass.min(te - tp, C)
-                            gO = cute.domain_offset((tp, 0), mO[b, None, hv, None])
-                            for e in cutlass.range_constexpr(cute.size(accOb[1 - par]) // 2):
-                                oi, ov = cO[2 * e]
-                                if oi < lp:
-                                    pair = cute.make_rmem_tensor((1, 2), dtype)
-                                    pair[0] = accOb[1 - par][2 * e].to(dtype)
-                                    pair[1] = accOb[1 - par][2 * e + 1].to(dtype)
-                                    cute.autovec_copy(pair, cute.local_tile(gO, (1, 2), (oi, (v0 + ov) // 2)))
+                            store_o_rows(accOb[1 - par], cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0)
                         pmark(prof, 4)
                         if cutlass.const_expr(tma):  # in the last iteration too (unused there): with the P
                             # registers written under a branch, ptxas serializes this kernel's products (C7520)
@@ -583,7 +569,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
-               profile=False, late_issue=True, coop_norms=True, tma=None, onfly=False, wg3=None):
+               profile=False, tma=None, onfly=False, wg3=None):
     tma = TMA if tma is None else bool(tma)
     wg3 = (WG3 and tma and not store_states) if wg3 is None else bool(wg3)
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
@@ -591,13 +577,11 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
     if keep_vn and not store_states:
         raise ValueError("keep_vn: only with store_states (the training forward)")
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
-           bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (
-           () if late_issue else ("early_issue",)) + (() if coop_norms else ("thread_norms",)) + (
-           ("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ())
+           bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn), bool(profile), bool(late_issue), bool(coop_norms), tma, bool(onfly), wg3)
+                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3)
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 
