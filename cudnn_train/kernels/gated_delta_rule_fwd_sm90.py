@@ -410,6 +410,16 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
     locate = cm.make_chunk_locator(varlen)
 
     @cute.jit
+    def a_coef(i, j, sB: cute.Tensor, sGc: cute.Tensor, sRk: cute.Tensor):
+        """A's factor of the k k^T element (i, j): beta_i exp(gc_i - gc_j) rk_i rk_j (INV: without the gate)."""
+        coef = sB[i]
+        if cutlass.const_expr(not INV):
+            coef = coef * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+        if cutlass.const_expr(l2norm):
+            coef = coef * sRk[i] * sRk[j]
+        return coef
+
+    @cute.jit
     def gate_beta(gval: Float32, bval: Float32, mAlog: cute.Tensor, mDtb: cute.Tensor, hv: Int32):
         # the in-kernel gate (FLA's: -exp(A_log) softplus(g + dt_bias), softplus = x for x >= 20) and beta sigmoid
         if cutlass.const_expr(gate):
@@ -585,12 +595,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                 # diagonal may be inf there, never kept)
                 for e in cutlass.range_constexpr(cute.size(accA)):
                     i, j = cA[e]
-                    coef = sB[i]
-                    if cutlass.const_expr(not INV):
-                        coef = coef * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
-                    if cutlass.const_expr(l2norm):
-                        coef = coef * sRk[i] * sRk[j]
-                    a = accA[e] * coef
+                    a = accA[e] * a_coef(i, j, sB, sGc, sRk)
                     accA[e] = Float32(0.0)
                     if i > j:
                         accA[e] = a
@@ -602,12 +607,7 @@ def _build_wy(dtype, g_dtype, beta_dtype, alog_dtype, dtb_dtype, K: int, V: int,
                     i, j = cA[e]
                     a = Float32(0.0)
                     if i > j:
-                        coef = sB[i]
-                        if cutlass.const_expr(not INV):
-                            coef = coef * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
-                        if cutlass.const_expr(l2norm):
-                            coef = coef * sRk[i] * sRk[j]
-                        a = accA[e] * coef
+                        a = accA[e] * a_coef(i, j, sB, sGc, sRk)
                     sA[i, j] = a
             cute.arch.sync_threads()
             pmark(prof, 2)
