@@ -20,6 +20,15 @@ WY_VARIANTS = [
     (torch.bfloat16, torch.float32, torch.bfloat16, 128, 128, True, True, True, True, 2.0, True),
     (torch.float16, torch.float16, torch.float32, 64, 64, False, False, False, False, 1.0, False),
 ]
+def _wy_kernel(variant, **kw):
+    """The wy kernel of a ``WY_VARIANTS`` row (float32 A_log / dt_bias where the row has them), ``kw`` its options."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = variant
+    return F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None, K, V, l2,
+                             gate, dtb, sig, bscale, varlen, **kw)
+
+
 # (q dtype, K, V, l2norm, varlen, has h0, final state, state [V, K], store chunk states)
 STATE_VARIANTS = [
     (torch.bfloat16, 128, 128, True, False, True, True, False, False),
@@ -42,25 +51,18 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
         assert kc.target_arch() == "sm_90a"
     kc.clear_memory_cache()
     for v in WY_VARIANTS:
-        dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = v
-        fn = F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
-                               K, V, l2, gate, dtb, sig, bscale, varlen)
-        assert callable(fn)
+        assert callable(_wy_kernel(v))
     for v in STATE_VARIANTS:  # each with and without the cp.async prefetch of the next chunk
         for pf in (True, False):
             assert callable(F90.get_state_kernel(*v, prefetch=pf))
     # the state kernel's P by a select (CUDNN_TRAIN_GDN_FWD_PSEL)
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0], prefetch=True, p_select=True))
     # the training forward's wy kernel that also writes each chunk's Tm (CUDNN_TRAIN_GDN_DCHUNK_TM_FROM_FWD)
-    dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = WY_VARIANTS[0]
-    assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
-                                      K, V, l2, gate, dtb, sig, bscale, varlen, store_t=True))
+    assert callable(_wy_kernel(WY_VARIANTS[0], store_t=True))
     # its serial preparation (CUDNN_TRAIN_GDN_WY_SCAN=0) and its synchronous tile loads (CUDNN_TRAIN_GDN_WY_ASYNC=0)
     # and the A matrix in one pass (CUDNN_TRAIN_GDN_WY_A2=0)
     for extra in (dict(scan=False), dict(async_loads=False), dict(a2=False)):
-        assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None,
-                                          torch.float32 if dtb else None, K, V, l2, gate, dtb, sig, bscale, varlen,
-                                          **extra))
+        assert callable(_wy_kernel(WY_VARIANTS[0], **extra))
     objs = sorted(p.name for p in tmp_path.rglob("*.o"))
     assert len(objs) == len(WY_VARIANTS) + 5 + 2 * len(STATE_VARIANTS), objs
     # another process loads them from disk without compiling
@@ -103,8 +105,7 @@ def test_profile_variants_compile_for_sm90a(tmp_path, monkeypatch):
 
     monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
     kc.clear_memory_cache()
-    assert callable(F90.get_wy_kernel(*WY_VARIANTS[0][:3], torch.float32, torch.float32, *WY_VARIANTS[0][3:],
-                                      profile=True))
+    assert callable(_wy_kernel(WY_VARIANTS[0], profile=True))
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0], prefetch=True, profile=True))
     assert len(list(tmp_path.rglob("*.o"))) == 2
 
@@ -121,10 +122,8 @@ def test_two_warpgroup_state_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0], prefetch=True, wgs=2))
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[2], wgs=1))
-    dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = WY_VARIANTS[0]
-    assert K == V == 128
-    assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
-                                      K, V, l2, gate, dtb, sig, bscale, varlen, wgs=1))
+    assert WY_VARIANTS[0][3] == WY_VARIANTS[0][4] == 128  # K = V = 128
+    assert callable(_wy_kernel(WY_VARIANTS[0], wgs=1))
     assert len(list(tmp_path.rglob("*.o"))) == 3
     with pytest.raises(ValueError, match="wgs"):
         F90.get_state_kernel(*STATE_VARIANTS[1], wgs=2)  # K = 64
@@ -161,9 +160,7 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeyp
     for v in WS_VARIANTS:
         assert callable(WS.get_kernel(*v, onfly=True))
     for v in WY_VARIANTS:
-        dt, gdt, bdt, K, V, l2, gate, dtb, sig, bscale, varlen = v
-        assert callable(F90.get_wy_kernel(dt, gdt, bdt, torch.float32 if gate else None, torch.float32 if dtb else None,
-                                          K, V, l2, gate, dtb, sig, bscale, varlen, inv=True))
+        assert callable(_wy_kernel(v, inv=True))
     n_onfly = len(WS_VARIANTS) + len(WY_VARIANTS)
     # its loads by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA)
     for v in WS_VARIANTS:
