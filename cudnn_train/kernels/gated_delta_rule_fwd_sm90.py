@@ -1214,12 +1214,6 @@ def forward(
     beta_scale = 2.0 if (use_beta_sigmoid_in_kernel and allow_neg_eigval) else 1.0
     dev = q.device
 
-    wy = get_wy_kernel(
-        q.dtype, g.dtype, beta.dtype, A_log.dtype if use_gate_in_kernel else None,
-        dt_bias.dtype if (use_gate_in_kernel and dt_bias is not None) else None,
-        K, V, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_gate_in_kernel and dt_bias is not None,
-        use_beta_sigmoid_in_kernel, beta_scale, varlen, store_t=store_states and keep_tm,
-    )
     cu, cu_chunks, grid_chunks, NT = chunk_map(cu_seqlens, B, T, dev)
     # the state pass: chain + out kernels (gated_delta_rule_fwd_split_sm90) where the fused kernel's
     # grid leaves SMs idle, and always for the training forward (store_states: the chain writes the
@@ -1236,6 +1230,13 @@ def forward(
         split = SPLIT
     ws = not split and (not store_states if STATE_WS is None else STATE_WS)
     onfly = ws and ONFLY and not store_states and not return_intermediates
+    # kernel 1: w, u, gc (with onfly its variant writing only the gate-free chunk inverses, gc and beta)
+    wy = get_wy_kernel(
+        q.dtype, g.dtype, beta.dtype, A_log.dtype if use_gate_in_kernel else None,
+        dt_bias.dtype if (use_gate_in_kernel and dt_bias is not None) else None,
+        K, V, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_gate_in_kernel and dt_bias is not None,
+        use_beta_sigmoid_in_kernel, beta_scale, varlen, store_t=store_states and keep_tm, inv=onfly,
+    )
     if not split and not ws:
         st = get_state_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, initial_state is not None,
                               output_final_state, state_v_first, store_states)
@@ -1268,15 +1269,9 @@ def forward(
     elif onfly:
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
-        inv = get_wy_kernel(
-            q.dtype, g.dtype, beta.dtype, A_log.dtype if use_gate_in_kernel else None,
-            dt_bias.dtype if (use_gate_in_kernel and dt_bias is not None) else None,
-            K, V, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_gate_in_kernel and dt_bias is not None,
-            use_beta_sigmoid_in_kernel, beta_scale, varlen, inv=True,
-        )
         a0 = _empty(B, T, HV, CHUNK, dtype=q.dtype, device=dev)
         beta_eff = _empty(B, T, HV, dtype=torch.float32, device=dev)
-        inv(k, g, beta, alog, dtb, cu, cu_chunks, gc, a0, beta_eff, T, NT, nseq, group, grid_chunks, i64_dummy)
+        wy(k, g, beta, alog, dtb, cu, cu_chunks, gc, a0, beta_eff, T, NT, nseq, group, grid_chunks, i64_dummy)
         WS.state_pass_onfly(q, k, v, a0, gc, beta_eff, o, initial_state, ht, cu, cu_chunks, NT, scale,
                             use_qk_l2norm_in_kernel, state_v_first, group, nseq)
     else:
