@@ -432,10 +432,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         sp.sweep(q, k, w, gc, do, dht, dvn, dH, dh0, cu, cu_chunks, total_chunks, NT, scale,
                  use_qk_l2norm_in_kernel, state_v_first, HV // H, nseq)
         return dvn, dH, dh0
-    if ws:
-        fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1) if dht is None else dht, dvn, dH, dh0, cu, cu_chunks,
-           float(scale), T, NT, HV // H, nseq)
-        return dvn, dH, dh0
+    prof = () if ws else (i64_dummy if profile is None else profile,)  # the specialized warpgroups take no profile
     fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1) if dht is None else dht, dvn, dH, dh0, cu, cu_chunks,
-       float(scale), T, NT, HV // H, nseq, i64_dummy if profile is None else profile)
+       float(scale), T, NT, HV // H, nseq, *prof)
     return dvn, dH, dh0
