@@ -426,8 +426,9 @@ def make_p_frag_and_o_scale(dtype, l2norm: bool):
     ``p_to_frag(accP, rP, cP, map_p, sGc, sRq, sRk, scale, select)``: P (:func:`make_p_value`) from the ``q k^T``
     accumulator into ``rP`` (element ``f`` from accumulator element ``map_p[f]``, coordinates ``cP``), a branch
     around each value or, with ``select``, the factors read unconditionally and the triangle kept by a select (the
-    same bits); ``scale_o_rows(accO, cO, sGc, sRq, scale)``: o's first term ``q S`` scaled in place by
-    ``scale exp(gc_i) (rq_i)`` (coordinates ``cO``, rows first)."""
+    same bits); ``scale_o_rows(accO, cO, sGc, sRq, scale, tmode=0)``: o's first term ``q S`` scaled in place by
+    ``scale exp(gc_i) (rq_i)``, the token i being mode ``tmode`` of the coordinates ``cO`` (0: ``o [i, v]``, 1: the
+    transposed ``o^T [v, i]``)."""
     cutlass, cute = kc.import_cute()
     from cutlass import Float32
 
@@ -446,9 +447,10 @@ def make_p_frag_and_o_scale(dtype, l2norm: bool):
             rP[f] = pval.to(dtype)
 
     @cute.jit
-    def scale_o_rows(accO: cute.Tensor, cO: cute.Tensor, sGc: cute.Tensor, sRq: cute.Tensor, scale: Float32):
+    def scale_o_rows(accO: cute.Tensor, cO: cute.Tensor, sGc: cute.Tensor, sRq: cute.Tensor, scale: Float32,
+                     tmode: cutlass.Constexpr = 0):
         for e in cutlass.range_constexpr(cute.size(accO)):
-            oi, _ = cO[e]
+            oi = cO[e][tmode]
             ocoef = scale * cute.math.exp2(sGc[oi] * LOG2E, fastmath=True)
             if cutlass.const_expr(l2norm):
                 ocoef = ocoef * sRq[oi]

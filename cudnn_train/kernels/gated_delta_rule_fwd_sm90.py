@@ -757,6 +757,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
     load_state, store_state = cm.make_state_io()
     store_p = cm.make_store_p(dtype, l2norm, select=PSEL)
+    _, scale_o_rows = cm.make_p_frag_and_o_scale(dtype, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
 
     @cute.kernel
@@ -899,12 +900,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
                     # ---- P = scale tril(q k^T exp(gc_i - gc_j)) rq_i rk_j -> smem (B operand of the o update)
                     store_p(accP, cP, sP, sGcb[par], sRq, sRk, scale)
                     # ---- o^T = scale exp(gc_i) rq_i S^T q^T + ...
-                    for e in cutlass.range_constexpr(cute.size(accO)):
-                        _, oi = cX[e]
-                        ocoef = scale * cute.math.exp2(sGcb[par][oi] * LOG2E, fastmath=True)
-                        if cutlass.const_expr(l2norm):
-                            ocoef = ocoef * sRq[oi]
-                        accO[e] = accO[e] * ocoef
+                    scale_o_rows(accO, cX, sGcb[par], sRq, scale, 1)
                     glast = sGcb[par][C - 1]
                     def dcoef(dj):  # the state update's column factor exp(gl - gc_j) rk_j
                         c = cute.math.exp2((glast - sGcb[par][dj]) * LOG2E, fastmath=True)
