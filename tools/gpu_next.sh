@@ -47,7 +47,7 @@
 #   bash tools/gpu_next.sh s22      # its loads by TMA (prepared): bitwise cases, timing and profile
 #   bash tools/gpu_next.sh s23      # w, u formed in its chain (prepared): oracle cases, timings
 #   bash tools/gpu_next.sh s24      # the reverse sweep on specialized warpgroups (prepared): cases, timing
-#   bash tools/gpu_next.sh s25      # s22 + s23 + s24 in one call (GDN_S: the tier's limit)
+#   bash tools/gpu_next.sh s25      # s22 + s23 + s24 + the 128-column CTAs (fourteenth session) in one call
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -322,10 +322,11 @@ s24)
   tier s24 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "specialized_warpgroups"
   timed sweep_ws 150 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
 s25)
-  # the thirteenth session's prepared work in one call: every new GPU case (TMA loads, w and u formed in the chain,
-  # the specialized-warpgroup sweep), then the forward's and the sweep's timings (flip a default only if faster)
-  tier s25 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    -k "tma_loads or formed_in_the_chain or output_warpgroups or specialized_warpgroups_match_reference or specialized_warpgroups_varlen"
+  # the thirteenth and fourteenth sessions' prepared work in one call: every new GPU case (TMA loads, w and u formed
+  # in the chain, two output warpgroups, 128 columns of V a CTA, the specialized-warpgroup sweep), then the forward's
+  # and the sweep's timings (flip a default only if faster)
+  tier s25 ${GDN_S:-260} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    -k "tma_loads or formed_in_the_chain or output_warpgroups or v_block_128 or specialized_warpgroups_match_reference or specialized_warpgroups_varlen"
   timed ws_all 260 python3 tools/time_gdn_fwd.py --shapes 2 --ws-only --profile
   timed sweep_ws 100 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
 order)

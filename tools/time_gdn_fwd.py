@@ -96,6 +96,8 @@ def main():
             continue
 
         if args.ws_only:  # the fused state kernel against its specialized-warpgroup variant, alternating
+            from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
             wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
                                     False, False, 1.0, False)
             wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
@@ -114,14 +116,21 @@ def main():
             print(f"  TMA loads: o bitwise the cp.async loads': {torch.equal(o_tma, o_ws)}")
             run_wg3, o_wg3 = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, tma=True, wg3=True)
             print(f"  two output warpgroups: o bitwise one's: {torch.equal(o_wg3, o_tma)}")
+            # all 128 columns of V a CTA (CUDNN_TRAIN_GDN_FWD_WS_VB=128): half the CTAs, one wave at B4 HV32
+            run_vb, o_vb = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, vb=128)
+            run_vbt, o_vbt = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, tma=True, vb=128)
+            print(f"  128 columns a CTA: o bitwise 64's: {torch.equal(o_vb, o_ws)}, with TMA {torch.equal(o_vbt, o_ws)}")
             if args.profile:
                 profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ws)
                 profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_tma, tma=True)
+                profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_vb, vb=128)
             for _ in range(2):
                 print(f"  state kernel (default)               {bench(run_def, 10, 40):.3f} ms")
                 print(f"  state kernel, specialized warpgroups {bench(run_ws, 10, 40):.3f} ms")
                 print(f"  the default with its loads by TMA         {bench(run_tma, 10, 40):.3f} ms")
                 print(f"  TMA loads, two output warpgroups          {bench(run_wg3, 10, 40):.3f} ms")
+                print(f"  128 columns a CTA                         {bench(run_vb, 10, 40):.3f} ms")
+                print(f"  128 columns a CTA, TMA loads              {bench(run_vbt, 10, 40):.3f} ms")
             F90.SPLIT, F90.STATE_WS = False, False
             print(f"  whole forward, fused state kernel    "
                   f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
@@ -150,6 +159,15 @@ def main():
                 print(f"  whole forward, w, u in the chain      "
                       f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
                 F90.ONFLY = False
+                for vb_tma in (False, True):  # and with 128 columns a CTA (also with the TMA loads)
+                    WS.VB_MODE, WS.TMA = "128", vb_tma
+                    print(f"  whole forward, 128 columns a CTA, TMA {vb_tma}: "
+                          f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms,"
+                          f" w, u in the chain too ", end="")
+                    F90.ONFLY = True
+                    print(f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
+                    F90.ONFLY = False
+                    WS.VB_MODE, WS.TMA = "64", False
             F90.SPLIT, F90.STATE_WS = None, None
             train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True)
             for _ in range(2):  # the training forward: its default (the split pass) against the specialized warpgroups
@@ -308,7 +326,7 @@ def profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
 
     K, HV, V = q.shape[-1], u.shape[2], u.shape[-1]
     fn = WS.get_kernel(torch.bfloat16, K, V, True, False, False, False, False, profile=True, **kw)
-    ctas = B * HV * (V // WS.VB)
+    ctas = B * HV * (V // kw.get("vb", WS.VB))
     nph = len(WS.WS_PHASES[0])
     buf = torch.zeros(ctas * 2 * (nph + 1), dtype=torch.int64, device=q.device)
     o = torch.full_like(o_ref, float("nan"))

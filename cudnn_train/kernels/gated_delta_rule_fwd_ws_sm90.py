@@ -33,20 +33,35 @@ issue stalls while the load queues are full: half the chain's cycles in the thir
 by the output warpgroup's first warp (one elected thread arms the buffer's mbarrier with the bytes; every
 thread waits on it before the CTA barrier), gc still by ``cp.async`` (its rows are HV floats apart, under
 TMA's 16-byte minimum); u then sits in a swizzled tile. Rows past a varlen sequence's end then hold the
-next sequence's tokens where ``cp.async`` zero-fills them, so the chain zeroes those rows of vn by a select
-(the state update and o never see them otherwise): the same bits as the ``cp.async`` loads.
+next sequence's tokens (or, past the last sequence, whatever the tensor holds) where ``cp.async`` zero-fills
+them, so the chain zeroes those rows of vn by a select and every thread zeroes k's tail rows in shared memory
+after the tile lands (the state update meets them with zero vn columns, and 0 x NaN is NaN): the same bits as
+the ``cp.async`` loads.
 
-Cost: about 164 KB of shared memory (two buffers of q, k, w, u; two of sS, sVo), one CTA an SM.
-Numerics: the state and the final state are the fused kernel's bit for bit (the chain's
+``CUDNN_TRAIN_GDN_FWD_WS_VB=128`` (or ``auto``; prepared in the fourteenth session, compiled, not yet GPU-run):
+all 128 columns of V in one CTA, half the CTAs (at B4 T4096 HV32 128 CTAs, one wave on 132 SMs, where 64
+columns make 256 in two). The chain's S^T [128, K] then takes 128 accumulator registers a thread, so its first
+product reads S^T from the sS tile (written and fenced before the CTA barrier anyway) instead of a register
+copy; u sits in a swizzled tile (the padded one would not fit). Same values, same operations: o and the
+states are bitwise those of 64 columns. ptxas: 255 registers, 8-24 bytes spilled.
+
+Cost: about 164 KB of shared memory (two buffers of q, k, w, u; two of sS, sVo), one CTA an SM; at 128
+columns 225 KB. Numerics: the state and the final state are the fused kernel's bit for bit (the chain's
 instructions are its instructions); o's two products have the operand roles swapped (``q S`` with
 the state tile as the B operand, where the fused kernel computes ``S^T q^T``).
 
-Status: prepared on the CPU machine (compiles for sm_90a), not yet run on a GPU: off unless
-``CUDNN_TRAIN_GDN_FWD_WS=1`` (``gated_delta_rule_fwd_sm90.STATE_WS``), where the forward takes the fused
-state pass, and for the training forward (``store_states``, with ``keep_vn``) where the grid fills the GPU:
-then warpgroup 1 also writes the chunk-start states (the rows of sS) and vn (the rows of sVo) as 16-byte
-vectors while its products run.
+Status: the inference forward's default state pass wherever it would take the fused kernel (GPU-run since the
+thirteenth session: B4 T4096 0.432 ms against 0.474); ``CUDNN_TRAIN_GDN_FWD_WS=1`` also for the training
+forward (``store_states``, with ``keep_vn``) where the grid fills the GPU: then warpgroup 1 also writes the
+chunk-start states (the rows of sS) and vn (the rows of sVo) as 16-byte vectors while its products run. The
+TMA loads, the two output warpgroups, w and u formed in the chain (``onfly``) and the 128-column CTAs are
+prepared, compiled, off, not yet GPU-run. A review (fourteenth session) found and fixed, before any run: the
+onfly chain's beta never loaded with TMA; the two output warpgroups' setmaxnreg asking more registers than
+the CTA holds (240 + 2 x 136 = 512 a lane against 3 x 168: a hang); k's tail rows past the last sequence
+reaching the state update with TMA.
 """
+
+import os
 
 import torch
 
@@ -55,7 +70,7 @@ from . import gated_delta_rule_common_sm90 as cm
 from . import gated_delta_rule_fwd_sm90 as F
 
 CHUNK = cm.CHUNK
-VB = F.VBLOCK  # V columns per CTA
+VB = F.VBLOCK  # V columns per CTA (the default; 128 with v_block below)
 THREADS = 256
 BAR_ITER = 1  # the whole CTA, once an iteration
 BAR_CHAIN = 2  # warpgroup 0
@@ -69,6 +84,27 @@ TMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TMA", False)
 # setmaxnreg 240 / 136): the output's 20 product units a chunk were the longer half once the chain stops stalling
 # on copies. Prepared in the thirteenth session, compiled, not yet GPU-run: off.
 WG3 = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_WG3", False)
+# All 128 columns of V in one CTA (CUDNN_TRAIN_GDN_FWD_WS_VB=128, or auto: 128 where V/64 CTAs a (sequence, value
+# head) would not all be resident at once, i.e. 2 N HV > SMs). The kernel is latency-bound (about 6.2K cycles a
+# chunk against about 1.1K of products) and, at 164 KB of shared memory, one CTA an SM: at B4 T4096 HV32 its 256
+# CTAs run in two waves on 132 SMs. With VB = 128 they are 128, one wave, each doing twice the products per chunk
+# on the same dependent chain; the chain's S^T is then its A operand from the sS tile (128 float32 accumulator
+# registers a thread for the state leave no room for a register copy), u sits in a swizzled tile (the padded one
+# would not fit: 226 KB). Prepared in the fourteenth session, compiled, not yet GPU-run: 64 unless asked.
+VB_MODE = os.environ.get("CUDNN_TRAIN_GDN_FWD_WS_VB", "").strip() or "64"
+if VB_MODE not in ("64", "128", "auto"):
+    raise ValueError(f"CUDNN_TRAIN_GDN_FWD_WS_VB={VB_MODE!r}: expected 64, 128 or auto")
+SMEM_BYTES = 227 * 1024  # an SM90 CTA's shared memory at most
+
+
+def v_block(V: int, nseq: int, HV: int, device) -> int:
+    """The specialized warpgroups' V columns per CTA: 64, or 128 (V = 128 only) as ``CUDNN_TRAIN_GDN_FWD_WS_VB``
+    asks (auto: where 2 N HV CTAs of 64 columns exceed the SMs)."""
+    if V != 128 or VB_MODE == "64":
+        return 64
+    if VB_MODE == "128":
+        return 128
+    return 128 if 2 * nseq * HV > kc.num_sms(device) else 64
 
 
 # Phases timed by the profile variant (``tools/time_gdn_fwd.py --ws-only --profile``), per warpgroup
@@ -82,13 +118,18 @@ WS_PHASES = (
 
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
            store_states: bool, keep_vn: bool, profile: bool = False, tma: bool = False, onfly: bool = False,
-           wg3: bool = False):
+           wg3: bool = False, vb: int = VB):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
     C = CHUNK
     LOG2E = cm.LOG2E
+    VB = vb  # V columns per CTA: 64, or 128 (V = 128)
+    assert VB in (64, 128) and VB <= V and not (wg3 and VB != 64), (VB, V, wg3)
+    # VB = 128: the chain's S^T [128, K] takes 128 accumulator registers a thread, so its first product reads S^T
+    # as the A operand from the sS tile it writes for the output anyway (no register copy); u's tile is swizzled
+    SA = VB > 64
     U_STRIDE = VB + 8  # padded row-major u tile, read transposed (as in the fused kernel)
     # tma: q, k, w, u by TMA (one thread issues a chunk's four tiles on the buffer's mbarrier; u then in a
     # swizzled tile, TMA writes no padding), gc still by cp.async (its rows are HV floats apart)
@@ -100,12 +141,22 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     # with v in u's slot (the tile of columns v0 : v0 + VB) and T built in shared memory while X^T runs; with tma
     # the rows past a varlen sequence's end (the next sequence's k, v, A0) are masked out of R and of vn
     WCOLS = C if onfly else K  # columns of the tile in w's slot
+    # shared memory (the allocations below): two buffers of q, k, w (onfly: A0), u, S^T, vn^T; gc (onfly: beta too),
+    # three factor rows; onfly's T (1 KB aligned after the rows); the mbarriers. The tiles before the rows are
+    # multiples of 1 KB: no alignment padding between them
+    u_bytes = C * (VB if (tma or SA) else U_STRIDE) * dtype.width // 8
+    smem_bytes = (2 * ((2 * C * K + C * WCOLS + VB * K + VB * C) * dtype.width // 8 + u_bytes)
+                  + (2 * (2 if onfly else 1) + 3) * C * 4 + (C * C * dtype.width // 8 + 1024 if onfly else 0) + 16)
+    assert smem_bytes <= SMEM_BYTES, f"{smem_bytes} bytes of shared memory (VB={VB}, onfly={onfly})"
     # wg3: two output warpgroups taking alternate chunks (the one of the chunk's parity does q S, q k^T, P in the
     # chain's iteration, the same warpgroup P vn and the stores in the next, while the other starts the next
-    # chunk), registers moved to the chain by setmaxnreg (CHAIN_REGS + 2 OUT_REGS = 512 a lane's worth of 128)
-    assert not wg3 or (tma and not store_states), "wg3: with the TMA loads, inference only"
+    # chunk), registers moved to the chain by setmaxnreg. 384 threads launch with at most 168 registers a thread
+    # (65536 / 384, in steps of 8), so the three warpgroups' counts may sum to 3 x 168 = 504 at most: asking more,
+    # the chain's setmaxnreg.inc would wait forever for registers the CTA does not have (a review found 240 + 2 x 136)
+    assert not wg3 or (tma and not store_states and not profile), "wg3: with the TMA loads, inference, no profile"
     NTHR = 384 if wg3 else THREADS
-    CHAIN_REGS, OUT_REGS = 240, 136
+    CHAIN_REGS, OUT_REGS = 232, 136
+    assert CHAIN_REGS + 2 * OUT_REGS <= 3 * (65536 // 384 // 8 * 8)
     TMA_WARP = 4  # the output warpgroup's first warp issues them (one elected thread arms the mbarrier)
     # with TMA, right after the barrier: a one-thread branch between a warpgroup's products and their wait makes
     # ptxas serialize the products (C7520)
@@ -121,6 +172,15 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     pstart, pmark, _ = F.make_profile(profile, NPH)
 
     @cute.jit
+    def issue_rows(mGc: cute.Tensor, mBe: cute.Tensor, sGc: cute.Tensor, sBe: cute.Tensor, b: Int32, hv: Int32,
+                   t0: Int32, length: Int32, tidx: Int32):
+        """gc and (onfly) the effective beta of the chunk at row t0 by cp.async, with the tiles or beside their TMA
+        (rows HV floats apart, under TMA's 16-byte minimum; rows past the end: never used)."""
+        issue_gc(mGc, sGc, b, hv, t0, length, tidx)
+        if cutlass.const_expr(onfly):
+            issue_gc(mBe, sBe, b, hv, t0, length, tidx)
+
+    @cute.jit
     def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
                     sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, sGc: cute.Tensor,
                     b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32, tidx: Int32,
@@ -129,9 +189,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                      (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),
                      (cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, WCOLS, 0),
                      (cute.domain_offset((t0, 0), mU[b, None, hv, None]), sU, VB, v0 // 8)), length, tidx)
-        issue_gc(mGc, sGc, b, hv, t0, length, tidx)
-        if cutlass.const_expr(onfly):  # the effective beta, like gc (rows past the end: never used)
-            issue_gc(mBe, sBe, b, hv, t0, length, tidx)
+        issue_rows(mGc, mBe, sGc, sBe, b, hv, t0, length, tidx)
 
     @cute.jit
     def tma_chunk(ta: cutlass.Constexpr, sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, bar,
@@ -161,7 +219,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         if ci + 1 < (te - ts + C - 1) // C:
             t1 = ts + (ci + 1) * C
             if cutlass.const_expr(tma):
-                issue_gc(mGc, sGc, b, hv, t1, cutlass.min(te - t1, C), tidx)
+                issue_rows(mGc, mBe, sGc, sBe, b, hv, t1, cutlass.min(te - t1, C), tidx)
                 if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
                     tma_chunk(ta, sQ, sK, sW, sU, bar, b, h, hv, t1, v0)
             else:
@@ -202,13 +260,24 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         scale_o_rows(accO, cO, sGc, sRq, scale)
 
     @cute.jit
-    def handover(ci: Int32, cp: Int32, nchunks: Int32, bar):
-        """The top of an iteration, both warpgroups: chunk ci's tiles have landed (with TMA its buffer's mbarrier
+    def handover(ci: Int32, cp: Int32, nchunks: Int32, bar, sK: cute.Tensor, length: Int32, tidx: Int32):
+        """The top of an iteration, every warpgroup: chunk ci's tiles have landed (with TMA its buffer's mbarrier
         ``bar``, phase cp % 2; gc, and without TMA every tile, by this thread's cp.async groups), then the CTA
-        barrier that hands everything over."""
+        barrier that hands everything over. With TMA, k's rows past the chunk's ``length`` (the next sequence's, or
+        whatever a varlen tensor holds past its last sequence, NaN included) are zeroed first, as cp.async
+        zero-fills them: the state update's zero vn columns meet them in a product, and their l2norm factors
+        scale those columns (0 x NaN would be NaN)."""
         if cutlass.const_expr(tma):
             if ci < nchunks:
                 cute.arch.mbarrier_wait(bar, cp % 2)
+                if length < C:
+                    zero = cute.make_rmem_tensor((1, 8), dtype)
+                    zero.fill(0.0)
+                    for p in cutlass.range_constexpr((C * K // 8 + NTHR - 1) // NTHR):
+                        idx = p * NTHR + tidx
+                        r = idx // (K // 8)
+                        if r < C and r >= length:
+                            cute.autovec_copy(zero, cute.local_tile(sK, (1, 8), (r, idx % (K // 8))))
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=NTHR)
@@ -281,10 +350,12 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
         # chain: the fused kernel's orientation (S^T [v, d] accumulators, register A operands)
         mma_s = cm.make_mma(dtype, K, a_regs=True, b_mn_major=True)  # S^T += vd^T k      [v, d]
-        mma_x = cm.make_mma(dtype, C, a_regs=True, b_mn_major=False)  # S^T w^T           [v, i]
-        map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
+        mma_xr = cm.make_mma(dtype, C, a_regs=True, b_mn_major=False)  # [v, i] products, A in registers
+        mma_x = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False) if SA else mma_xr  # S^T w^T  [v, i]
+        cm.check_same_acc_layout(mma_x, mma_xr, (VB, C))
+        map_s = None if SA else cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
         map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
-        map_vn = cm.acc_to_frag_map(mma_x, (VB, C), mma_x, (VB, C))  # onfly: R^T as the A operand of R^T T^T
+        map_vn = cm.acc_to_frag_map(mma_x, (VB, C), mma_xr, (VB, C))  # onfly: R^T as the A operand of R^T T^T
         cm.check_acc_pairs(mma_s, (VB, K))  # S^T pairs -> sS
         cm.check_acc_pairs(mma_x, (VB, C))  # vn^T pairs -> sVo
         # output: the out kernel's orientation (o [i, v])
@@ -301,7 +372,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         sWb = [cm.alloc_tile(smem, dtype, C, WCOLS) for _ in range(2)]  # w, or with onfly A0
         sSb = [cm.alloc_tile(smem, dtype, VB, K) for _ in range(2)]  # S^T [v, d] at a chunk's start
         sVob = [cm.alloc_tile(smem, dtype, VB, C) for _ in range(2)]  # vn^T [v, i]
-        if cutlass.const_expr(tma):
+        if cutlass.const_expr(tma or SA):
             sUb = [cm.alloc_tile(smem, dtype, C, VB) for _ in range(2)]
         else:
             sUb = [smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16) for _ in range(2)]
@@ -335,7 +406,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
         if nchunks > 0:
             if cutlass.const_expr(tma):
-                issue_gc(mGc, sGcb[0], b, hv, ts, cutlass.min(te - ts, C), tidx)
+                issue_rows(mGc, mBe, sGcb[0], sBeb[0], b, hv, ts, cutlass.min(te - ts, C), tidx)
                 if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
                     tma_chunk(ta, sQb[0], sKb[0], sWb[0], sUb[0], mbar, b, h, hv, ts, v0)
             else:
@@ -349,11 +420,14 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                 cute.arch.setmaxregister_increase(CHAIN_REGS)
             thr_s = mma_s.get_slice(lt)
             thr_x = mma_x.get_slice(lt)
+            thr_xr = mma_xr.get_slice(lt)
             tBw = [mma_x.make_fragment_B(thr_x.partition_B(t)) for t in (sKb if onfly else sWb)]  # k: X^T = S^T k^T
-            tBt = mma_x.make_fragment_B(thr_x.partition_B(sT))  # onfly: vn^T = R^T T^T
-            rR = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, C)))
+            tBt = mma_xr.make_fragment_B(thr_xr.partition_B(sT))  # onfly: vn^T = R^T T^T
+            rR = mma_xr.make_fragment_A(thr_xr.partition_shape_A((VB, C)))
             tBkt = [mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(t))) for t in sKb]
-            rS = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
+            # S^T, the A operand of the first product: a register copy, or (SA) the sS tile itself
+            rS = [mma_x.make_fragment_A(thr_x.partition_A(t)) for t in sSb] if SA else \
+                mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
             rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
             cS = thr_s.partition_C(cute.make_identity_tensor((VB, K)))  # (v, d)
             cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
@@ -369,17 +443,20 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         pmark(prof, -1)
                         if ci < nchunks:
                             # S^T in the input dtype: this warpgroup's A operand, and sS for the output's q S
-                            for f in cutlass.range_constexpr(cute.size(rS)):
-                                rS[f] = accS[map_s[f]].to(dtype)
+                            if cutlass.const_expr(not SA):
+                                for f in cutlass.range_constexpr(cute.size(rS)):
+                                    rS[f] = accS[map_s[f]].to(dtype)
                             pairs_to_tile(accS, cS, sSb[par])
                         pmark(prof, 0)
-                        handover(ci, cp, nchunks, None if mbar is None else mbar + par)
+                        handover(ci, cp, nchunks, None if mbar is None else mbar + par, sKb[par],
+                                 cutlass.min(te - (ts + ci * C), C), tidx)
                         pmark(prof, 1)
                         if cutlass.const_expr(not late):
                             issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
                         if ci < nchunks:
                             accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
-                            gemm(mma_x, accX, rS, tBw[par], True)  # S^T w^T   [v, i]  (onfly: S^T k^T)
+                            # S^T w^T [v, i] (onfly: S^T k^T); SA: S^T from sS, written and fenced before the barrier
+                            gemm(mma_x, accX, rS[par] if SA else rS, tBw[par], True)
                             warpgroup.commit_group()
                             if cutlass.const_expr(late):  # the copies' issue stalls in the product's shadow
                                 issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
@@ -408,7 +485,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                         accX[e] = Float32(cutlass.select_(xi < rlen, accX[e], Float32(0.0)))
                                 for f in cutlass.range_constexpr(cute.size(rR)):
                                     rR[f] = accX[map_vn[f]].to(dtype)
-                                gemm(mma_x, accX, rR, tBt, True)  # vn^T [v, i]
+                                gemm(mma_xr, accX, rR, tBt, True)  # vn^T [v, i]
                                 warpgroup.commit_group()
                                 warpgroup.wait_group(0)
                             else:
@@ -451,7 +528,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                 for par in cutlass.range_constexpr(2):
                     ci = cp * 2 + par
                     if ci < niter:
-                        handover(ci, cp, nchunks, None if mbar is None else mbar + par)
+                        handover(ci, cp, nchunks, None if mbar is None else mbar + par, sKb[par],
+                                 cutlass.min(te - (ts + ci * C), C), tidx)
                         issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
                         if j == par:
                             # ---- chunk ci (this warpgroup's parity): q k^T, q S, the norms, P, o's first term (in
@@ -486,7 +564,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                     ci = cp * 2 + par
                     if ci < niter:
                         pmark(prof, -1)
-                        handover(ci, cp, nchunks, None if mbar is None else mbar + par)
+                        handover(ci, cp, nchunks, None if mbar is None else mbar + par, sKb[par],
+                                 cutlass.min(te - (ts + ci * C), C), tidx)
                         pmark(prof, 1)
                         if cutlass.const_expr(not late):
                             issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
@@ -569,46 +648,51 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
-               profile=False, tma=None, onfly=False, wg3=None):
+               profile=False, tma=None, onfly=False, wg3=None, vb=VB):
     tma = TMA if tma is None else bool(tma)
-    wg3 = (WG3 and tma and not store_states) if wg3 is None else bool(wg3)
+    wg3 = (WG3 and tma and not store_states and vb == VB) if wg3 is None else bool(wg3)
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
+    if vb not in (64, 128) or vb > V or (wg3 and vb != 64):
+        raise ValueError(f"vb={vb}: expected 64, or 128 with V = 128 and one output warpgroup (V={V}, wg3={wg3})")
     if keep_vn and not store_states:
         raise ValueError("keep_vn: only with store_states (the training forward)")
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
-           bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ())
+           bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ()) + (("vb", vb) if vb != VB else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3)
+                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb)
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 
 
 def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq, hs=None,
-               vn=None):
+               vn=None, vb=None):
     """Fill ``o`` (and ``ht`` when given) from the wy kernel's w, u, gc: the fused state kernel's job.
     ``h0`` / ``ht``: float32 states or None. The training forward's ``hs`` (the chunk-start states, input dtype
     ``[rows, HV, K, V]``) and ``vn`` (input dtype ``[B, T, HV, V]``, only with ``hs``), when given, are
-    written too."""
+    written too. ``vb``: V columns per CTA (None: :func:`v_block`)."""
     B, T, HV, V = u.shape
     K = q.shape[-1]
+    vb = v_block(V, nseq, HV, q.device) if vb is None else vb
     fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, hs is not None,
-                    vn is not None)
+                    vn is not None, vb=vb)
     f32_dummy, _, i64_dummy = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)
     fn(q, k, w, u, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
        d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq, i64_dummy, gc)
 
 
-def state_pass_onfly(q, k, v, a0, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq):
+def state_pass_onfly(q, k, v, a0, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq,
+                     vb=None):
     """The inference state pass from the wy kernel's INV outputs (``a0``: the gate-free chunk inverses, input
     dtype ``[B, T, HV, 64]``; ``gc``, ``beta_eff``: float32 ``[B, T, HV]``) and v: w and u are formed in the chain.
     Fills ``o`` (and ``ht`` when given)."""
     B, T, HV, V = v.shape
     K = q.shape[-1]
-    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, onfly=True)
+    vb = v_block(V, nseq, HV, q.device) if vb is None else vb
+    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, onfly=True, vb=vb)
     f32_dummy, _, i64_dummy = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)
     fn(q, k, a0, v, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks, d4, d4, float(scale),

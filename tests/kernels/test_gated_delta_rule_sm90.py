@@ -171,6 +171,32 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeyp
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True))
     assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=True, onfly=True))
     assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 6 + n_onfly
+    # all 128 columns of V in one CTA (CUDNN_TRAIN_GDN_FWD_WS_VB): plain, the training forward's, TMA with w and u
+    # formed in the chain (K = 64 at V = 128 in the last)
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], vb=128))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], store_states=True, keep_vn=True, vb=128))
+    k64 = (torch.bfloat16, 64, 128) + WS_VARIANTS[2][3:]
+    assert callable(WS.get_kernel(*k64, onfly=True, tma=True, vb=128))
+    assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 9 + n_onfly
+    with pytest.raises(ValueError, match="vb=128"):
+        WS.get_kernel(*WS_VARIANTS[2], vb=128)  # V = 64
+    with pytest.raises(ValueError, match="vb=128"):
+        WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True, vb=128)
+
+
+def test_specialized_warpgroups_v_block_choice(monkeypatch):
+    """CUDNN_TRAIN_GDN_FWD_WS_VB: 64 unless asked; 128 only at V = 128; auto takes 128 where two CTAs a (sequence,
+    value head) would not all be resident (2 N HV > SMs)."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    monkeypatch.setattr(kc, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    shapes = [(128, 4, 32), (128, 1, 32), (128, 3, 23), (128, 2, 33), (64, 8, 32)]
+    want = {"64": [64, 64, 64, 64, 64], "128": [128, 128, 128, 128, 64], "auto": [128, 64, 128, 64, 64]}
+    for mode, vbs in want.items():
+        monkeypatch.setattr(WS, "VB_MODE", mode)
+        assert [WS.v_block(V, n, hv, dev) for V, n, hv in shapes] == vbs, mode
 
 
 @pytest.mark.parametrize("beta_scale", [1.0, 2.0])
@@ -712,6 +738,84 @@ def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, mo
     for name, a in outs[1].items():
         assert torch.isfinite(a).all(), f"{case}: {name} has elements the TMA variant did not write"
         assert torch.equal(a, outs[0][name]), f"{case}: {name} differs with the TMA loads"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm_vk", "varlen_training", "tma_dense",
+                                  "onfly_varlen", "onfly_tma_dense"])
+def test_specialized_warpgroups_v_block_128_is_bitwise_64(case, monkeypatch, poisoned):
+    """All 128 columns of V in one CTA (CUDNN_TRAIN_GDN_FWD_WS_VB=128): the same operations on the same values as
+    two CTAs of 64 (the chain's S^T read as the A operand from its shared tile instead of a register copy of the
+    same bf16 values, M = 128 for the chain's products, N = 128 for the output's), so o, the final state (and in
+    the training forward the chunk-start states and vn) bitwise equal; with the TMA loads, and with w and u formed
+    in the chain. Also against the oracle (FLA-compat rule) in the dense case."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    K, V, vk, l2, dtype, cu, train = 128, 128, False, True, torch.bfloat16, None, case == "varlen_training"
+    monkeypatch.setattr(F90, "ONFLY", case.startswith("onfly"))
+    case = case.removeprefix("onfly_")
+    monkeypatch.setattr(WS, "TMA", case.startswith("tma"))
+    case = case.removeprefix("tma_")
+    if case.startswith("varlen"):
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0, 5]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, dtype, nseq=len(lengths))
+    elif case == "dense":
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, V, dtype)
+    else:  # K = 64 at V = 128, fp16, [V, K] states
+        K, vk, l2, dtype = 64, True, False, torch.float16
+        q, k, v, g, beta, h0 = _inputs(2, 333, 1, 2, K, V, dtype, l2norm=False, state_v_first=True)
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    if case == "dense":
+        monkeypatch.setattr(WS, "VB_MODE", "128")
+        _run_and_compare(q, k, v, g, beta, h0, cu, l2norm=l2, state_v_first=vk)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                state_v_first=vk)
+    if train:
+        args.update(store_states=True, keep_vn=True)
+    outs = []
+    for mode in ("64", "128"):
+        monkeypatch.setattr(WS, "VB_MODE", mode)
+        o, ht, *inter = F90.forward(q, k, v, g, beta, **args).value
+        out = {"o": o, "final_state": ht}
+        if train:
+            rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
+            out.update(vn=inter[0][4], chunk_states=inter[0][3][:rows])
+        outs.append(out)
+    for name, a in outs[1].items():
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the 128-column CTAs did not write"
+        assert torch.equal(a, outs[0][name]), f"{case}: {name} differs between 128 and 64 columns a CTA"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["cp_async", "tma", "onfly_tma", "tma_vb128"])
+def test_specialized_warpgroups_ignore_rows_past_the_last_sequence(case, monkeypatch, poisoned):
+    """A varlen tensor longer than its sequences (T > cu_seqlens[-1]) with NaN in the rows past the last one: the
+    TMA loads bring those rows in with a partial last chunk (cp.async zero-fills them), and the kernel must keep them
+    out of every product (k's tail rows are zeroed in shared memory: the state update meets them with zero vn
+    columns). o's rows and the final state bitwise those of the same call on the tensor cut at cu_seqlens[-1]."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(F90, "ONFLY", case.startswith("onfly"))
+    monkeypatch.setattr(WS, "TMA", "tma" in case)
+    monkeypatch.setattr(WS, "VB_MODE", "128" if case.endswith("vb128") else "64")
+    lengths = [63, 130, 5]
+    n = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    q, k, v, g, beta, h0 = _inputs(1, n + 40, 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths))
+    for x in (q, k, v, g, beta):
+        x[:, n:] = float("nan")
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    o, ht = F90.forward(q, k, v, g, beta, **args).value
+    o_cut, ht_cut = F90.forward(*(x[:, :n].contiguous() for x in (q, k, v, g, beta)), **args).value
+    assert torch.isfinite(ht).all() and torch.isfinite(o[:, :n]).all(), f"{case}: NaN from the rows past the end"
+    assert torch.equal(ht, ht_cut), f"{case}: the final state differs from the cut tensor's"
+    assert torch.equal(o[:, :n], o_cut), f"{case}: o differs from the cut tensor's"
 
 
 @pytest.mark.gpu
