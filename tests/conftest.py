@@ -29,3 +29,14 @@ def _fresh_seed(request):
     # every test draws its own random inputs; the seed varies per test but is reproducible
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
+
+
+@pytest.fixture
+def kernel_cache(tmp_path, monkeypatch):
+    """A fresh kernel cache for a compile test: the disk cache in ``tmp_path`` (returned: the test counts the
+    objects it compiled there) and none in memory, so that every kernel it asks for is compiled."""
+    from cudnn_train.kernels import compile as kc
+
+    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
+    kc.clear_memory_cache()
+    return tmp_path

@@ -47,7 +47,8 @@
 #   bash tools/gpu_next.sh s22      # its loads by TMA (prepared): bitwise cases, timing and profile
 #   bash tools/gpu_next.sh s23      # w, u formed in its chain (prepared): oracle cases, timings
 #   bash tools/gpu_next.sh s24      # the reverse sweep on specialized warpgroups (prepared): cases, timing
-#   bash tools/gpu_next.sh s25      # s22 + s23 + s24 + the 128-column CTAs (fourteenth session) in one call
+#   bash tools/gpu_next.sh s25      # every prepared GPU case (s22-s24 + the fourteenth session's), the sweep's timing
+#   bash tools/gpu_next.sh s26      # then the forward's timings and profiles of all the prepared variants
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -326,9 +327,12 @@ s25)
   # in the chain, two output warpgroups, 128 columns of V a CTA, the specialized-warpgroup sweep), then the forward's
   # and the sweep's timings (flip a default only if faster)
   tier s25 ${GDN_S:-260} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    -k "tma_loads or formed_in_the_chain or output_warpgroups or v_block_128 or specialized_warpgroups_match_reference or specialized_warpgroups_varlen"
-  timed ws_all 260 python3 tools/time_gdn_fwd.py --shapes 2 --ws-only --profile
-  timed sweep_ws 100 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
+    -k "tma_loads or formed_in_the_chain or output_warpgroups or v_block_128 or rows_past_the_last or specialized_warpgroups_match_reference or specialized_warpgroups_varlen"
+  timed sweep_ws 120 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
+s26)
+  # then (its own call: the limits would pass 600 s together) the forward's timings of everything prepared: TMA, two
+  # output warpgroups, 128 columns a CTA, w and u in the chain, the training forward at 128 columns; with profiles
+  timed ws_all ${TIME_S:-400} python3 tools/time_gdn_fwd.py --shapes 2 --ws-only --profile ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

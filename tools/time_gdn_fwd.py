@@ -175,6 +175,10 @@ def main():
                       f"{bench(lambda: F90.forward(q, k, v, g, beta, **train), 10, 40):.3f} ms")
                 print(f"  training forward, specialized warpgroups               "
                       f"{whole_forward_ws(q, k, v, g, beta, **train):.3f} ms")
+                WS.VB_MODE = "128"
+                print(f"  training forward, specialized warpgroups, 128 columns  "
+                      f"{whole_forward_ws(q, k, v, g, beta, **train):.3f} ms")
+                WS.VB_MODE = "64"
             continue
 
         wy = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,

@@ -15,12 +15,9 @@ VARIANTS = [(torch.bfloat16, 128, 128, False, True), (torch.float16, 64, 64, Tru
 
 
 @pytest.mark.compile
-def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
-    from cudnn_train.kernels import compile as kc
+def test_chunk_gradient_kernel_compiles_for_sm90a(kernel_cache):
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
-    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
-    kc.clear_memory_cache()
     for v in VARIANTS:
         assert callable(B3.get_dchunk_kernel(*v))
     # the other side of CUDNN_TRAIN_GDN_DCHUNK_OVERLAP (the default at K = 128 on two warpgroups)
@@ -47,7 +44,7 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
                                          persist=True))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True, tm_in=True, persist=True))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], persist=True))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 15
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 15
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():

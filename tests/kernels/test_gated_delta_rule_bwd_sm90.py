@@ -18,12 +18,9 @@ VARIANTS = [
 
 
 @pytest.mark.compile
-def test_reverse_sweep_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
-    from cudnn_train.kernels import compile as kc
+def test_reverse_sweep_kernel_compiles_for_sm90a(kernel_cache):
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
 
-    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
-    kc.clear_memory_cache()
     for v in VARIANTS:
         assert callable(B90.get_dstate_kernel(*v))
     # two warpgroups splitting N (chosen where the grid leaves SMs idle); the synchronous loads
@@ -34,34 +31,28 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], profile=True))
     # the next chunk's q, k issued right after this chunk's products on them (CUDNN_TRAIN_GDN_SWEEP_EARLY_QK)
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, early_qk=not B90.early_qk_default(1)))
-    assert len(list(tmp_path.rglob("*.o"))) == len(VARIANTS) + 4
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 4
 
 
 @pytest.mark.compile
-def test_specialized_warpgroup_sweep_compiles_for_sm90a(tmp_path, monkeypatch):
+def test_specialized_warpgroup_sweep_compiles_for_sm90a(kernel_cache):
     """The reverse sweep on two specialized warpgroups (CUDNN_TRAIN_GDN_SWEEP_WS), the training path's call and a
     varlen K = 64 one."""
-    from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_bwd_ws_sm90 as SW
 
-    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
-    kc.clear_memory_cache()
     assert callable(SW.get_kernel(*VARIANTS[2]))
     assert callable(SW.get_kernel(torch.float16, 64, 128, False, True, True, True))
-    assert len(list(tmp_path.rglob("*.o"))) == 2
+    assert len(list(kernel_cache.rglob("*.o"))) == 2
     with pytest.raises(ValueError, match="K=96"):
         SW.get_kernel(torch.bfloat16, 96, 128, True, False, False, False)
 
 
 @pytest.mark.compile
-def test_split_sweep_kernels_compile_for_sm90a(tmp_path, monkeypatch):
+def test_split_sweep_kernels_compile_for_sm90a(kernel_cache):
     """The split sweep (``gated_delta_rule_bwd_split_sm90``, opt-in): ``dvl`` and ``dchain`` at both V blocks,
     dense and varlen, both state layouts, K = 128 and 64."""
-    from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_bwd_split_sm90 as S
 
-    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
-    kc.clear_memory_cache()
     assert callable(S.get_dvl_kernel(torch.bfloat16, 128, 128, True, False))
     assert callable(S.get_dvl_kernel(torch.float16, 64, 128, False, True))
     for vb in S.VBLOCKS:
@@ -69,7 +60,7 @@ def test_split_sweep_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True))
     # dvl with P in two passes (CUDNN_TRAIN_GDN_DVL_P2)
     assert callable(S.get_dvl_kernel(torch.bfloat16, 128, 128, True, False, p2=not S.dvl_p_two_pass()))
-    assert len(list(tmp_path.rglob("*.o"))) == 6
+    assert len(list(kernel_cache.rglob("*.o"))) == 6
 
 
 def test_reverse_sweep_declines_without_gpu_before_touching_memory():

@@ -38,18 +38,16 @@ STATE_VARIANTS = [
 
 
 @pytest.mark.compile
-def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
+def test_forward_kernels_compile_for_sm90a(kernel_cache, monkeypatch):
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(F90, "WY_SCAN", True)  # the defaults, whatever the environment says
     monkeypatch.setattr(F90, "WY_ASYNC", True)
     monkeypatch.setattr(F90, "WY_A2", True)
     monkeypatch.setattr(F90, "STATE_PSEL", False)
     if not torch.cuda.is_available():
         assert kc.target_arch() == "sm_90a"
-    kc.clear_memory_cache()
     for v in WY_VARIANTS:
         assert callable(_wy_kernel(v))
     for v in STATE_VARIANTS:  # each with and without the cp.async prefetch of the next chunk
@@ -63,12 +61,12 @@ def test_forward_kernels_compile_for_sm90a(tmp_path, monkeypatch):
     # and the A matrix in one pass (CUDNN_TRAIN_GDN_WY_A2=0)
     for extra in (dict(scan=False), dict(async_loads=False), dict(a2=False)):
         assert callable(_wy_kernel(WY_VARIANTS[0], **extra))
-    objs = sorted(p.name for p in tmp_path.rglob("*.o"))
+    objs = sorted(p.name for p in kernel_cache.rglob("*.o"))
     assert len(objs) == len(WY_VARIANTS) + 5 + 2 * len(STATE_VARIANTS), objs
     # another process loads them from disk without compiling
     kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0]))
-    assert len(list(tmp_path.rglob("*.o"))) == len(objs)
+    assert len(list(kernel_cache.rglob("*.o"))) == len(objs)
 
 
 # chain: (q dtype, K, V, VB, l2norm, varlen, has h0, final state, state [V, K]); out: (q dtype, K, V, l2norm, varlen)
@@ -80,51 +78,42 @@ OUT_VARIANTS = [(torch.bfloat16, 128, 128, True, False), (torch.float16, 64, 64,
 
 
 @pytest.mark.compile
-def test_split_state_kernels_compile_for_sm90a(tmp_path, monkeypatch):
-    from cudnn_train.kernels import compile as kc
+def test_split_state_kernels_compile_for_sm90a(kernel_cache):
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
 
-    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
-    kc.clear_memory_cache()
     for v in CHAIN_VARIANTS:
         assert callable(SP.get_chain_kernel(*v))
     for v in OUT_VARIANTS:
         assert callable(SP.get_out_kernel(*v))
     # the out kernel with P's factors read unconditionally (CUDNN_TRAIN_GDN_OUT_PSEL)
     assert callable(SP.get_out_kernel(*OUT_VARIANTS[0], p_select=not SP.out_p_select()))
-    assert len(list(tmp_path.rglob("*.o"))) == len(CHAIN_VARIANTS) + len(OUT_VARIANTS) + 1
+    assert len(list(kernel_cache.rglob("*.o"))) == len(CHAIN_VARIANTS) + len(OUT_VARIANTS) + 1
     with pytest.raises(ValueError, match="VB=48"):
         SP.get_chain_kernel(torch.bfloat16, 128, 128, 48, True, False, False, False, False)
 
 
 @pytest.mark.compile
-def test_profile_variants_compile_for_sm90a(tmp_path, monkeypatch):
+def test_profile_variants_compile_for_sm90a(kernel_cache):
     """The clock64 phase-timing variants that tools/time_gdn_fwd.py --profile launches."""
-    from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
-    kc.clear_memory_cache()
     assert callable(_wy_kernel(WY_VARIANTS[0], profile=True))
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0], prefetch=True, profile=True))
-    assert len(list(tmp_path.rglob("*.o"))) == 2
+    assert len(list(kernel_cache.rglob("*.o"))) == 2
 
 
 @pytest.mark.compile
-def test_two_warpgroup_state_kernels_compile_for_sm90a(tmp_path, monkeypatch):
+def test_two_warpgroup_state_kernels_compile_for_sm90a(kernel_cache):
     """The other side of each warpgroup default at K = 128 (the defaults are built by
     test_forward_kernels_compile_for_sm90a): the inference state kernel on two warpgroups with the
     prefetch, the training forward's chunk-state kernel on one, the wy kernel on one."""
-    from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
-    kc.clear_memory_cache()
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[0], prefetch=True, wgs=2))
     assert callable(F90.get_state_kernel(*STATE_VARIANTS[2], wgs=1))
     assert WY_VARIANTS[0][3] == WY_VARIANTS[0][4] == 128  # K = V = 128
     assert callable(_wy_kernel(WY_VARIANTS[0], wgs=1))
-    assert len(list(tmp_path.rglob("*.o"))) == 3
+    assert len(list(kernel_cache.rglob("*.o"))) == 3
     with pytest.raises(ValueError, match="wgs"):
         F90.get_state_kernel(*STATE_VARIANTS[1], wgs=2)  # K = 64
 
@@ -138,20 +127,17 @@ WS_VARIANTS = [
 
 
 @pytest.mark.compile
-def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
+def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(kernel_cache):
     """The fused state pass on two specialized warpgroups (CUDNN_TRAIN_GDN_FWD_WS): chain and output."""
-    from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    monkeypatch.setenv("CUDNN_TRAIN_CACHE_DIR", str(tmp_path))
-    kc.clear_memory_cache()
     for v in WS_VARIANTS:
         assert callable(WS.get_kernel(*v))
     # the training forward's: the chunk-start states (and vn) written too
     assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, keep_vn=True))
     assert callable(WS.get_kernel(*WS_VARIANTS[1], store_states=True))
-    assert len(list(tmp_path.rglob("*.o"))) == len(WS_VARIANTS) + 2
+    assert len(list(kernel_cache.rglob("*.o"))) == len(WS_VARIANTS) + 2
     with pytest.raises(ValueError, match="K=96"):
         WS.get_kernel(torch.bfloat16, 96, 128, True, False, False, False, False)
     with pytest.raises(ValueError, match="keep_vn"):
@@ -170,14 +156,14 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(tmp_path, monkeyp
     # two output warpgroups (CUDNN_TRAIN_GDN_FWD_WS_WG3), with the TMA loads, with and without w, u in the chain
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True))
     assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=True, onfly=True))
-    assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 6 + n_onfly
+    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 6 + n_onfly
     # all 128 columns of V in one CTA (CUDNN_TRAIN_GDN_FWD_WS_VB): plain, the training forward's, TMA with w and u
     # formed in the chain (K = 64 at V = 128 in the last)
     assert callable(WS.get_kernel(*WS_VARIANTS[0], vb=128))
     assert callable(WS.get_kernel(*WS_VARIANTS[0], store_states=True, keep_vn=True, vb=128))
     k64 = (torch.bfloat16, 64, 128) + WS_VARIANTS[2][3:]
     assert callable(WS.get_kernel(*k64, onfly=True, tma=True, vb=128))
-    assert len(list(tmp_path.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 9 + n_onfly
+    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 9 + n_onfly
     with pytest.raises(ValueError, match="vb=128"):
         WS.get_kernel(*WS_VARIANTS[2], vb=128)  # V = 64
     with pytest.raises(ValueError, match="vb=128"):
@@ -842,6 +828,7 @@ def test_two_output_warpgroups_are_bitwise_one(case, monkeypatch, poisoned):
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
     monkeypatch.setattr(WS, "TMA", True)
+    monkeypatch.setattr(WS, "VB_MODE", "64")  # two output warpgroups only at 64 columns a CTA
     outs = []
     for wg3 in (False, True):
         monkeypatch.setattr(WS, "WG3", wg3)
