@@ -159,6 +159,7 @@ def main():
                 print(f"  whole forward, w, u in the chain      "
                       f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
                 F90.ONFLY = False
+                vb_mode, tma_mode = WS.VB_MODE, WS.TMA
                 for vb_tma in (False, True):  # and with 128 columns a CTA (also with the TMA loads)
                     WS.VB_MODE, WS.TMA = "128", vb_tma
                     print(f"  whole forward, 128 columns a CTA, TMA {vb_tma}: "
@@ -167,7 +168,7 @@ def main():
                     F90.ONFLY = True
                     print(f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
                     F90.ONFLY = False
-                    WS.VB_MODE, WS.TMA = "64", False
+                WS.VB_MODE, WS.TMA = vb_mode, tma_mode
             F90.SPLIT, F90.STATE_WS = None, None
             train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True)
             for _ in range(2):  # the training forward: its default (the split pass) against the specialized warpgroups
@@ -178,7 +179,7 @@ def main():
                 WS.VB_MODE = "128"
                 print(f"  training forward, specialized warpgroups, 128 columns  "
                       f"{whole_forward_ws(q, k, v, g, beta, **train):.3f} ms")
-                WS.VB_MODE = "64"
+                WS.VB_MODE = vb_mode
             continue
 
         wy = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,

@@ -1,9 +1,10 @@
 """The GDN forward's state pass on two specialized warpgroups (SM90, CuTeDSL, WGMMA).
 
 Same math, same rounding points and the same notation as ``gated_delta_rule_fwd_sm90``'s fused
-``state`` kernel (kernel 2 there); one CTA per (sequence, value head, 64 columns of V), 256 threads:
+``state`` kernel (kernel 2 there); one CTA per (sequence, value head, VB = 64 columns of V; 128: below),
+256 threads:
 
-* warpgroup 0, the **chain**, carries the state ``S^T [v, d]`` (64 x K, float32 accumulators) over
+* warpgroup 0, the **chain**, carries the state ``S^T [v, d]`` (VB x K, float32 accumulators) over
   the chunks and does only what the next chunk needs, exactly as the fused kernel does it::
 
       S^T (input dtype) -> registers (A operand) and smem sS[c % 2] (for warpgroup 1)
@@ -650,7 +651,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
                profile=False, tma=None, onfly=False, wg3=None, vb=VB):
     tma = TMA if tma is None else bool(tma)
-    wg3 = (WG3 and tma and not store_states and vb == VB) if wg3 is None else bool(wg3)
+    wg3 = (WG3 and tma and not store_states and not profile and vb == VB) if wg3 is None else bool(wg3)
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if vb not in (64, 128) or vb > V or (wg3 and vb != 64):
