@@ -350,6 +350,20 @@ def _inputs(B, T, H, HV, K, V, dtype, *, l2norm=True, raw_gate=False, beta_logit
     return q, k, v, g, beta, state
 
 
+VARLEN_LENGTHS = [0, 1, 63, 130, 1, 257, 64, 0, 5]  # empty, one-token, partial, multi-chunk sequences
+
+
+def _ws_inputs(case, K, V, dtype, **kw):
+    """The specialized-warpgroup cases' inputs, ``(q, k, v, g, beta, h0, cu)``: ``varlen*`` nine sequences of
+    VARLEN_LENGTHS (H2 HV4), ``dense`` B2 T333 H2 HV4, any other case B2 T333 H1 HV2 with ``kw`` for _inputs."""
+    if case.startswith("varlen"):
+        cu = torch.tensor([0] + torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        return (*_inputs(1, sum(VARLEN_LENGTHS), 2, 4, K, V, dtype, nseq=len(VARLEN_LENGTHS)), cu)
+    if case == "dense":
+        return (*_inputs(2, 333, 2, 4, K, V, dtype), None)
+    return (*_inputs(2, 333, 1, 2, K, V, dtype, **kw), None)
+
+
 def _check(name, ours, ref, fla):
     assert ours.shape == ref.shape, name
     assert torch.isfinite(ours).all(), f"{name}: non-finite values (an element the kernel did not write?)"
@@ -694,18 +708,12 @@ def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, mo
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    K, V, l2, dtype, cu, train = 128, 128, True, torch.bfloat16, None, case == "varlen_training"
+    K, V, l2, dtype, train = 128, 128, True, torch.bfloat16, case == "varlen_training"
     monkeypatch.setattr(F90, "ONFLY", case.startswith("onfly"))  # w, u formed in the chain: k, v, A0 by TMA
     case = case.removeprefix("onfly_")
-    if case.startswith("varlen"):
-        lengths = [0, 1, 63, 130, 1, 257, 64, 0, 5]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, dtype, nseq=len(lengths))
-    elif case == "dense":
-        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, V, dtype)
-    else:
+    if case.startswith("k64"):
         K, V, l2, dtype = 64, 64, False, torch.float16
-        q, k, v, g, beta, h0 = _inputs(2, 333, 1, 2, K, V, dtype, l2norm=False)
+    q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False)
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
     args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
@@ -738,20 +746,14 @@ def test_specialized_warpgroups_v_block_128_is_bitwise_64(case, monkeypatch, poi
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    K, V, vk, l2, dtype, cu, train = 128, 128, False, True, torch.bfloat16, None, case == "varlen_training"
+    K, V, vk, l2, dtype, train = 128, 128, False, True, torch.bfloat16, case == "varlen_training"
     monkeypatch.setattr(F90, "ONFLY", case.startswith("onfly"))
     case = case.removeprefix("onfly_")
     monkeypatch.setattr(WS, "TMA", case.startswith("tma"))
     case = case.removeprefix("tma_")
-    if case.startswith("varlen"):
-        lengths = [0, 1, 63, 130, 1, 257, 64, 0, 5]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, dtype, nseq=len(lengths))
-    elif case == "dense":
-        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, V, dtype)
-    else:  # K = 64 at V = 128, fp16, [V, K] states
+    if case.startswith("k64"):  # K = 64 at V = 128, fp16, [V, K] states
         K, vk, l2, dtype = 64, True, False, torch.float16
-        q, k, v, g, beta, h0 = _inputs(2, 333, 1, 2, K, V, dtype, l2norm=False, state_v_first=True)
+    q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False, state_v_first=True)
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
     if case == "dense":
@@ -813,18 +815,12 @@ def test_two_output_warpgroups_are_bitwise_one(case, monkeypatch, poisoned):
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    K, V, l2, dtype, cu = 128, 128, True, torch.bfloat16, None
+    K, V, l2, dtype = 128, 128, True, torch.bfloat16
     monkeypatch.setattr(F90, "ONFLY", case.startswith("onfly"))
     case = case.removeprefix("onfly_")
-    if case == "varlen":
-        lengths = [0, 1, 63, 130, 1, 257, 64, 0, 5]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, dtype, nseq=len(lengths))
-    elif case == "dense":
-        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, V, dtype)
-    else:
+    if case.startswith("k64"):
         K, V, l2, dtype = 64, 64, False, torch.float16
-        q, k, v, g, beta, h0 = _inputs(2, 333, 1, 2, K, V, dtype, l2norm=False)
+    q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False)
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
     monkeypatch.setattr(WS, "TMA", True)
@@ -861,9 +857,7 @@ def test_w_u_formed_in_the_chain_match_oracle(case, monkeypatch, poisoned):
     monkeypatch.setattr(F90, "STATE_WS", True)
     monkeypatch.setattr(F90, "ONFLY", True)
     if case == "varlen":
-        lengths = [0, 1, 63, 130, 1, 257, 64, 0, 5]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
+        q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype)
     elif case == "gate_sigmoid_neg":
         q, k, v, g, beta, h0 = _inputs(2, 97, H, HV, K, V, dtype, raw_gate=True, beta_logits=True)
         A_log = torch.log(torch.empty(HV, device="cuda").uniform_(1, 16))
