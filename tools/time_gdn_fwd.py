@@ -119,7 +119,9 @@ def main():
             # all 128 columns of V a CTA (CUDNN_TRAIN_GDN_FWD_WS_VB=128): half the CTAs, one wave at B4 HV32
             run_vb, o_vb = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, vb=128)
             run_vbt, o_vbt = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, tma=True, vb=128)
-            print(f"  128 columns a CTA: o bitwise 64's: {torch.equal(o_vb, o_ws)}, with TMA {torch.equal(o_vbt, o_ws)}")
+            run_vbw, o_vbw = ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_def, tma=True, wg3=True, vb=128)
+            print(f"  128 columns a CTA: o bitwise 64's: {torch.equal(o_vb, o_ws)}, with TMA {torch.equal(o_vbt, o_ws)}, "
+                  f"and two output warpgroups {torch.equal(o_vbw, o_ws)}")
             if args.profile:
                 profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ws)
                 profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_tma, tma=True)
@@ -131,6 +133,7 @@ def main():
                 print(f"  TMA loads, two output warpgroups          {bench(run_wg3, 10, 40):.3f} ms")
                 print(f"  128 columns a CTA                         {bench(run_vb, 10, 40):.3f} ms")
                 print(f"  128 columns a CTA, TMA loads              {bench(run_vbt, 10, 40):.3f} ms")
+                print(f"  128 columns, TMA, two output warpgroups   {bench(run_vbw, 10, 40):.3f} ms")
             F90.SPLIT, F90.STATE_WS = False, False
             print(f"  whole forward, fused state kernel    "
                   f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")

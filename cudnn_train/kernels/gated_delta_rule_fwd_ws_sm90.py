@@ -44,7 +44,8 @@ all 128 columns of V in one CTA, half the CTAs (at B4 T4096 HV32 128 CTAs, one w
 columns make 256 in two). The chain's S^T [128, K] then takes 128 accumulator registers a thread, so its first
 product reads S^T from the sS tile (written and fenced before the CTA barrier anyway) instead of a register
 copy; u sits in a swizzled tile (the padded one would not fit). Same values, same operations: o and the
-states are bitwise those of 64 columns. ptxas: 255 registers, 8-24 bytes spilled.
+states are bitwise those of 64 columns. ptxas: 255 registers, 8-24 bytes spilled. With the TMA loads it
+combines with the two output warpgroups (no spill), not with those and ``onfly`` together.
 
 Cost: about 164 KB of shared memory (two buffers of q, k, w, u; two of sS, sVo), one CTA an SM; at 128
 columns 225 KB. Numerics: the state and the final state are the fused kernel's bit for bit (the chain's
@@ -127,7 +128,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     C = CHUNK
     LOG2E = cm.LOG2E
     VB = vb  # V columns per CTA: 64, or 128 (V = 128)
-    assert VB in (64, 128) and VB <= V and not (wg3 and VB != 64), (VB, V, wg3)
+    # two output warpgroups at 128 columns: 168 registers at launch, the chain 232 after setmaxnreg, no spill; with
+    # onfly too the chain's 32 more registers (R^T) make ptxas spill and serialize the products (C7512): refused
+    assert VB in (64, 128) and VB <= V and not (wg3 and VB == 128 and onfly), (VB, V, wg3, onfly)
     # VB = 128: the chain's S^T [128, K] takes 128 accumulator registers a thread, so its first product reads S^T
     # as the A operand from the sS tile it writes for the output anyway (no register copy); u's tile is swizzled
     SA = VB > 64
@@ -651,11 +654,12 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
                profile=False, tma=None, onfly=False, wg3=None, vb=VB):
     tma = TMA if tma is None else bool(tma)
-    wg3 = (WG3 and tma and not store_states and not profile and vb == VB) if wg3 is None else bool(wg3)
+    wg3 = (WG3 and tma and not store_states and not profile and not (vb == 128 and onfly)) if wg3 is None else bool(wg3)
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
-    if vb not in (64, 128) or vb > V or (wg3 and vb != 64):
-        raise ValueError(f"vb={vb}: expected 64, or 128 with V = 128 and one output warpgroup (V={V}, wg3={wg3})")
+    if vb not in (64, 128) or vb > V or (wg3 and vb == 128 and onfly):
+        raise ValueError(f"vb={vb}: expected 64, or 128 with V = 128 and not both two output warpgroups and w, u "
+                         f"formed in the chain (V={V}, wg3={wg3}, onfly={onfly})")
     if keep_vn and not store_states:
         raise ValueError("keep_vn: only with store_states (the training forward)")
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),

@@ -163,11 +163,12 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(kernel_cache):
     assert callable(WS.get_kernel(*WS_VARIANTS[0], store_states=True, keep_vn=True, vb=128))
     k64 = (torch.bfloat16, 64, 128) + WS_VARIANTS[2][3:]
     assert callable(WS.get_kernel(*k64, onfly=True, tma=True, vb=128))
-    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 9 + n_onfly
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True, vb=128))  # and two output warpgroups
+    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 10 + n_onfly
     with pytest.raises(ValueError, match="vb=128"):
         WS.get_kernel(*WS_VARIANTS[2], vb=128)  # V = 64
     with pytest.raises(ValueError, match="vb=128"):
-        WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True, vb=128)
+        WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True, onfly=True, vb=128)
 
 
 def test_specialized_warpgroups_v_block_choice(monkeypatch):
@@ -807,24 +808,26 @@ def test_specialized_warpgroups_ignore_rows_past_the_last_sequence(case, monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm", "onfly_varlen"])
+@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm", "onfly_varlen", "vb128_dense",
+                                  "vb128_varlen"])
 def test_two_output_warpgroups_are_bitwise_one(case, monkeypatch, poisoned):
     """Two output warpgroups taking alternate chunks (CUDNN_TRAIN_GDN_FWD_WS_WG3, with the TMA loads) make the same
     operations on the same values as one: o and the final state bitwise equal (and with w, u formed in the
-    chain)."""
+    chain; and at 128 columns a CTA)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     K, V, l2, dtype = 128, 128, True, torch.bfloat16
     monkeypatch.setattr(F90, "ONFLY", case.startswith("onfly"))
     case = case.removeprefix("onfly_")
+    monkeypatch.setattr(WS, "VB_MODE", "128" if case.startswith("vb128") else "64")
+    case = case.removeprefix("vb128_")
     if case.startswith("k64"):
         K, V, l2, dtype = 64, 64, False, torch.float16
     q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False)
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
     monkeypatch.setattr(WS, "TMA", True)
-    monkeypatch.setattr(WS, "VB_MODE", "64")  # two output warpgroups only at 64 columns a CTA
     outs = []
     for wg3 in (False, True):
         monkeypatch.setattr(WS, "WG3", wg3)
