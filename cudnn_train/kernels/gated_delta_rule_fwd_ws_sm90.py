@@ -92,7 +92,7 @@ WG3 = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_WG3", False)
 # CTAs run in two waves on 132 SMs. With VB = 128 they are 128, one wave, each doing twice the products per chunk
 # on the same dependent chain; the chain's S^T is then its A operand from the sS tile (128 float32 accumulator
 # registers a thread for the state leave no room for a register copy), u sits in a swizzled tile (the padded one
-# would not fit: 226 KB). Prepared in the fourteenth session, compiled, not yet GPU-run: 64 unless asked.
+# would not fit: 227.3 KB). Prepared in the fourteenth session, compiled, not yet GPU-run: 64 unless asked.
 VB_MODE = os.environ.get("CUDNN_TRAIN_GDN_FWD_WS_VB", "").strip() or "64"
 if VB_MODE not in ("64", "128", "auto"):
     raise ValueError(f"CUDNN_TRAIN_GDN_FWD_WS_VB={VB_MODE!r}: expected 64, 128 or auto")
