@@ -351,6 +351,14 @@ def _inputs(B, T, H, HV, K, V, dtype, *, l2norm=True, raw_gate=False, beta_logit
     return q, k, v, g, beta, state
 
 
+def _assert_bitwise(label, new, base, variant):
+    """Every output of a variant (``new``: name -> tensor) written (finite: the forward's outputs start as NaN
+    under ``poisoned``) and bitwise equal to the same output of the base run (``base``)."""
+    for name, a in new.items():
+        assert torch.isfinite(a).all(), f"{label}: {name} has elements {variant} did not write"
+        assert torch.equal(a, base[name]), f"{label}: {name} differs with {variant}"
+
+
 VARLEN_LENGTHS = [0, 1, 63, 130, 1, 257, 64, 0, 5]  # empty, one-token, partial, multi-chunk sequences
 
 
@@ -577,9 +585,8 @@ def test_state_prefetch_matches_synchronous_loads_bitwise(case, monkeypatch, poi
         cu_chunks = F90.chunk_map(cu, 1, q.shape[1], q.device)[1]
         rows = int(cu_chunks[-1])
         outs = [(o, ht, hs[:rows]) for o, ht, hs in outs]
-    for name, a, b in zip(("o", "final_state", "chunk_states"), outs[0], outs[1]):
-        assert torch.isfinite(a).all(), f"{case}: {name} has elements the prefetching kernel did not write"
-        assert torch.equal(a, b), f"{case}: {name} differs from the synchronous loads"
+    names = ("o", "final_state", "chunk_states")
+    _assert_bitwise(case, dict(zip(names, outs[0])), dict(zip(names, outs[1])), "the cp.async prefetch")
 
 
 @pytest.mark.gpu
@@ -730,9 +737,7 @@ def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, mo
         for tma in (False, True):
             monkeypatch.setattr(WS, "TMA", tma)
             outs[int(tma)]["chunk_states"] = F90.forward(q, k, v, g, beta, **args).value[2][3][:rows]
-    for name, a in outs[1].items():
-        assert torch.isfinite(a).all(), f"{case}: {name} has elements the TMA variant did not write"
-        assert torch.equal(a, outs[0][name]), f"{case}: {name} differs with the TMA loads"
+    _assert_bitwise(case, outs[1], outs[0], "the TMA loads")
 
 
 @pytest.mark.gpu
@@ -773,9 +778,7 @@ def test_specialized_warpgroups_v_block_128_is_bitwise_64(case, monkeypatch, poi
             rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
             out.update(vn=inter[0][4], chunk_states=inter[0][3][:rows])
         outs.append(out)
-    for name, a in outs[1].items():
-        assert torch.isfinite(a).all(), f"{case}: {name} has elements the 128-column CTAs did not write"
-        assert torch.equal(a, outs[0][name]), f"{case}: {name} differs between 128 and 64 columns a CTA"
+    _assert_bitwise(case, outs[1], outs[0], "128 columns a CTA")
 
 
 @pytest.mark.gpu
@@ -833,9 +836,8 @@ def test_two_output_warpgroups_are_bitwise_one(case, monkeypatch, poisoned):
         monkeypatch.setattr(WS, "WG3", wg3)
         outs.append(F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                 use_qk_l2norm_in_kernel=l2, cu_seqlens=cu).value)
-    for name, a, b in zip(("o", "final_state"), outs[1], outs[0]):
-        assert torch.isfinite(a).all(), f"{case}: {name} has elements the kernel did not write"
-        assert torch.equal(a, b), f"{case}: {name} differs with two output warpgroups"
+    names = ("o", "final_state")
+    _assert_bitwise(case, dict(zip(names, outs[1])), dict(zip(names, outs[0])), "two output warpgroups")
 
 
 @pytest.mark.gpu
@@ -909,9 +911,8 @@ def test_p_select_is_bitwise_the_branches(kernel, case, monkeypatch, poisoned):
             monkeypatch.setattr(F90, "STATE_PSEL", sel)
         outs.append(F90.forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                 use_qk_l2norm_in_kernel=l2, cu_seqlens=cu).value)
-    for name, a, b in zip(("o", "final_state"), outs[1], outs[0]):
-        assert torch.isfinite(a).all(), f"{kernel}, {case}: {name} has elements the kernels did not write"
-        assert torch.equal(a, b), f"{kernel}, {case}: {name} differs with P's select"
+    names = ("o", "final_state")
+    _assert_bitwise(f"{kernel}, {case}", dict(zip(names, outs[1])), dict(zip(names, outs[0])), "P's select")
 
 
 @pytest.mark.gpu
@@ -1112,9 +1113,7 @@ def _check_wy_variants_bitwise(case, monkeypatch, base, other, what):
                 **({"Tm": inter[5]} if store else {})}
 
     outs = _per_wy_variant(monkeypatch, [base, other], run)
-    for name, a in outs[1].items():
-        assert torch.isfinite(a).all(), f"{case}: {name} has elements the kernels did not write"
-        assert torch.equal(a, outs[0][name]), f"{case}: {name} differs with {what}"
+    _assert_bitwise(case, outs[1], outs[0], what)
 
 
 @pytest.mark.gpu
