@@ -79,7 +79,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     NBUF = 2 if PREFETCH else 1
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
-    load_state, store_state = cm.make_state_io()
+    start_state, store_state = cm.make_state_io()
     odt = cutlass.Float32 if odt is None else odt  # the dtype of dvn and the dH rows
     store_p = cm.make_store_p(dtype, l2norm)
     scale_rows = cm.make_scale_rows(dtype, VB, THREADS, l2norm)
@@ -154,10 +154,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
 
         accD = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
-        if cutlass.const_expr(has_dht):
-            load_state(accD, cS, mDHT, n, hv, v0, state_vk)
-        else:
-            accD.fill(0.0)
+        start_state(accD, cS, mDHT, n, hv, v0, state_vk, has_dht)
 
         if cutlass.const_expr(PREFETCH):  # the first chunk of the sweep (the sequence's last)
             if nchunks > 0:

@@ -56,7 +56,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
     issue_qk, issue_wdg = fwd.make_issue_parts(dtype, K, VB, THREADS)
     gemm = cm.make_gemm()
     rows_inv_norm = cm.make_rows_inv_norm(dtype, K, fwd.L2NORM_EPS, 128)
-    load_state, store_state = cm.make_state_io()
+    start_state, store_state = cm.make_state_io()
     store_p = cm.make_store_p(dtype, l2norm)
     scale_rows = cm.make_scale_rows(dtype, VB, 128, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
@@ -139,10 +139,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
             cS = thr_s.partition_C(cute.make_identity_tensor((VB, K)))  # (v, d)
             cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
             accD = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
-            if cutlass.const_expr(has_dht):
-                load_state(accD, cS, mDHT, n, hv, v0, state_vk)
-            else:
-                accD.fill(0.0)
+            start_state(accD, cS, mDHT, n, hv, v0, state_vk, has_dht)
             for cp in cutlass.range((niter + 5) // 6, unroll=1):
                 for p6 in cutlass.range_constexpr(6):  # chunk cr in buffers cr % 3 and cr % 2: all static
                     it = cp * 6 + p6

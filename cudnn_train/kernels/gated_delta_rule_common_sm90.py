@@ -317,22 +317,26 @@ def check_same_acc_layout(mma_a, mma_b, shape_mn, threads=SAMPLE_THREADS) -> Non
 
 
 def make_state_io():
-    """``load_state(acc, cS, mH, n, hv, v0, state_vk)`` / ``store_state(...)``: a state block
-    ``[v0 : v0 + 64, :]`` of ``mH[n, hv]`` (``[K, V]``, or ``[V, K]`` with ``state_vk``) to and
-    from the float32 accumulator ``acc`` whose coordinates ``cS`` are ``(v, d)``; a store rounds
+    """``start_state(acc, cS, mH, n, hv, v0, state_vk, present)`` / ``store_state(acc, cS, mH, n, hv, v0,
+    state_vk)``: a state block ``[v0 : v0 + VB, :]`` of ``mH[n, hv]`` (``[K, V]``, or ``[V, K]`` with
+    ``state_vk``) to and from the float32 accumulator ``acc`` whose coordinates ``cS`` are ``(v, d)``; the start
+    is zero unless the state is ``present`` (an initial state, or the final state's gradient); a store rounds
     once to ``mH``'s element type (float32 states, or input-dtype chunk rows)."""
     cutlass, cute = kc.import_cute()
     from cutlass import Int32
 
     @cute.jit
-    def load_state(acc: cute.Tensor, cS: cute.Tensor, mH: cute.Tensor, n: Int32, hv: Int32, v0: Int32,
-                   state_vk: cutlass.Constexpr):
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            sv, sd = cS[e]
-            if cutlass.const_expr(state_vk):
-                acc[e] = mH[n, hv, v0 + sv, sd]
-            else:
-                acc[e] = mH[n, hv, sd, v0 + sv]
+    def start_state(acc: cute.Tensor, cS: cute.Tensor, mH: cute.Tensor, n: Int32, hv: Int32, v0: Int32,
+                    state_vk: cutlass.Constexpr, present: cutlass.Constexpr):
+        if cutlass.const_expr(present):
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                sv, sd = cS[e]
+                if cutlass.const_expr(state_vk):
+                    acc[e] = mH[n, hv, v0 + sv, sd]
+                else:
+                    acc[e] = mH[n, hv, sd, v0 + sv]
+        else:
+            acc.fill(0.0)
 
     @cute.jit
     def store_state(acc: cute.Tensor, cS: cute.Tensor, mH: cute.Tensor, n: Int32, hv: Int32, v0: Int32,
@@ -345,7 +349,7 @@ def make_state_io():
             else:
                 mH[n, hv, sd, v0 + sv] = val
 
-    return load_state, store_state
+    return start_state, store_state
 
 
 def make_store_pairs():

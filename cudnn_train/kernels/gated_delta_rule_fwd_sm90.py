@@ -755,7 +755,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
     NBUF = 2 if prefetch else 1  # buffers of k, u and gc
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, L2NORM_EPS)
-    load_state, store_state = cm.make_state_io()
+    start_state, store_state = cm.make_state_io()
     store_p = cm.make_store_p(dtype, l2norm, select=PSEL)
     _, scale_o_rows = cm.make_p_frag_and_o_scale(dtype, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
@@ -826,10 +826,7 @@ def _build_state(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool
 
         # ---- state S^T [v, d] (float32 accumulators)
         accS = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
-        if cutlass.const_expr(has_h0):
-            load_state(accS, cS, mH0, n, hv, v0, state_vk)
-        else:
-            accS.fill(0.0)
+        start_state(accS, cS, mH0, n, hv, v0, state_vk, has_h0)
 
         NPAR = 2 if prefetch else 1  # chunks a trip of the loop: one per buffer, so every tile stays static
         if cutlass.const_expr(prefetch):

@@ -169,7 +169,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     issue_gc = F.make_issue_gc()
     gemm = cm.make_gemm()
     rows_inv_norm = cm.make_rows_inv_norm(dtype, K, F.L2NORM_EPS, 128)
-    load_state, store_state = cm.make_state_io()
+    start_state, store_state = cm.make_state_io()
     p_to_frag, scale_o_rows = cm.make_p_frag_and_o_scale(dtype, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
     NPH = len(WS_PHASES[0])
@@ -436,10 +436,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             cS = thr_s.partition_C(cute.make_identity_tensor((VB, K)))  # (v, d)
             cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
             accS = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
-            if cutlass.const_expr(has_h0):
-                load_state(accS, cS, mH0, n, hv, v0, state_vk)
-            else:
-                accS.fill(0.0)
+            start_state(accS, cS, mH0, n, hv, v0, state_vk, has_h0)
             for cp in cutlass.range((niter + 1) // 2, unroll=1):
                 for par in cutlass.range_constexpr(2):  # chunk ci in buffer par: every tile stays static
                     ci = cp * 2 + par
