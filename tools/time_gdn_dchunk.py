@@ -4,6 +4,7 @@ two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs 
 the default call plus the training path's sum pass, on the same inputs.
 
     python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn] [--persist] [--k64]
+                                     [--tma]
 
 ``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
@@ -14,7 +15,9 @@ against recomputing it, and with the chunk inverses read too (``tm=``), then the
 ``--persist``: only the training path's call (vn and Tm read) per tile against the persistent variant
 (``persist=True``; outputs checked bitwise). ``--k64``: only K = V = 64, the training path's call (pair sum,
 vn and Tm read) on one warpgroup against two (the default since the twelfth session; outputs compared,
-relative L2), then the two timings.
+relative L2), then the two timings. ``--tma``: only the training path's call with its loads by TMA against
+cp.async (``tma=``; per tile, persistent, on four warpgroups; outputs checked bitwise), then both loads'
+profiles.
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -63,6 +66,9 @@ def main():
     ap.add_argument("--vn", action="store_true", help="only the forward's vn read against recomputed")
     ap.add_argument("--persist", action="store_true", help="only the persistent variant against the per-tile one")
     ap.add_argument("--k64", action="store_true", help="only K = V = 64: one warpgroup against two")
+    ap.add_argument("--tma", action="store_true",
+                    help="only the training path's call with the TMA loads against cp.async: per tile, persistent, "
+                         "four warpgroups; then the TMA variant's profile")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         if args.k64:
@@ -85,6 +91,9 @@ def main():
             continue
         if args.persist:
             persist_rows(x, B, T, H, HV, scale)
+            continue
+        if args.tma:
+            tma_rows(x, B, T, H, HV, scale)
             continue
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))
@@ -169,6 +178,27 @@ def persist_rows(x, B, T, H, HV, scale):
               tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
     compare_switch(x, kw, "persist", (("per tile", False), ("persistent", True)),
                    f"B{B} T{T} H{H} HV{HV}: persistent variant bitwise the per-tile kernel")
+
+
+def tma_rows(x, B, T, H, HV, scale):
+    """The training path's call (vn and Tm read; random: the timing does not depend on their values) with its loads
+    by TMA against cp.async, per tile, persistent and on four warpgroups: each pair bitwise the same outputs, then
+    the timings, then the per-tile TMA variant's profile (its loads phase against the cp.async one's)."""
+    from time_gdn_fwd import _report
+
+    kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
+              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+    for label, extra in (("per tile", {}), ("persistent", dict(persist=True)), ("four warpgroups", dict(wgs=4))):
+        compare_switch(x, {**kw, **extra}, "tma", ((f"{label}, cp.async", False), (f"{label}, TMA", True)),
+                       f"B{B} T{T} H{H} HV{HV}: {label}, TMA loads bitwise cp.async")
+    ctas = B * (-(-T // 64)) * HV
+    buf = torch.zeros(ctas * (len(B3.DCHUNK_PHASES) + 1), dtype=torch.int64, device="cuda")
+    for name, on in (("cp.async", False), ("TMA", True)):
+        buf.zero_()
+        B3.chunk_grads(*x, profile=buf, tma=on, **kw)
+        torch.cuda.synchronize()
+        _report(f"stage-3 kernel, vn and Tm read, {name} loads" + (", pair sum" if HV == 2 * H else ""), buf,
+                B3.DCHUNK_PHASES, ctas)
 
 
 def k64_rows(B, T, H, HV):

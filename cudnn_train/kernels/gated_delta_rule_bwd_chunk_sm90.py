@@ -56,6 +56,12 @@ With ``vn`` (``chunk_grads(vn=...)``, VNIN compiled in; the training path's defa
 recomputed: no ``k Sc``, ``Z``, ``Tm Z``, and ``dP = do vn^T`` joins the products in flight during the solve
 (H200, B4 T4096 H16 HV32, pair sum: 1.420 against 1.491 ms; 39.8K against 42.3K cycles a CTA).
 
+With ``tma`` (``chunk_grads(tma=True)``, TMA compiled in; only for the training path's call, vn and Tm read) the
+same three load groups are bulk tensor copies, issued by one elected thread of warp 0 on one mbarrier a group;
+rows past a varlen sequence's end are zeroed once landed, as cp.async zero-fills them (same bits). ptxas: 241
+registers, no spill, per tile; 255 and 4 bytes spilled persistent (against 227 and 255 with cp.async). Prepared
+in the fifteenth session, not yet GPU-run: off (:func:`tma_default`).
+
 Status: compiles for sm_90a (compile tier); its GPU test
 (``tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py``, against the float32 torch stage) and the
 training path's tier run it; the training path's default stage 3.
@@ -104,10 +110,10 @@ DCHUNK_PHASES = ("loads (issued; q, k, Sc landed)", "l2norm rows, q k in place",
 
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
-                  VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False):
+                  VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False, TMA: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
-    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.cute.nvgpu import cpasync, warpgroup
 
     C = CHUNK
     THREADS = 128 * WGS
@@ -125,6 +131,15 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     PW = 2 if PAIR else 1  # value heads a CTA column covers (PAIR: the cluster's two)
     if PERSIST and (PROFILE or not ASYNC):
         raise ValueError("the persistent variant loads by cp.async and has no profile variant")
+    if TMA and not (ASYNC and VNIN and TMIN):
+        raise ValueError("the TMA loads replace the cp.async ones of the training path's call (vn and Tm read)")
+    # TMA: a tile's inputs by bulk tensor copies, issued by one elected thread of warp 0, one mbarrier a group of
+    # them; the groups are the cp.async ones (per tile: waited for where first read; persistent: the parts, each
+    # issued once its tiles are no longer read, all waited for at the next tile's top)
+    TMA_GROUPS = (("q", "s", "vn"), ("v", "do", "dvn", "tm"), ("k",)) if PERSIST else (
+        ("q", "k", "s"), ("tm", "vn", "do"), ("v", "dvn"))
+    TMA_ELEMS = {"q": C * K, "k": C * K, "v": C * V, "do": C * V, "dvn": C * V, "vn": C * V, "tm": C * C, "s": K * V}
+    TMA_BYTES = tuple(sum(TMA_ELEMS[x] for x in g) * dtype.width // 8 for g in TMA_GROUPS)
 
     def tile_of(u, by, ngrid, group):
         # PERSIST: tile unit u (chunk fastest) of CTA column by -> chunk, value head, q/k head
@@ -157,6 +172,59 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             else:
                 issue_tiles(((cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),), length, tidx)
         cute.arch.cp_async_commit_group()
+
+    TMA_NAMES = ("q", "k", "v", "do", "dvn", "vn", "tm", "s")  # the order of the kernel's atoms, tensors, tiles
+
+    def tma_group(g, ta, tiles, bar, b, t0, h, hv, cid):
+        # (TMA, warp 0, while tracing) group g of the inputs of the tile (chunk at row t0 of sequence b, its chunk
+        # row cid, value head hv, q/k head h) on the mbarrier bar: one elected arrive with the group's bytes, then
+        # one bulk copy a tile. Rows past the tensor's end arrive as zeros; rows past a varlen sequence's end are
+        # the next sequence's (zero_tails clears them once landed)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, TMA_BYTES[g])
+        for name in TMA_GROUPS[g]:
+            i = TMA_NAMES.index(name)
+            atom, tT, sX = ta[i], ta[len(TMA_NAMES) + i], tiles[i]
+            if name == "s":  # the chunk-start state, [K, V] of chunk row cid
+                gT = cute.local_tile(tT[None, None, cid, hv], (K, V), (0, 0))
+            else:
+                cols = K if name in ("q", "k") else (C if name == "tm" else V)
+                gT = cute.local_tile(cute.domain_offset((t0, 0), tT[None, None, b, h if name in ("q", "k") else hv]),
+                                     (C, cols), (0, 0))
+            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                           cute.group_modes(gT, 0, 2))
+            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+
+    @cute.jit
+    def tma_unit(g: cutlass.Constexpr, ta: cutlass.Constexpr, tiles: cutlass.Constexpr, bar, u: Int32, nunits: Int32,
+                 by: Int32, ngrid: Int32, group: Int32, mCu: cute.Tensor, mCuC: cute.Tensor, T: Int32, NT: Int32,
+                 nseq: Int32):
+        # (PERSIST with TMA) group g of tile unit u's inputs, if u < nunits, by warp 0
+        if u < nunits:
+            cid, hv, h = tile_of(u, by, ngrid, group)
+            b, t0, _, _ = locate(cid, mCu, mCuC, T, NT, nseq)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                tma_group(g, ta, tiles, bar, b, t0, h, hv, cid)
+
+    @cute.jit
+    def zero_rows(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
+        # (TMA) rows >= length of the [C, cols] tile sX, zeroed as cp.async zero-fills them (the next sequence's
+        # rows, or whatever a varlen tensor holds past its last sequence, NaN included)
+        if length < C:
+            zero = cute.make_rmem_tensor((1, 8), dtype)
+            zero.fill(0.0)
+            for p in cutlass.range_constexpr(C * cols // 8 // THREADS):
+                idx = p * THREADS + tidx
+                r = idx // (cols // 8)
+                if r >= length:
+                    cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
+
+    def zero_tails(g, tiles, length, tidx):
+        # (TMA, while tracing) zero_rows on group g's token tiles; the caller fences and syncs
+        for name in TMA_GROUPS[g]:
+            if name != "s":
+                zero_rows(tiles[TMA_NAMES.index(name)], K if name in ("q", "k") else (C if name == "tm" else V),
+                          length, tidx)
 
     @cute.jit
     def swap_in_dot(gX: cute.Tensor, sX: cute.Tensor, tidx: Int32):
@@ -299,7 +367,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mVnI: cute.Tensor, mTmI: cute.Tensor,
         mCu: cute.Tensor, mCuC: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor,
         mDg: cute.Tensor, mDb: cute.Tensor, scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32,
-        ngrid: Int32, mProf: cute.Tensor,
+        ngrid: Int32, mProf: cute.Tensor, aQ: cute.CopyAtom, aK: cute.CopyAtom, aV: cute.CopyAtom, aDo: cute.CopyAtom,
+        aDvn: cute.CopyAtom, aVn: cute.CopyAtom, aTm: cute.CopyAtom, aS: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor,
+        tV: cute.Tensor, tDo: cute.Tensor, tDvn: cute.Tensor, tVn: cute.Tensor, tTm: cute.Tensor, tS: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         cid, hv, _ = cute.arch.block_idx()
@@ -365,6 +435,20 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if tidx == 0:
                 cute.arch.mbarrier_init(mbar, 1)
             cute.arch.mbarrier_init_fence()
+        # TMA: the atoms and tensors in TMA_NAMES order, the tiles they fill, one mbarrier a group
+        ta = (aQ, aK, aV, aDo, aDvn, aVn, aTm, aS, tQ, tK, tV, tDo, tDvn, tVn, tTm, tS)
+        tma_tiles = (sQ, sK, sV, sDo, sDvn, sVn, sTm, sS)
+        tbar = None
+        if cutlass.const_expr(TMA):
+            tbar = smem.allocate_array(cutlass.Int64, len(TMA_GROUPS), byte_alignment=8)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                for a in ta[:len(TMA_NAMES)]:
+                    cpasync.prefetch_descriptor(a)
+                with cute.arch.elect_one():
+                    for g in cutlass.range_constexpr(len(TMA_GROUPS)):
+                        cute.arch.mbarrier_init(tbar + g, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
 
         # the tile loop: one tile (chunk, value head) a CTA, or with PERSIST a CTA per SM (a cluster of two per
         # two SMs with PAIR) walking its tiles, the next tile's inputs loaded during this one's last phases
@@ -373,7 +457,10 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         nunits = ngrid * (mV.shape[2] // PW)
         if cutlass.const_expr(PERSIST):  # the first tile's inputs
             for part in cutlass.range_constexpr(3):
-                next_inputs(ins, smem_in, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq, tidx, part)
+                if cutlass.const_expr(TMA):
+                    tma_unit(part, ta, tma_tiles, tbar + part, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq)
+                else:
+                    next_inputs(ins, smem_in, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq, tidx, part)
         for it in cutlass.range(niter, unroll=1):
             if cutlass.const_expr(PERSIST):
                 cid, hv, h = tile_of(bx + it * nctas, by, ngrid, group)
@@ -419,7 +506,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             gDvn = cute.domain_offset((t0, 0), mDvn[b, None, hv, None])
             gVnI = cute.domain_offset((t0, 0), mVnI[b, None, hv, None])
             gTmI = cute.domain_offset((t0, 0), mTmI[b, None, hv, None])
-            if cutlass.const_expr(ASYNC and not PERSIST):
+            if cutlass.const_expr(TMA and not PERSIST):  # the same three groups by TMA, one mbarrier each
+                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                    for g in cutlass.range_constexpr(len(TMA_GROUPS)):
+                        tma_group(g, ta, tma_tiles, tbar + g, b, t0, h, hv, cid)
+            elif cutlass.const_expr(ASYNC and not PERSIST):
                 # three cp.async groups in flight together, each waited for where it is first read: q, k and Sc
                 # (before the l2norm rows and k k^T), v and do (before Z), dvn (before dw); with VNIN: the
                 # forward's vn and do (before the products that run during the solve), v and dvn (before dw)
@@ -456,8 +547,15 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 for w_ in cutlass.range_constexpr(WGS):
                     sDgc[w_, tidx] = Float32(0.0)
                     sDb[w_, tidx] = Float32(0.0)
-            if cutlass.const_expr(PERSIST):
+            if cutlass.const_expr(PERSIST and TMA):  # every input, loaded during the last tile (or before the loop)
+                for g in cutlass.range_constexpr(len(TMA_GROUPS)):
+                    cute.arch.mbarrier_wait(tbar + g, it % 2)
+                    zero_tails(g, tma_tiles, length, tidx)
+            elif cutlass.const_expr(PERSIST):
                 cute.arch.cp_async_wait_group(0)  # every input, loaded during the last tile (or before the loop)
+            elif cutlass.const_expr(TMA):
+                cute.arch.mbarrier_wait(tbar, 0)  # q, k, Sc
+                zero_tails(0, tma_tiles, length, tidx)
             elif cutlass.const_expr(ASYNC):
                 cute.arch.cp_async_wait_group(2)  # q, k, Sc
             cute.arch.fence_view_async_shared()
@@ -513,7 +611,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if cutlass.const_expr(OVERLAP and not VNIN):
                 warpgroup.wait_group(0)
             if cutlass.const_expr(ASYNC and not PERSIST):  # (PERSIST: every input is in at the top)
-                cute.arch.cp_async_wait_group(1)  # v and do (VNIN: vn and do)
+                if cutlass.const_expr(TMA):
+                    cute.arch.mbarrier_wait(tbar + 1, 0)  # Tm, vn, do
+                    zero_tails(1, tma_tiles, length, tidx)
+                else:
+                    cute.arch.cp_async_wait_group(1)  # v and do (VNIN: vn and do)
                 cute.arch.fence_view_async_shared()
                 cute.arch.sync_threads()
             if cutlass.const_expr(not VNIN):
@@ -616,7 +718,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             # ---- dw = -dvn Sc^T -> sDw (over do, which is no longer read)
             accDw = acc_ck()
             if cutlass.const_expr(ASYNC and not PERSIST):
-                cute.arch.cp_async_wait_group(0)  # dvn
+                if cutlass.const_expr(TMA):
+                    cute.arch.mbarrier_wait(tbar + 2, 0)  # v, dvn
+                    zero_tails(2, tma_tiles, length, tidx)
+                else:
+                    cute.arch.cp_async_wait_group(0)  # dvn
                 cute.arch.fence_view_async_shared()
                 cute.arch.sync_threads()
             mm(accDw, K, sDvn, False, sS, False, True)
@@ -689,8 +795,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
             if cutlass.const_expr(PERSIST):  # every warp is done with q, Sc / dH and vn: the next tile's
                 cute.arch.sync_threads()
-                next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
-                            tidx, 0)
+                if cutlass.const_expr(TMA):
+                    tma_unit(0, ta, tma_tiles, tbar + 0, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC,
+                             T, NT, nseq)
+                else:
+                    next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
+                                tidx, 0)
 
             pmark(prof, 7)
             # ---- dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2
@@ -746,8 +856,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if cutlass.const_expr(PAIR):
                 cute.arch.cluster_arrive()  # sT (dKK) read: the peer may send dk into it
             if cutlass.const_expr(PERSIST):  # the next tile's v, do, dvn (and Tm), into the tiles no longer read
-                next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
-                            tidx, 1)
+                if cutlass.const_expr(TMA):
+                    tma_unit(1, ta, tma_tiles, tbar + 1, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC,
+                             T, NT, nseq)
+                else:
+                    next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
+                                tidx, 1)
             pmark(prof, 8)
             mm(accDk, K, sX1, False, tv(sK), True, False)  # dk += (dKK + dKK^T) k
             done()
@@ -772,8 +886,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 sDgc[0, pi] = wg_sum(sDgc, pi) + ps - kt
             cute.arch.sync_threads()
             if cutlass.const_expr(PERSIST):  # every thread is done with k: the next tile's
-                next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
-                            tidx, 2)
+                if cutlass.const_expr(TMA):
+                    tma_unit(2, ta, tma_tiles, tbar + 2, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC,
+                             T, NT, nseq)
+                else:
+                    next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
+                                tidx, 2)
             # the tail and the reverse cumulative sum on warp 0: lane l holds rows 2l and 2l + 1
             if tidx < 32:
                 x0 = sDgc[0, 2 * tidx]
@@ -819,8 +937,26 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         _static_checks(dtype, K, V, WGS)
         HV = mV.shape[2]
         grid = [nctas, PW, 1] if PERSIST else [nchunks_grid, HV, 1]  # PERSIST: nctas CTAs (clusters) walk the tiles
+        srcs = (mQ, mK, mV, mDo, mDvn, mVnI, mTmI, mHs)  # in TMA_NAMES order
+        if cutlass.const_expr(TMA):
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            atoms, tmas = [], []
+            for name, m in zip(TMA_NAMES, srcs):
+                if cutlass.const_expr(name == "s"):  # [rows, HV, K, V] -> (K, V, rows, HV): the box is a chunk row's state
+                    box = (K, V)
+                    view = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[2, 3, 0, 1]))
+                else:  # [B, T, heads, D] -> (T, D, B, heads): the box is (C rows, D columns)
+                    box = (C, C if name == "tm" else m.shape[3])
+                    view = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
+                a, t = cpasync.make_tiled_tma_atom(g2s, view, cm.smem_tile_layout(dtype, *box, 128 if name == "tm" else SW),
+                                                   box)
+                atoms.append(a)
+                tmas.append(t)
+        else:  # placeholders, never used
+            atoms = [cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)] * len(TMA_NAMES)
+            tmas = list(srcs)
         kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mVnI, mTmI, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T,
-               NT, nseq, group, nchunks_grid, mProf).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
+               NT, nseq, group, nchunks_grid, mProf, *atoms, *tmas).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
                                                             **({"cluster": [1, 2, 1]} if PAIR else {}))
 
     f = fwd._fakes()
@@ -892,8 +1028,18 @@ def persist_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_PERSIST", False)
 
 
+def tma_default() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_TMA=1``: the training path's stage 3 (vn and Tm read, cp.async loads) loads its
+    tiles by TMA instead: one elected thread of warp 0 issues each group's bulk copies on the group's mbarrier
+    (per tile: q, k, Sc; Tm, vn, do; v, dvn, each waited for where first read; persistent: the three parts, each
+    issued once its tiles are no longer read), so no warp spends issue slots on 16-byte copies and their
+    addresses. Rows past a varlen sequence's end are zeroed once landed, as cp.async zero-fills them: the same
+    bits. Prepared, not yet GPU-run: off."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_TMA", False)
+
+
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
-                      profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False):
+                      profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False, tma=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     async_loads = async_loads_default() if async_loads is None else bool(async_loads)
@@ -902,12 +1048,12 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
     key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ()) + (
         () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ()) + (
         ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ()) + (
-        ("tm_in",) if tm_in else ()) + (("persist",) if persist else ())
+        ("tm_in",) if tm_in else ()) + (("persist",) if persist else ()) + (("tma",) if tma else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
-                             async_loads, bool(vn_in), bool(tm_in), bool(persist))
+                             async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
@@ -915,7 +1061,7 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
                 sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
-                tm=None, persist: bool | None = None, persist_ctas: int | None = None):
+                tm=None, persist: bool | None = None, persist_ctas: int | None = None, tma: bool | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -939,7 +1085,10 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     its token, as the wy kernel writes them with ``store_t``), read instead of solved again; None: solved.
     ``persist``: the persistent variant (default :func:`persist_default` where the loads are by cp.async and
     no profile is asked for), a CTA per SM walking the tiles; the results are the same bits. ``persist_ctas``:
-    that many CTAs (clusters with the pair sum) instead of one an SM, for tests (several tiles a CTA)."""
+    that many CTAs (clusters with the pair sum) instead of one an SM, for tests (several tiles a CTA). ``tma``: the
+    loads by TMA instead of ``cp.async`` (default :func:`tma_default`; only with ``vn`` and ``tm`` given and the
+    cp.async loads asked for, per tile or persistent, with or without the profile variant); the results are the
+    same bits."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -1006,8 +1155,13 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         persist = persist_default() and profile is None and async_loads
     elif persist and (profile is not None or not async_loads):
         raise ValueError("persist: the persistent variant loads by cp.async and has no profile variant")
+    can_tma = async_loads and vn is not None and tm is not None
+    if tma is None:
+        tma = tma_default() and can_tma
+    elif tma and not can_tma:
+        raise ValueError("tma: the TMA loads need vn and tm given and the cp.async loads (async_loads)")
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
-                           vn is not None, tm is not None, persist)
+                           vn is not None, tm is not None, persist, bool(tma))
     prof = fwd._dummies(dev)[2] if profile is None else profile
     pw = 2 if pair else 1
     if persist_ctas is not None and (not persist or persist_ctas < 1):

@@ -44,7 +44,16 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(kernel_cache):
                                          persist=True))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True, tm_in=True, persist=True))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], persist=True))
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 15
+    # the TMA loads (CUDNN_TRAIN_GDN_DCHUNK_TMA): the training path's call per tile, persistent, on four warpgroups
+    # (64-byte swizzles), and K = 64 varlen
+    train = dict(dqk_dtype=torch.bfloat16, pair=True, vn_in=True, tm_in=True, tma=True)
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, persist=True))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], 4, **train))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True, tm_in=True, tma=True))
+    with pytest.raises(ValueError, match="TMA loads"):
+        B3.get_dchunk_kernel(*VARIANTS[0], tma=True)  # vn and Tm recomputed: no TMA variant
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 19
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -255,6 +264,55 @@ def test_persistent_chunk_gradients_are_bitwise_the_per_tile_kernels(case):
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert torch.isfinite(a).all(), f"{case}: {name} has unwritten elements"
         assert torch.equal(a, b), f"{case}: {name} differs in the persistent variant"
+
+
+def _pad_rows(args, vn, tm, extra):
+    """A varlen case's token tensors ``extra`` rows longer than its sequences, NaN there (what a varlen tensor
+    may hold past ``cu_seqlens[-1]``), and the chunk-row tensors grown to the longer tensor's grid."""
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+
+    def pad(x):
+        return torch.cat([x, torch.full((1, extra, *x.shape[2:]), float("nan"), device=x.device, dtype=x.dtype)], 1)
+
+    def grow(x):
+        rows = (qn.shape[1] + extra) // 64 + cu.numel() - 1
+        return torch.cat([x, x.new_zeros(max(rows - x.shape[0], 0), *x.shape[1:])]).contiguous()
+
+    qn, kn, v, gc, beta, do, dvn, vn, tm = (pad(x) for x in (qn, kn, v, gc, beta, do, dvn, vn, tm))
+    return (qn, kn, v, gc, beta, do, dvn, grow(hs), grow(dH), scale, cu, l2), vn, tm
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["pair", "pair_persistent", "varlen_64", "varlen_64_persistent", "varlen_nan_tail",
+                                  "wgs4", "fp16_T65"])
+def test_tma_chunk_gradients_are_bitwise_the_cp_async_loads(case):
+    """The TMA loads (CUDNN_TRAIN_GDN_DCHUNK_TMA: one thread issues each group's bulk copies on an mbarrier; rows
+    past a varlen sequence's end zeroed once landed) bring the same bytes as the cp.async loads: every output
+    bitwise equal, per tile and persistent (several tiles a CTA), on the training path's call (vn and Tm read):
+    the pair sum, varlen with empty, one-token and odd sequences at K = 64, NaN past the last sequence, four
+    warpgroups (64-byte swizzles), fp16 at T = 65 (a partial last chunk: rows past the tensor's end)."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
+    pair = case.startswith("pair")
+    K = 64 if lens else 128
+    dt = torch.float16 if lens or case.startswith("fp16") else torch.bfloat16
+    T = sum(lens) if lens else (65 if case == "fp16_T65" else 300)
+    args, _, vn, tm = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2 if pair or lens else None,
+                            l2norm=lens is None, with_vn=True)
+    if case == "varlen_nan_tail":
+        args, vn, tm = _pad_rows(args, vn, tm, 37)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs=4 if case == "wgs4" else None, vn=vn, tm=tm)
+    if pair:
+        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+    if case.endswith("persistent"):
+        kw.update(persist=True, persist_ctas=5)
+    want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, tma=False, **kw)
+    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, tma=True, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
+        assert torch.equal(a, b), f"{case}: {name} differs with the TMA loads"
 
 
 # (case, what is read): the forward's vn (the training path's default), its chunk inverses Tm, or both
