@@ -13,7 +13,7 @@ makes it) with its loads by cp.async against synchronous loads (outputs checked 
 default call with a vn read (``chunk_grads(vn=...)``, random: the timing does not depend on its values)
 against recomputing it, and with the chunk inverses read too (``tm=``), then the reading variants' profiles.
 ``--persist``: only the training path's call (vn and Tm read) per tile against the persistent variant
-(``persist=True``; outputs checked bitwise). ``--k64``: only K = V = 64, the training path's call (pair sum,
+(``persist=True``; outputs checked bitwise), then both profiles (cycles a tile). ``--k64``: only K = V = 64, the training path's call (pair sum,
 vn and Tm read) on one warpgroup against two (the default since the twelfth session; outputs compared,
 relative L2), then the two timings. ``--tma``: only the training path's call with its loads by TMA against
 cp.async (``tma=``; per tile, persistent, on four warpgroups; outputs checked bitwise), then both loads'
@@ -178,6 +178,35 @@ def persist_rows(x, B, T, H, HV, scale):
               tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
     compare_switch(x, kw, "persist", (("per tile", False), ("persistent", True)),
                    f"B{B} T{T} H{H} HV{HV}: persistent variant bitwise the per-tile kernel")
+    persist_profiles(x, B, T, H, HV, kw)
+
+
+def persist_profiles(x, B, T, H, HV, kw):
+    """The profile variants of the per-tile and the persistent kernel on the same call, cycles a tile: the
+    persistent one writes a row per CTA (its sums over its tiles), so its means are divided by the tiles a CTA."""
+    from time_gdn_fwd import _report
+
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as fs
+    from cudnn_train.kernels.gemm_sm90 import _max_clusters
+
+    tiles = B * (-(-T // 64)) * HV
+    n = len(B3.DCHUNK_PHASES) + 1
+    buf = torch.zeros(tiles * n, dtype=torch.int64, device="cuda")
+    B3.chunk_grads(*x, profile=buf, persist=False, **kw)
+    torch.cuda.synchronize()
+    _report("stage-3 kernel per tile, vn and Tm read", buf, B3.DCHUNK_PHASES, tiles)
+    pw = 2 if kw.get("sum_groups") and HV == 2 * H else 1
+    dev = torch.device("cuda")
+    sms = fs.sm_count(dev)
+    clusters = min(tiles // pw, _max_clusters(dev, pw, sms) if pw > 1 else sms)  # as chunk_grads launches them
+    ctas = clusters * pw
+    buf.zero_()
+    got = B3.chunk_grads(*x, profile=buf, persist=True, persist_ctas=clusters, **kw)
+    want = B3.chunk_grads(*x, persist=False, **kw)
+    torch.cuda.synchronize()
+    print(f"B{B} T{T}: persistent profile variant's outputs equal the per-tile kernel's: "
+          f"{all(torch.equal(a, b) for a, b in zip(got, want))}")
+    _report("stage-3 kernel persistent, vn and Tm read", buf[: ctas * n], B3.DCHUNK_PHASES, ctas, per=tiles / ctas)
 
 
 def tma_rows(x, B, T, H, HV, scale):

@@ -57,7 +57,8 @@ recomputed: no ``k Sc``, ``Z``, ``Tm Z``, and ``dP = do vn^T`` joins the product
 (H200, B4 T4096 H16 HV32, pair sum: 1.420 against 1.491 ms; 39.8K against 42.3K cycles a CTA).
 
 With ``tma`` (``chunk_grads(tma=True)``, TMA compiled in; only for the training path's call, vn and Tm read) the
-same three load groups are bulk tensor copies, issued by one elected thread of warp 0 on one mbarrier a group;
+three load groups are bulk tensor copies, issued by one elected thread of warp 0 on one mbarrier a group (Sc
+moved from the first group to the second: the l2norm rows and k k^T wait for q and k alone);
 rows past a varlen sequence's end are zeroed once landed, as cp.async zero-fills them (same bits). ptxas: 241
 registers, no spill, per tile; 255 and 4 bytes spilled persistent (against 227 and 255 with cp.async). Prepared
 in the fifteenth session, not yet GPU-run: off (:func:`tma_default`).
@@ -129,15 +130,17 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     locate = cm.make_chunk_locator(varlen)
     store_rows = cm.make_store_pairs()  # rows < nvalid of a float32 accumulator, element pairs, into gX
     PW = 2 if PAIR else 1  # value heads a CTA column covers (PAIR: the cluster's two)
-    if PERSIST and (PROFILE or not ASYNC):
-        raise ValueError("the persistent variant loads by cp.async and has no profile variant")
+    if PERSIST and not ASYNC:
+        raise ValueError("the persistent variant loads by cp.async or TMA")
     if TMA and not (ASYNC and VNIN and TMIN):
         raise ValueError("the TMA loads replace the cp.async ones of the training path's call (vn and Tm read)")
     # TMA: a tile's inputs by bulk tensor copies, issued by one elected thread of warp 0, one mbarrier a group of
-    # them; the groups are the cp.async ones (per tile: waited for where first read; persistent: the parts, each
-    # issued once its tiles are no longer read, all waited for at the next tile's top)
+    # them. Per tile, each group waited for where first read: q, k (the l2norm rows, k k^T); Sc, Tm, vn, do (the
+    # products in flight during the solve phase; with cp.async Sc is in the first group, so the l2norm waits for
+    # 64 KB instead of 32); v, dvn (dw). Persistent: the cp.async parts, each issued once its tiles are no longer
+    # read, all waited for at the next tile's top.
     TMA_GROUPS = (("q", "s", "vn"), ("v", "do", "dvn", "tm"), ("k",)) if PERSIST else (
-        ("q", "k", "s"), ("tm", "vn", "do"), ("v", "dvn"))
+        ("q", "k"), ("s", "tm", "vn", "do"), ("v", "dvn"))
     TMA_ELEMS = {"q": C * K, "k": C * K, "v": C * V, "do": C * V, "dvn": C * V, "vn": C * V, "tm": C * C, "s": K * V}
     TMA_BYTES = tuple(sum(TMA_ELEMS[x] for x in g) * dtype.width // 8 for g in TMA_GROUPS)
 
@@ -554,7 +557,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             elif cutlass.const_expr(PERSIST):
                 cute.arch.cp_async_wait_group(0)  # every input, loaded during the last tile (or before the loop)
             elif cutlass.const_expr(TMA):
-                cute.arch.mbarrier_wait(tbar, 0)  # q, k, Sc
+                cute.arch.mbarrier_wait(tbar, 0)  # q, k
                 zero_tails(0, tma_tiles, length, tidx)
             elif cutlass.const_expr(ASYNC):
                 cute.arch.cp_async_wait_group(2)  # q, k, Sc
@@ -612,7 +615,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 warpgroup.wait_group(0)
             if cutlass.const_expr(ASYNC and not PERSIST):  # (PERSIST: every input is in at the top)
                 if cutlass.const_expr(TMA):
-                    cute.arch.mbarrier_wait(tbar + 1, 0)  # Tm, vn, do
+                    cute.arch.mbarrier_wait(tbar + 1, 0)  # Sc, Tm, vn, do
                     zero_tails(1, tma_tiles, length, tidx)
                 else:
                     cute.arch.cp_async_wait_group(1)  # v and do (VNIN: vn and do)
@@ -921,9 +924,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 mDg[b, t0 + tidx, hv] = sDgc[0, tidx]
                 mDb[b, t0 + tidx, hv] = wg_sum(sDb, tidx)
             pmark(prof, 10)
-            pfinish(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
+            if cutlass.const_expr(not PERSIST):
+                pfinish(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
             if cutlass.const_expr(PERSIST):
                 cute.arch.sync_threads()  # the next tile's top rewrites sGc, sB, sDgc, sDb
+        if cutlass.const_expr(PERSIST):  # the profile's sums over this CTA's tiles, a row per CTA (bx, by)
+            pfinish(prof, mProf, bx * cute.arch.grid_dim()[1] + by, tidx)
 
     @cute.jit
     def host(
@@ -1024,7 +1030,9 @@ def persist_default() -> bool:
     current one's last three phases, each into its tile as soon as that is no longer read (q, Sc, vn after the
     dk phase; v, do, dvn, Tm after dTm / dA; k after the pair sums), so that the loads (17-20% of a CTA's
     cycles in the profile) overlap work instead of starting every CTA. Bitwise the per-tile kernel on the
-    H200 but slower there (eleventh session: 1.353 vs 1.253 ms at B4 T4096 H16 HV32): off."""
+    H200 but slower there (eleventh session: 1.353 vs 1.253 ms at B4 T4096 H16 HV32): off. Not profiled then; its
+    profile variant (sums over each CTA's tiles, ``time_gdn_dchunk.py --persist``) is prepared since the fifteenth
+    session, to say where its extra cycles go (ptxas: 255 registers against 227)."""
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_PERSIST", False)
 
 
@@ -1077,7 +1085,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     the pair, ``[B, T, H, K]`` in ``dqk_dtype`` (the float32 values summed once, rounded once), so no
     sum pass follows; without GVA it changes nothing. ``profile``: an int64 tensor of chunks x HV x
     (len(DCHUNK_PHASES) + 1) elements: runs the profile variant, which writes thread 0's clock64 cycles
-    per phase and in total for every CTA there (``tools/time_gdn_dchunk.py --profile``). ``async_loads``: the
+    per phase and in total for every CTA there (``tools/time_gdn_dchunk.py --profile``; persistent: a row per CTA,
+    ``(cta, cluster rank)``, the sums over its tiles, in the first rows). ``async_loads``: the
     loads by ``cp.async`` (default :func:`async_loads_default`) or synchronous, for comparison. ``vn``: the
     forward's ``vn = u - w Sc`` (v's shape and dtype, as the split pass's chain writes it), read instead
     of recomputed (no ``k Sc``, ``Z``, ``Tm Z``; ``do vn^T`` in flight during the solve); None: recomputed.
@@ -1153,8 +1162,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     async_loads = async_loads_default() if async_loads is None else bool(async_loads)
     if persist is None:
         persist = persist_default() and profile is None and async_loads
-    elif persist and (profile is not None or not async_loads):
-        raise ValueError("persist: the persistent variant loads by cp.async and has no profile variant")
+    elif persist and not async_loads:
+        raise ValueError("persist: the persistent variant loads by cp.async or TMA (async_loads)")
     can_tma = async_loads and vn is not None and tm is not None
     if tma is None:
         tma = tma_default() and can_tma

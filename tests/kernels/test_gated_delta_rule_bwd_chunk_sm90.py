@@ -53,7 +53,10 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(kernel_cache):
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True, tm_in=True, tma=True))
     with pytest.raises(ValueError, match="TMA loads"):
         B3.get_dchunk_kernel(*VARIANTS[0], tma=True)  # vn and Tm recomputed: no TMA variant
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 19
+    # the persistent variant's profile (sums over each CTA's tiles), with cp.async and with TMA
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **{**train, "tma": False}, persist=True, profile=True))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, persist=True, profile=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 21
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -313,6 +316,27 @@ def test_tma_chunk_gradients_are_bitwise_the_cp_async_loads(case):
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
         assert torch.equal(a, b), f"{case}: {name} differs with the TMA loads"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+def test_persistent_profile_variant_is_bitwise_the_per_tile_kernel(tma):
+    """The persistent variant's profile (clock64 sums over each CTA's tiles, a row per CTA) changes no result:
+    bitwise the per-tile kernel, several tiles a CTA, the training path's call with the pair sum; its rows hold a
+    positive total for every CTA and nothing past them."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    args, _, vn, tm = _case(2, 300, 4, 128, 128, torch.bfloat16, H=2, l2norm=True, with_vn=True)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, vn=vn, tm=tm, dqk_dtype=torch.bfloat16, sum_groups=True, tma=tma)
+    n = len(B3.DCHUNK_PHASES) + 1
+    buf = torch.zeros(2 * 5 * 4 * n, dtype=torch.int64, device="cuda")  # chunks x HV rows, at least
+    want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, persist=False, **kw)
+    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, persist=True, persist_ctas=3, profile=buf, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert torch.equal(a, b), f"{name} differs in the persistent profile variant"
+    rows = buf.view(-1, n)
+    assert (rows[:6, -1] > 0).all() and (rows[6:] == 0).all()  # three clusters of two CTAs
 
 
 # (case, what is read): the forward's vn (the training path's default), its chunk inverses Tm, or both
