@@ -47,7 +47,8 @@
 #   bash tools/gpu_next.sh s22      # its loads by TMA (prepared): bitwise cases, timing and profile
 #   bash tools/gpu_next.sh s23      # w, u formed in its chain (prepared): oracle cases, timings
 #   bash tools/gpu_next.sh s24      # the reverse sweep on specialized warpgroups (prepared): cases, timing
-#   bash tools/gpu_next.sh s25      # every prepared GPU case (s22-s24 + the fourteenth session's), the sweep's timing
+#   bash tools/gpu_next.sh s25      # every prepared GPU case (s22-s24, the fourteenth session's, the sweep's TMA
+#                                   # variant), the sweep's timing
 #   bash tools/gpu_next.sh s26      # then the forward's timings and profiles of all the prepared variants
 #   bash tools/gpu_next.sh s27      # stage 3's TMA loads (fifteenth session): its bitwise cases, then its timings
 #                                   # (per tile, persistent, four warpgroups) and profile against cp.async, then
@@ -330,7 +331,7 @@ s25)
   # in the chain, two output warpgroups, 128 columns of V a CTA, the specialized-warpgroup sweep), then the forward's
   # and the sweep's timings (flip a default only if faster)
   tier s25 ${GDN_S:-260} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    -k "tma_loads or formed_in_the_chain or output_warpgroups or v_block_128 or rows_past_the_last or specialized_warpgroups_match_reference or specialized_warpgroups_varlen"
+    -k "tma_loads or formed_in_the_chain or output_warpgroups or v_block_128 or rows_past_the_last or specialized_warpgroups_match_reference or specialized_warpgroups_varlen or specialized_warpgroups_tma"
   timed sweep_ws 120 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
 s26)
   # then (its own call: the limits would pass 600 s together) the forward's timings of everything prepared: TMA, two
@@ -339,6 +340,7 @@ s26)
 s27)
   # the fifteenth session's prepared work: stage 3 with its loads by TMA (CUDNN_TRAIN_GDN_DCHUNK_TMA), bitwise the
   # cp.async loads, then timed against them per tile, persistent and on four warpgroups, with both profiles
+  # (the specialized-warpgroup sweep's TMA variant is in s25: its cases and its row of time_gdn_sweep.py --ws)
   tier s27 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "tma_chunk_gradients or persistent"
   timed dchunk_tma ${TIME_S:-200} python3 tools/time_gdn_dchunk.py --shapes 2 --tma
   timed dchunk_persist 120 python3 tools/time_gdn_dchunk.py --shapes 1 --persist ;;

@@ -14,8 +14,8 @@ the next chunk's q and k issued early (``early_qk=True``; outputs must be bitwis
 alternating, then the early variant's profile. ``--p2``: the split sweep with its ``dvl`` building P in two
 passes (``CUDNN_TRAIN_GDN_DVL_P2=1``) against the one pass: bitwise check, timed twice each, alternating.
 ``--ws``: the fused kernel (its defaults) against its variant on two specialized warpgroups
-(``gated_delta_rule_bwd_ws_sm90``, ``CUDNN_TRAIN_GDN_SWEEP_WS``): relative L2 of the outputs, timed twice each,
-alternating.
+(``gated_delta_rule_bwd_ws_sm90``, ``CUDNN_TRAIN_GDN_SWEEP_WS``) and that variant with its loads by TMA
+(``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``): relative L2 of the outputs (TMA: bitwise), timed twice each, alternating.
 
 Before timing, the variants' outputs are compared with the default's (relative L2; the prefetch
 must not change a bit). Each line: median ms of
@@ -82,19 +82,23 @@ def main():
             profile(run, run_profiled, B, T, HV, V, NT)
             continue
         if args.ws:
-            def sweep_ws(ws):
+            def sweep_ws(ws, tma=False):
                 return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
-                                         out_dtype=dt, split=False, ws=ws)
+                                         out_dtype=dt, split=False, ws=ws, ws_tma=tma)
 
             a = [t.clone() for t in sweep_ws(False)]
-            b = sweep_ws(True)
+            b = [t.clone() for t in sweep_ws(True)]
+            c = sweep_ws(True, True)
             torch.cuda.synchronize()
             diffs = ", ".join(f"{n} {rel_l2(y.float(), x.float()):.1e}" for n, x, y in zip(("dvn", "dH", "dh0"), a, b))
             print(f"B{B} T{T} H{H} HV{HV}: specialized warpgroups vs the fused kernel: {diffs}; "
-                  f"finite {all(bool(torch.isfinite(y).all()) for y in b)}")
+                  f"finite {all(bool(torch.isfinite(y).all()) for y in b)}; "
+                  f"TMA loads bitwise cp.async: {all(torch.equal(x, y) for x, y in zip(b, c))}")
+            rows = ((False, False, "fused kernel, defaults"), (True, False, "specialized warpgroups"),
+                    (True, True, "specialized, TMA loads"))
             for _ in range(2):
-                for ws, name in ((False, "fused kernel, defaults"), (True, "specialized warpgroups")):
-                    print(f"  {name:28s} {bench(lambda: sweep_ws(ws), warmup=10, rep=50):.3f} ms")
+                for ws, tma, name in rows:
+                    print(f"  {name:28s} {bench(lambda: sweep_ws(ws, tma), warmup=10, rep=50):.3f} ms")
             continue
         if args.early_qk or args.p2:
             if args.early_qk:

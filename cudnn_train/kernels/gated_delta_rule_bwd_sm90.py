@@ -362,7 +362,7 @@ def split_default(nseq: int, HV: int, V: int, device) -> bool:
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
                   cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None,
                   prefetch: bool | None = None, split: bool | None = None, profile: torch.Tensor | None = None,
-                  early_qk: bool | None = None, ws: bool | None = None):
+                  early_qk: bool | None = None, ws: bool | None = None, ws_tma: bool | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
@@ -377,7 +377,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     kernel's profile variant (never the split pair), which writes thread 0's clock64 cycles per phase,
     summed over the CTA's chunks, and the CTA's total (``tools/time_gdn_sweep.py --profile``). ``ws``: where the
     fused kernel would run, its variant on two specialized warpgroups instead (``gated_delta_rule_bwd_ws_sm90``;
-    default ``CUDNN_TRAIN_GDN_SWEEP_WS``, off)."""
+    default ``CUDNN_TRAIN_GDN_SWEEP_WS``, off); ``ws_tma``: that variant's loads by TMA (default
+    ``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``, off; the same bits)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -415,7 +416,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
 
     ws = (WS.enabled() if ws is None else bool(ws)) and not split and profile is None
     if ws:
-        fn = WS.get_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first, out_dtype)
+        fn = WS.get_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first, out_dtype,
+                           ws_tma)
     elif not split:
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
                                out_dtype, wgs, prefetch, profile is not None, early_qk)

@@ -21,9 +21,15 @@ two; the loop is unrolled six times so every buffer index stays static. About 22
 CTA an SM. Numerics: dvn's two terms are summed in float32 by the chain (the fused kernel lets the
 ``do^T P`` product accumulate onto the scaled ``dH^T k^T``), so results differ from it in the last bits.
 
+With ``tma`` (``CUDNN_TRAIN_GDN_SWEEP_WS_TMA=1``, :func:`tma_enabled`) q, k, w and do arrive by TMA: one elected
+thread of the aux's first warp issues a chunk's four tiles on the chunk's mbarrier (chunk cr on barrier cr % 6,
+completing its phase (cr // 6) % 2), gc stays on cp.async (its rows are HV floats apart); the first chunk taken
+(a sequence's last, the only partial one) has its rows past the end zeroed once landed, as cp.async zero-fills
+them: the same bits. ptxas: 167 registers, no spill (174 with cp.async).
+
 Status: prepared on the CPU machine (compiles for sm_90a), not yet run on a GPU: off unless
 ``CUDNN_TRAIN_GDN_SWEEP_WS=1`` (``gated_delta_rule_bwd_sm90.reverse_sweep``, where the fused kernel would
-serve at K = 128).
+serve at K = 128); its TMA loads likewise.
 """
 
 import torch
@@ -41,15 +47,24 @@ Y_STRIDE = CHUNK + 4  # float32 rows of Y: 8-byte pairs, rows 16 bytes apart in 
 _SOURCES = (__file__, fwd.__file__, cm.__file__)
 
 
+def tma_enabled() -> bool:
+    """``CUDNN_TRAIN_GDN_SWEEP_WS_TMA=1``: with this kernel, q, k, w and do by TMA (one elected thread of the
+    aux's first warp issues a chunk's four tiles on the chunk's mbarrier; gc stays on cp.async, its rows HV
+    floats apart), so the chain no longer spends issue slots on the next chunk's 16-byte copies (the forward's
+    state pass, the same structure, stalled half its chain's cycles issuing them). Prepared in the fifteenth
+    session, compiled, not yet GPU-run: off."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_WS_TMA", False)
+
+
 def enabled() -> bool:
     """``CUDNN_TRAIN_GDN_SWEEP_WS=1``: the fused reverse sweep on two specialized warpgroups."""
     return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_WS", False)
 
 
-def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt):
+def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt, tma: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
-    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.cute.nvgpu import cpasync, warpgroup
 
     C = CHUNK
     LOG2E = cm.LOG2E
@@ -60,29 +75,88 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
     store_p = cm.make_store_p(dtype, l2norm)
     scale_rows = cm.make_scale_rows(dtype, VB, 128, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
+    issue_gc = fwd.make_issue_gc()
+    TMA_WARP = 4  # tma: the aux's first warp issues the copies (one elected thread arms the chunk's mbarrier)
+    TX_BYTES = (3 * C * K + C * VB) * dtype.width // 8  # q, k, w, do of a chunk
+
+    @cute.jit
+    def tma_chunk(ta: cutlass.Constexpr, sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sDo: cute.Tensor, bar,
+                  b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32):
+        """(tma, warp TMA_WARP) the chunk at row t0: q, k (head h), w and do's columns v0 : v0 + VB (value head
+        hv) on the mbarrier ``bar``. Rows past the tensor's end arrive as zeros; rows past a varlen sequence's end
+        are the next sequence's (zeroed by :func:`zero_tail` once landed)."""
+        aQ, aK, aW, aDo, tQ, tK, tW, tDo = ta
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, TX_BYTES)
+        for atom, tT, sX, head, c0, cols in ((aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K), (aW, tW, sW, hv, 0, K),
+                                             (aDo, tDo, sDo, hv, v0, VB)):
+            gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
+            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                           cute.group_modes(gT, 0, 2))
+            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+
+    @cute.jit
+    def zero_tail(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
+        """(tma, every thread) rows >= length of the [C, cols] tile sX zeroed, as cp.async zero-fills them: the
+        update's do_s^T q and dvn^T w sum over the chunk's rows, so the next sequence's rows (or whatever a varlen
+        tensor holds past its last sequence, NaN included) must not reach them."""
+        zero = cute.make_rmem_tensor((1, 8), dtype)
+        zero.fill(0.0)
+        for p in cutlass.range_constexpr(C * cols // 8 // THREADS):
+            idx = p * THREADS + tidx
+            r = idx // (cols // 8)
+            if r >= length:
+                cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
+
+    @cute.jit
+    def issue_chunk(gm: cutlass.Constexpr, sb: cutlass.Constexpr, nb3: cutlass.Constexpr, nb2: cutlass.Constexpr,
+                    b: Int32, h: Int32, hv: Int32, t1: Int32, v0: Int32, length: Int32, tidx: Int32,
+                    ta: cutlass.Constexpr, bar):
+        """The chunk at row t1 into buffers nb3 (q, k, w, gc) and nb2 (do): by cp.async, or with ``tma`` the
+        tiles by TMA on ``bar`` (warp TMA_WARP) and gc by cp.async. The caller commits the cp.async group."""
+        mQ, mK, mW, mDO, mGc = gm
+        sQ, sK, sW, sGc = (x[nb3] for x in (sb[0], sb[1], sb[2], sb[4]))
+        sDo = sb[3][nb2]
+        if cutlass.const_expr(tma):
+            issue_gc(mGc, sGc, b, hv, t1, length, tidx)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
+                tma_chunk(ta, sQ, sK, sW, sDo, bar, b, h, hv, t1, v0)
+        else:
+            issue_qk(mQ, mK, sQ, sK, b, h, t1, length, tidx)
+            issue_wdg(mW, mDO, mGc, sW, sDo, sGc, b, hv, t1, v0, length, tidx)
 
     @cute.jit
     def handover(gm: cutlass.Constexpr, sb: cutlass.Constexpr, p6: cutlass.Constexpr, b: Int32, h: Int32, hv: Int32,
-                 ts: Int32, nchunks: Int32, it: Int32, v0: Int32, tidx: Int32):
+                 ts: Int32, te: Int32, nchunks: Int32, it: Int32, v0: Int32, tidx: Int32, ta: cutlass.Constexpr, mbar):
         """The top of iteration ``it`` (``p6`` = it % 6), both warpgroups: this thread's copies of chunk it have
-        landed, the CTA barrier, then the copies of the chunk the aux takes next (the one before it in the
-        sequence) into its buffers, committed as one group. ``gm``: q, k, w, do, gc; ``sb``: their buffer lists."""
-        mQ, mK, mW, mDO, mGc = gm
-        sQ, sK, sW, sGc = (x[(p6 + 1) % 3] for x in (sb[0], sb[1], sb[2], sb[4]))
-        sDo = sb[3][(p6 + 1) % 2]
+        landed (with ``tma`` its tiles on mbarrier it % 6, phase (it // 6) % 2; the first taken, the sequence's last
+        chunk, has its rows past the end zeroed), the CTA barrier, then the copies of the chunk the aux takes next
+        (the one before it in the sequence) into its buffers, the cp.async ones committed as one group. ``gm``: q,
+        k, w, do, gc; ``sb``: their buffer lists."""
+        if cutlass.const_expr(tma):
+            if it < nchunks:
+                cute.arch.mbarrier_wait(mbar + p6, (it // 6) % 2)
+                if it == 0:
+                    length = te - (ts + (nchunks - 1) * C)
+                    if length < C:
+                        for x in (sb[0][0], sb[1][0], sb[2][0]):
+                            zero_tail(x, K, length, tidx)
+                        zero_tail(sb[3][0], VB, length, tidx)
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BAR_ITER, number_of_threads=THREADS)
         if it + 1 < nchunks:
             t1 = ts + (nchunks - 2 - it) * C  # only the sequence's last chunk (the first taken) can be partial
-            issue_qk(mQ, mK, sQ, sK, b, h, t1, C, tidx)
-            issue_wdg(mW, mDO, mGc, sW, sDo, sGc, b, hv, t1, v0, C, tidx)
+            issue_chunk(gm, sb, (p6 + 1) % 3, (p6 + 1) % 2, b, h, hv, t1, v0, C, tidx, ta,
+                        None if mbar is None else mbar + (p6 + 1) % 6)
         cute.arch.cp_async_commit_group()
 
     @cute.kernel
     def kernel(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor,
                mDHT: cute.Tensor, mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor, mCu: cute.Tensor,
-               mCuC: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32):
+               mCuC: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32, aQ: cute.CopyAtom,
+               aK: cute.CopyAtom, aW: cute.CopyAtom, aDo: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor,
+               tW: cute.Tensor, tDo: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -115,14 +189,27 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
         sRkb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(2)]
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
 
+        ta = (aQ, aK, aW, aDo, tQ, tK, tW, tDo)
+        mbar = None
+        if cutlass.const_expr(tma):  # one mbarrier a chunk slot: chunk cr on cr % 6, completing phase (cr // 6) % 2
+            mbar = smem.allocate_array(cutlass.Int64, 6, byte_alignment=8)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
+                for a in (aQ, aK, aW, aDo):
+                    cpasync.prefetch_descriptor(a)
+                with cute.arch.elect_one():
+                    for i in cutlass.range_constexpr(6):
+                        cute.arch.mbarrier_init(mbar + i, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
         niter = nchunks + cutlass.min(nchunks, 1)  # the chain takes chunk cr in iteration cr + 1
         gm = (mQ, mK, mW, mDO, mGc)
+        sb = (sQb, sKb, sWb, sDob, sGcb)
 
         if nchunks > 0:  # the sequence's last chunk, the first taken (cr = 0)
             t1 = ts + (nchunks - 1) * C
-            issue_qk(mQ, mK, sQb[0], sKb[0], b, h, t1, te - t1, tidx)
-            issue_wdg(mW, mDO, mGc, sWb[0], sDob[0], sGcb[0], b, hv, t1, v0, te - t1, tidx)
+            issue_chunk(gm, sb, 0, 0, b, h, hv, t1, v0, te - t1, tidx, ta, mbar)
         cute.arch.cp_async_commit_group()
 
         if wg == 0:
@@ -144,7 +231,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
                 for p6 in cutlass.range_constexpr(6):  # chunk cr in buffers cr % 3 and cr % 2: all static
                     it = cp * 6 + p6
                     if it < niter:
-                        handover(gm, (sQb, sKb, sWb, sDob, sGcb), p6, b, h, hv, ts, nchunks, it, v0, tidx)
+                        handover(gm, sb, p6, b, h, hv, ts, te, nchunks, it, v0, tidx, ta, mbar)
                         if it > 0:
                             b3 = (p6 + 2) % 3  # chunk cr = it - 1
                             b2 = (p6 + 1) % 2
@@ -194,7 +281,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
                 for p6 in cutlass.range_constexpr(6):
                     it = cp * 6 + p6
                     if it < niter:
-                        handover(gm, (sQb, sKb, sWb, sDob, sGcb), p6, b, h, hv, ts, nchunks, it, v0, tidx)
+                        handover(gm, sb, p6, b, h, hv, ts, te, nchunks, it, v0, tidx, ta, mbar)
                         if it < nchunks:
                             b3 = p6 % 3  # chunk cr = it
                             b2 = p6 % 2
@@ -231,7 +318,21 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
         cm.check_mn_major_view(dtype, C, C)
         cm.check_mn_major_view(dtype, C, VB)
         HV = mW.shape[2]
-        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group).launch(
+        if cutlass.const_expr(tma):
+            def rows_first(m):  # [B, T, heads, D] -> (T, D, B, heads): the TMA box is (C rows, D columns)
+                return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
+
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            lqk = cm.smem_tile_layout(dtype, C, K)
+            aQ, tQ = cpasync.make_tiled_tma_atom(g2s, rows_first(mQ), lqk, (C, K))
+            aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), lqk, (C, K))
+            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), lqk, (C, K))
+            aDo, tDo = cpasync.make_tiled_tma_atom(g2s, rows_first(mDO), cm.smem_tile_layout(dtype, C, VB), (C, VB))
+        else:  # placeholders, never used
+            aQ = aK = aW = aDo = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
+            tQ, tK, tW, tDo = mQ, mK, mW, mDO
+        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, aQ, aK, aW, aDo, tQ, tK,
+               tW, tDo).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
         )
 
@@ -244,12 +345,14 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
 
-def get_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32):
+def get_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, tma=None):
     if K not in fwd.HEAD_DIMS or V not in fwd.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {fwd.HEAD_DIMS}")
-    key = ("sweep_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk), str(out_dtype))
+    tma = tma_enabled() if tma is None else bool(tma)
+    key = ("sweep_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk),
+           str(out_dtype)) + (("tma",) if tma else ())
 
     def build():
-        return _build(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype))
+        return _build(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), tma)
 
     return kc.get_kernel("gdn_bwd_sweep_ws", key, build, _SOURCES)

@@ -42,7 +42,10 @@ def test_specialized_warpgroup_sweep_compiles_for_sm90a(kernel_cache):
 
     assert callable(SW.get_kernel(*VARIANTS[2]))
     assert callable(SW.get_kernel(torch.float16, 64, 128, False, True, True, True))
-    assert len(list(kernel_cache.rglob("*.o"))) == 2
+    # its loads by TMA (CUDNN_TRAIN_GDN_SWEEP_WS_TMA)
+    assert callable(SW.get_kernel(*VARIANTS[2], tma=True))
+    assert callable(SW.get_kernel(torch.float16, 64, 128, False, True, True, True, tma=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 4
     with pytest.raises(ValueError, match="K=96"):
         SW.get_kernel(torch.bfloat16, 96, 128, True, False, False, False)
 
@@ -189,6 +192,43 @@ def test_reverse_sweep_specialized_warpgroups_match_reference_and_fused(T, out_d
         assert torch.isfinite(a).all(), name
         assert rel_l2(a.float(), r) <= 2e-2, (name, rel_l2(a.float(), r))
         assert rel_l2(a.float(), f.float()) <= 2e-3, (name, "vs fused", rel_l2(a.float(), f.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["T300", "T65_fp32_out", "varlen", "varlen_vk", "varlen_nan_tail"])
+def test_reverse_sweep_specialized_warpgroups_tma_is_bitwise_cp_async(case):
+    """The specialized-warpgroup sweep with its loads by TMA (CUDNN_TRAIN_GDN_SWEEP_WS_TMA: one thread issues a
+    chunk's q, k, w, do on the chunk's mbarrier; the first chunk taken, a sequence's last, has its rows past the
+    end zeroed once landed) brings the same bytes as cp.async: dvn, every dH row and dh0 bitwise equal. Dense T
+    300 and 65 (rows past the tensor's end), varlen GVA 4 at K = 64 with empty, one-token and odd sequences in
+    both state layouts, and NaN in the rows past the last sequence."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    if case.startswith("varlen"):
+        q, k, _g, _beta, w, gc, cu, scale, do, _dht, dht = _varlen_case(case == "varlen_vk")
+        args = dict(scale=scale, cu_seqlens=cu, state_v_first=case == "varlen_vk", out_dtype=torch.bfloat16)
+        if case == "varlen_nan_tail":  # 37 more rows past the last sequence, NaN
+            q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
+                                                        dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
+    else:
+        T = 300 if case == "T300" else 65
+        q, k, _g, _beta, w, gc, _, scale = _case(2, T, 2, 4, 128, 128, torch.bfloat16, l2norm=True)
+        do = torch.randn(2, T, 4, 128, device="cuda", dtype=torch.bfloat16)
+        dht = torch.randn(2, 4, 128, 128, device="cuda")
+        args = dict(scale=scale, use_qk_l2norm_in_kernel=True,
+                    out_dtype=torch.float32 if case.endswith("fp32_out") else torch.bfloat16)
+    want = B90.reverse_sweep(q, k, w, gc, do, dht, split=False, ws=True, ws_tma=False, **args)
+    got = B90.reverse_sweep(q, k, w, gc, do, dht, split=False, ws=True, ws_tma=True, **args)
+    rows = None
+    if case.startswith("varlen"):  # dH rows past the varlen chunk count are never written: compare the written ones
+        rows = int(cu.new_tensor([(n + 63) // 64 for n in VARLEN_LENS]).sum())
+    for name, a, b in zip(("dvn", "dH", "dh0"), got, want):
+        if name == "dH" and rows is not None:
+            a, b = a[:rows], b[:rows]
+        if name == "dvn" and case == "varlen_nan_tail":
+            a, b = a[:, : int(cu[-1])], b[:, : int(cu[-1])]
+        assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
+        assert torch.equal(a, b), f"{case}: {name} differs with the TMA loads"
 
 
 @pytest.mark.gpu
