@@ -27,6 +27,10 @@ float32 after the product instead of inside one accumulator, so results match th
 summation order, not bitwise. Writes dvn and the dH rows in the input dtype only (the float32
 outputs of the fused kernel are not served: :func:`serves`), dh0 in float32 (either layout).
 
+With ``CUDNN_TRAIN_GDN_DCHAIN_TMA=1`` (:func:`dchain_tma`; prepared in the fifteenth session, not yet GPU-run)
+``dchain``'s k, q, w and do arrive by TMA, one elected thread of warp 0 issuing them on the buffer's mbarrier
+(gc stays on cp.async); the first chunk taken has its rows past the end zeroed once landed: the same bits.
+
 Status: its GPU cases (``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, ``split``: dense T 1/65/300
 at both V blocks, bf16 and fp16, varlen, GVA 4, K = 64, both state layouts, against the float32
 reference and the fused kernel) pass on the H200. The sweep's default where the fused kernel's grid
@@ -168,10 +172,11 @@ def _build_dvl(dtype, K: int, V: int, l2norm: bool, varlen: bool, P2: bool = Fal
 # ------------------------------------------------------------------ kernel: dchain
 
 
-def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool):
+def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool,
+                  tma: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
-    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.cute.nvgpu import cpasync, warpgroup
 
     C = CHUNK
     KH = K // 64  # M = 64 halves of the state's K rows
@@ -185,11 +190,53 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
     load_block, store_block, block_to_tile, tile_to_rows = FS.make_block_io(dtype, K, VB)
     scale_rows = cm.make_scale_rows(dtype, VB, THREADS, l2norm)
 
+    TX_BYTES = (3 * C * K + C * VB) * dtype.width // 8  # tma: k, q, w and do's columns of a chunk
+
+    def tma_chunk(ta, sQs, sK, sWs, sDo, bar, b, h, hv, t0, v0):
+        # (tma, warp 0, while tracing) the chunk at row t0 on the mbarrier bar: k, q's and w's 64-column halves (q
+        # and k at head h, w at value head hv) and do's columns v0 : v0 + VB; rows past the tensor's end arrive as
+        # zeros, rows past a varlen sequence's end are the next sequence's (zero_tail clears them once landed)
+        aK, aQ, aW, aDo, tK, tQ, tW, tDo = ta
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, TX_BYTES)
+        jobs = [(aK, tK, sK, h, 0, K), (aDo, tDo, sDo, hv, v0, VB)]
+        jobs += [(aQ, tQ, sQs[hf], h, hf * 64, 64) for hf in range(KH)]
+        jobs += [(aW, tW, sWs[hf], hv, hf * 64, 64) for hf in range(KH)]
+        for atom, tT, sX, head, c0, cols in jobs:
+            gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
+            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                           cute.group_modes(gT, 0, 2))
+            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+
+    @cute.jit
+    def zero_tail(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
+        # (tma) rows >= length of the [C, cols] tile sX zeroed, as cp.async zero-fills them: the update's q^T do_s
+        # and w^T dvn sum over the chunk's rows
+        zero = cute.make_rmem_tensor((1, 8), dtype)
+        zero.fill(0.0)
+        for p in cutlass.range_constexpr(C * cols // 8 // THREADS):
+            idx = p * THREADS + tidx
+            r = idx // (cols // 8)
+            if r >= length:
+                cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
+
     @cute.jit
     def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mDO: cute.Tensor, mGc: cute.Tensor,
                     sQs: cutlass.Constexpr, sK: cute.Tensor, sWs: cutlass.Constexpr, sDo: cute.Tensor,
                     sGc: cute.Tensor, b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32,
-                    tidx: Int32):
+                    tidx: Int32, ta: cutlass.Constexpr, bar):
+        if cutlass.const_expr(tma):  # the tiles by TMA (warp 0), gc by cp.async (its rows are HV floats apart)
+            issue_gc(mGc, sGc, b, hv, t0, length, tidx)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                tma_chunk(ta, sQs, sK, sWs, sDo, bar, b, h, hv, t0, v0)
+        else:
+            issue_rows_of_chunk(mQ, mK, mW, mDO, mGc, sQs, sK, sWs, sDo, sGc, b, h, hv, t0, v0, length, tidx)
+
+    @cute.jit
+    def issue_rows_of_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mDO: cute.Tensor, mGc: cute.Tensor,
+                            sQs: cutlass.Constexpr, sK: cute.Tensor, sWs: cutlass.Constexpr, sDo: cute.Tensor,
+                            sGc: cute.Tensor, b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32,
+                            tidx: Int32):
         gQ = cute.domain_offset((t0, 0), mQ[b, None, h, None])
         gW = cute.domain_offset((t0, 0), mW[b, None, hv, None])
         tiles = [(cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),
@@ -203,7 +250,9 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
     @cute.kernel
     def kernel(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor,
                mDvl: cute.Tensor, mDHT: cute.Tensor, mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor,
-               mCu: cute.Tensor, mCuC: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32):
+               mCu: cute.Tensor, mCuC: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32,
+               aK: cute.CopyAtom, aQ: cute.CopyAtom, aW: cute.CopyAtom, aDo: cute.CopyAtom, tK: cute.Tensor,
+               tQ: cute.Tensor, tW: cute.Tensor, tDo: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
         h = hv // group
@@ -237,6 +286,19 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
         cX = thr_x.partition_C(cute.make_identity_tensor((C, VB)))  # (i, v)
         cS = thr_up.partition_C(cute.make_identity_tensor((64, VB)))  # (d within the half, v)
 
+        ta = (aK, aQ, aW, aDo, tK, tQ, tW, tDo)
+        mbar = None
+        if cutlass.const_expr(tma):  # one mbarrier a buffer: chunk cr in buffer cr % 2 completes its phase (cr // 2) % 2
+            mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                for a in (aK, aQ, aW, aDo):
+                    cpasync.prefetch_descriptor(a)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(mbar, 1)
+                    cute.arch.mbarrier_init(mbar + 1, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
 
         # ---- dH [K, VB] (float32 accumulators): the final state's gradient, or zero
@@ -250,7 +312,7 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
         if nchunks > 0:  # the sweep's first chunk: the sequence's last
             t1 = ts + (nchunks - 1) * C
             issue_chunk(mQ, mK, mW, mDO, mGc, sQb[0], sKb[0], sWb[0], sDob[0], sGcb[0], b, h, hv, t1, v0, te - t1,
-                        tidx)
+                        tidx, ta, mbar)
         cute.arch.cp_async_commit_group()
         for cp in cutlass.range((nchunks + 1) // 2, unroll=1):
             for par in cutlass.range_constexpr(2):  # chunk cr in buffer par: every tile stays static
@@ -273,13 +335,22 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                             cute.autovec_copy(cute.local_tile(gDvl, (1, 2), (li, (v0 + lv) // 2)), frag)
                         rL[2 * e] = frag[0]
                         rL[2 * e + 1] = frag[1]
+                    if cutlass.const_expr(tma):
+                        cute.arch.mbarrier_wait(mbar + par, cp % 2)
+                        if length < C:  # only the first chunk taken, the sequence's last, is partial
+                            zero_tail(sKb[par], K, length, tidx)
+                            zero_tail(sDob[par], VB, length, tidx)
+                            for hf in cutlass.range_constexpr(KH):
+                                zero_tail(sQb[par][hf], 64, length, tidx)
+                                zero_tail(sWb[par][hf], 64, length, tidx)
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # chunk cr and sDH in smem; every thread is done with chunk cr - 1
                     if cr + 1 < nchunks:  # chunk cr + 1 (the one before this) into the other buffers
                         t1 = t0 - C
                         issue_chunk(mQ, mK, mW, mDO, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sDob[1 - par],
-                                    sGcb[1 - par], b, h, hv, t1, v0, C, tidx)
+                                    sGcb[1 - par], b, h, hv, t1, v0, C, tidx, ta,
+                                    None if mbar is None else mbar + (1 - par))
                     cute.arch.cp_async_commit_group()
 
                     accX = cute.make_rmem_tensor(thr_x.partition_shape_C((C, VB)), Float32)
@@ -346,7 +417,21 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
              stream):
         _static_checks(dtype, K, V, VB)
         HV = mW.shape[2]
-        kernel(mQ, mK, mW, mGc, mDO, mDvl, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group).launch(
+        if cutlass.const_expr(tma):
+            def rows_first(m):  # [B, T, heads, D] -> (T, D, B, heads): the TMA box is (C rows, cols)
+                return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
+
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            lh = cm.smem_tile_layout(dtype, C, 64)
+            aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), cm.smem_tile_layout(dtype, C, K), (C, K))
+            aQ, tQ = cpasync.make_tiled_tma_atom(g2s, rows_first(mQ), lh, (C, 64))
+            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), lh, (C, 64))
+            aDo, tDo = cpasync.make_tiled_tma_atom(g2s, rows_first(mDO), cm.smem_tile_layout(dtype, C, VB), (C, VB))
+        else:  # placeholders, never used
+            aK = aQ = aW = aDo = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
+            tK, tQ, tW, tDo = mK, mQ, mW, mDO
+        kernel(mQ, mK, mW, mGc, mDO, mDvl, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, aK, aQ, aW, aDo,
+               tK, tQ, tW, tDo).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
         )
 
@@ -382,13 +467,25 @@ def get_dvl_kernel(dtype, K, V, l2norm, varlen, p2=None):
     return kc.get_kernel("gdn_bwd_dvl", key, build, _SOURCES)
 
 
-def get_dchain_kernel(dtype, K, V, VB, l2norm, varlen, has_dht, state_vk):
+def dchain_tma() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHAIN_TMA=1``: ``dchain`` loads each chunk's k, q, w and do by TMA (one elected thread of
+    warp 0 on the buffer's mbarrier; gc stays on cp.async) instead of 128 threads issuing about 26 ``cp.async``
+    each a chunk on the one warpgroup that also runs the chain (the forward's state pass stalled half its chain's
+    cycles issuing them). The first chunk taken, a sequence's last, has its rows past the end zeroed once landed,
+    as cp.async zero-fills them: the same bits. Prepared in the fifteenth session, compiled, not yet GPU-run:
+    off."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHAIN_TMA", False)
+
+
+def get_dchain_kernel(dtype, K, V, VB, l2norm, varlen, has_dht, state_vk, tma=None):
     if VB not in VBLOCKS or V % VB:
         raise ValueError(f"VB={VB}: expected one of {VBLOCKS} dividing V={V}")
-    key = ("dchain", str(dtype), K, V, VB, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk))
+    tma = dchain_tma() if tma is None else bool(tma)
+    key = ("dchain", str(dtype), K, V, VB, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk)) + (
+        ("tma",) if tma else ())
 
     def build():
-        return _build_dchain(F._dt(dtype), K, V, VB, l2norm, varlen, has_dht, state_vk)
+        return _build_dchain(F._dt(dtype), K, V, VB, l2norm, varlen, has_dht, state_vk, tma)
 
     return kc.get_kernel("gdn_bwd_dchain", key, build, _SOURCES)
 
@@ -399,7 +496,7 @@ def serves(out_dtype, dtype) -> bool:
 
 
 def sweep(q, k, w, gc, do, dht, dvn, dH, dh0, cu, cu_chunks, rows, NT, scale, l2norm, state_vk, group, nseq,
-          vb=None):
+          vb=None, tma=None):
     """Run ``dvl`` then ``dchain``: fills ``dvn``, ``dH`` (input dtype) and ``dh0`` (float32), as the
     fused kernel does. ``dht``: the final state's gradient (float32) or None."""
     B, T, HV, V = do.shape
@@ -407,7 +504,7 @@ def sweep(q, k, w, gc, do, dht, dvn, dH, dh0, cu, cu_chunks, rows, NT, scale, l2
     varlen = NT == 0
     vb = vblock(nseq, HV, V, q.device) if vb is None else vb
     dvl_k = get_dvl_kernel(q.dtype, K, V, l2norm, varlen)
-    chain = get_dchain_kernel(q.dtype, K, V, vb, l2norm, varlen, dht is not None, state_vk)
+    chain = get_dchain_kernel(q.dtype, K, V, vb, l2norm, varlen, dht is not None, state_vk, tma)
     dvl = F._empty(B, T, HV, V, dtype=torch.float32, device=q.device)  # rows the chain reads are all written
     f32_dummy, _, _ = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)

@@ -63,7 +63,11 @@ def test_split_sweep_kernels_compile_for_sm90a(kernel_cache):
     assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True))
     # dvl with P in two passes (CUDNN_TRAIN_GDN_DVL_P2)
     assert callable(S.get_dvl_kernel(torch.bfloat16, 128, 128, True, False, p2=not S.dvl_p_two_pass()))
-    assert len(list(kernel_cache.rglob("*.o"))) == 6
+    # dchain's loads by TMA (CUDNN_TRAIN_GDN_DCHAIN_TMA): both V blocks at K = 128, K = 64 varlen
+    for vb in S.VBLOCKS:
+        assert callable(S.get_dchain_kernel(torch.bfloat16, 128, 128, vb, True, False, True, False, tma=True))
+    assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True, tma=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 9
 
 
 def test_reverse_sweep_declines_without_gpu_before_touching_memory():
@@ -322,6 +326,45 @@ def test_split_sweep_matches_reference_and_the_fused_kernel(T, dtype, has_dht, v
         assert a.dtype == f.dtype, (name, a.dtype, f.dtype)
         assert rel_l2(a.float(), r) <= 2e-2, (name, rel_l2(a.float(), r))
         assert rel_l2(a.float(), f.float()) <= 5e-3, (name, "vs fused", rel_l2(a.float(), f.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["T300_vb32", "T300_vb64_no_dht", "T65_fp16_vb32", "varlen", "varlen_vk",
+                                  "varlen_nan_tail"])
+def test_split_sweep_dchain_tma_is_bitwise_cp_async(case, monkeypatch):
+    """``dchain`` with its loads by TMA (CUDNN_TRAIN_GDN_DCHAIN_TMA: one thread issues a chunk's k, q, w, do on
+    the buffer's mbarrier; the first chunk taken, a sequence's last, has its rows past the end zeroed once landed)
+    brings the same bytes as cp.async: the split sweep's dvn, every written dH row and dh0 bitwise equal. Dense
+    T 300 at both V blocks (with and without the final state's gradient), fp16 T 65 (rows past the tensor's end),
+    varlen GVA 4 at K = 64 in both state layouts, NaN in the rows past the last sequence."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", "64" if "vb64" in case else "32")
+    rows = None
+    if case.startswith("varlen"):
+        q, k, _g, _beta, w, gc, cu, scale, do, _dht, dht = _varlen_case(case == "varlen_vk")
+        args = dict(scale=scale, cu_seqlens=cu, state_v_first=case == "varlen_vk", out_dtype=torch.bfloat16)
+        rows = int(cu.new_tensor([(n + 63) // 64 for n in VARLEN_LENS]).sum())
+        if case == "varlen_nan_tail":  # 37 more rows past the last sequence, NaN
+            q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
+                                                        dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
+    else:
+        T, dt = (65, torch.float16) if case.startswith("T65") else (300, torch.bfloat16)
+        q, k, _g, _beta, w, gc, _, scale = _case(2, T, 2, 4, 128, 128, dt, l2norm=True)
+        do = torch.randn(2, T, 4, 128, device="cuda", dtype=dt)
+        dht = None if case.endswith("no_dht") else torch.randn(2, 4, 128, 128, device="cuda")
+        args = dict(scale=scale, use_qk_l2norm_in_kernel=True, out_dtype=dt)
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHAIN_TMA", "0")
+    want = [t.clone() for t in B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)]
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHAIN_TMA", "1")
+    got = B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)
+    for name, a, b in zip(("dvn", "dH", "dh0"), got, want):
+        if name == "dH" and rows is not None:  # rows past the varlen chunk count are never written
+            a, b = a[:rows], b[:rows]
+        if name == "dvn" and case == "varlen_nan_tail":
+            a, b = a[:, : int(cu[-1])], b[:, : int(cu[-1])]
+        assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
+        assert torch.equal(a, b), f"{case}: {name} differs with the TMA loads"
 
 
 @pytest.mark.gpu
