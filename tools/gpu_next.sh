@@ -52,8 +52,9 @@
 #   bash tools/gpu_next.sh s26      # then the forward's timings and profiles of all the prepared variants
 #   bash tools/gpu_next.sh s27      # stage 3's TMA loads (fifteenth session): its bitwise cases, then its timings
 #                                   # (per tile, persistent, four warpgroups) and profile against cp.async, then
-#                                   # the persistent variant's profile against the per-tile one; the split
-#                                   # sweep's dchain with TMA loads (B1's sweep): cases and timing
+#                                   # the persistent variant's profile against the per-tile one; the fused
+#                                   # sweep's prefetch (B4's sweep) and the split sweep's dchain (B1's) by TMA:
+#                                   # cases and timings
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -343,8 +344,9 @@ s27)
   # cp.async loads, then timed against them per tile, persistent and on four warpgroups, with both profiles
   # (the specialized-warpgroup sweep's TMA variant is in s25: its cases and its row of time_gdn_sweep.py --ws)
   tier s27 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    -k "tma_chunk_gradients or persistent or dchain_tma"
+    -k "tma_chunk_gradients or persistent or dchain_tma or tma_prefetch"
   timed dchunk_tma ${TIME_S:-200} python3 tools/time_gdn_dchunk.py --shapes 2 --tma
+  timed sweep_tma 100 python3 tools/time_gdn_sweep.py --shapes 1 --tma
   timed dchain_tma 100 python3 tools/time_gdn_sweep.py --shapes 2 --dchain-tma
   timed dchunk_persist 120 python3 tools/time_gdn_dchunk.py --shapes 1 --persist ;;
 order)

@@ -3,7 +3,8 @@ splitting every product's N, each with the next chunk's loads in flight (cp.asyn
 with synchronous loads, on the same inputs, as the training path calls it (bf16 dvn and dH rows,
 l2norm in kernel, no final-state gradient).
 
-    python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2 | --ws | --dchain-tma]
+    python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2 | --ws | --tma |
+                                     --dchain-tma]
 
 Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 32 and
 64; opt-in ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1``) against the default; ``--split-only``: the default and the
@@ -13,7 +14,9 @@ kernel's, printed as mean cycles a CTA and chunk. ``--early-qk``: the default ke
 the next chunk's q and k issued early (``early_qk=True``; outputs must be bitwise equal), timed twice each,
 alternating, then the early variant's profile. ``--p2``: the split sweep with its ``dvl`` building P in two
 passes (``CUDNN_TRAIN_GDN_DVL_P2=1``) against the one pass: bitwise check, timed twice each, alternating.
-``--dchain-tma``: the same for the split sweep's ``dchain`` with its loads by TMA (``CUDNN_TRAIN_GDN_DCHAIN_TMA=1``).
+``--dchain-tma``: the same for the split sweep's ``dchain`` with its loads by TMA (``CUDNN_TRAIN_GDN_DCHAIN_TMA=1``);
+``--tma``: the same for the fused kernel's prefetch by TMA (``tma=True``, ``CUDNN_TRAIN_GDN_SWEEP_TMA``), then the
+TMA variant's profile.
 ``--ws``: the fused kernel (its defaults) against its variant on two specialized warpgroups
 (``gated_delta_rule_bwd_ws_sm90``, ``CUDNN_TRAIN_GDN_SWEEP_WS``) and that variant with its loads by TMA
 (``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``): relative L2 of the outputs (TMA: bitwise), timed twice each, alternating.
@@ -47,6 +50,8 @@ def main():
                     help="the fused kernel against its specialized-warpgroup variant: compare, time")
     ap.add_argument("--p2", action="store_true",
                     help="the split sweep with dvl's P in two passes against one: bitwise check, time")
+    ap.add_argument("--tma", action="store_true",
+                    help="the fused kernel with its prefetch by TMA against cp.async: bitwise check, time, profile")
     ap.add_argument("--dchain-tma", action="store_true",
                     help="the split sweep with dchain's loads by TMA against cp.async: bitwise check, time")
     args = ap.parse_args()
@@ -103,9 +108,11 @@ def main():
                 for ws, tma, name in rows:
                     print(f"  {name:28s} {bench(lambda: sweep_ws(ws, tma), warmup=10, rep=50):.3f} ms")
             continue
-        if args.early_qk or args.p2 or args.dchain_tma:
+        if args.early_qk or args.p2 or args.dchain_tma or args.tma:
             if args.early_qk:
                 base, alt, label = dict(early_qk=False), dict(early_qk=True), ("q, k after P", "early q, k")
+            elif args.tma:  # the fused kernel at its defaults (split=False), its prefetch by cp.async or TMA
+                base, alt, label = dict(tma=False), dict(tma=True), ("fused, cp.async prefetch", "fused, TMA prefetch")
             elif args.p2:
                 base, alt, label = dict(p2="0"), dict(p2="1"), ("split, dvl P in one pass", "split, dvl P in two")
             else:
@@ -129,7 +136,7 @@ def main():
             for _ in range(2):
                 for kw, name in zip((base, alt), label):
                     print(f"  {name:28s} {bench(lambda: sweep(kw), warmup=10, rep=50):.3f} ms")
-            if args.early_qk:
+            if args.early_qk or args.tma:
                 profile(run, lambda buf: run_profiled(buf, **alt), B, T, HV, V, NT)
             continue
         variants = (("one warpgroup, prefetch", 1, True), ("one warpgroup, sync loads", 1, False),

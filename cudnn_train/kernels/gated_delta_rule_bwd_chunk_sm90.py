@@ -103,7 +103,7 @@ def _swizzle(K: int, wgs: int) -> int:
 
 
 # the profile variant's phases (tools/time_gdn_dchunk.py --profile): clock64 sums of thread 0 of every CTA
-DCHUNK_PHASES = ("loads (issued; q, k, Sc landed)", "l2norm rows, q k in place", "k k^T, A (+ k Sc, Z)",
+DCHUNK_PHASES = ("loads (issued; q, k (cp.async: + Sc) landed)", "l2norm rows, q k in place", "k k^T, A (+ k Sc, Z)",
                  "solve, Ae, Tm", "vn = Tm Z (not with vn)", "dP, dQK, dq (+ store)", "dw, dH in",
                  "dk: vn dH^T, dQK^T q, dkb, dvb, dv", "dTm, Tm^T dTm, dA, dKK", "dk: dKK k (+ store)",
                  "dg pair sums, tail, dg / dbeta")
@@ -1039,7 +1039,7 @@ def persist_default() -> bool:
 def tma_default() -> bool:
     """``CUDNN_TRAIN_GDN_DCHUNK_TMA=1``: the training path's stage 3 (vn and Tm read, cp.async loads) loads its
     tiles by TMA instead: one elected thread of warp 0 issues each group's bulk copies on the group's mbarrier
-    (per tile: q, k, Sc; Tm, vn, do; v, dvn, each waited for where first read; persistent: the three parts, each
+    (per tile: q, k; Sc, Tm, vn, do; v, dvn, each waited for where first read; persistent: the three parts, each
     issued once its tiles are no longer read), so no warp spends issue slots on 16-byte copies and their
     addresses. Rows past a varlen sequence's end are zeroed once landed, as cp.async zero-fills them: the same
     bits. Prepared, not yet GPU-run: off."""

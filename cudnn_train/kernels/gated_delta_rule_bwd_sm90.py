@@ -33,6 +33,11 @@ chunk index ``b * NT + c``, or ``cu_chunks[n] + c`` with varlen), both float32 o
 training path, rounded once to the input dtype (the precision the per-chunk gradient stage reads
 them in), and the initial state's gradient (float32, either layout).
 
+With ``CUDNN_TRAIN_GDN_SWEEP_TMA=1`` (:func:`tma_default`, ``reverse_sweep(tma=True)``; prepared in the fifteenth
+session, not yet GPU-run) the prefetch's tiles arrive by TMA: one elected thread of warp 0 issues w and do on
+their buffer's mbarrier and q, k on a third (gc stays on cp.async); the first chunk taken has its rows past the
+end zeroed once landed, as cp.async zero-fills them: the same bits.
+
 Status: its GPU tier (``tests/kernels/test_gated_delta_rule_bwd_sm90.py``, against
 ``reverse_sweep_ref``: odd T, GVA, varlen, both state layouts, one and two warpgroups, the
 prefetch bitwise against synchronous loads) passes on the H200. Stage 2 of the training path
@@ -62,10 +67,11 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 
 def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None,
-                  WGS: int = 1, PREFETCH: bool = False, PROFILE: bool = False, EARLY_QK: bool = False):
+                  WGS: int = 1, PREFETCH: bool = False, PROFILE: bool = False, EARLY_QK: bool = False,
+                  TMA: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
-    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.cute.nvgpu import cpasync, warpgroup
 
     C = CHUNK
     VB = VBLOCK
@@ -84,12 +90,45 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     store_p = cm.make_store_p(dtype, l2norm)
     scale_rows = cm.make_scale_rows(dtype, VB, THREADS, l2norm)
     locate_seq = cm.make_seq_locator(varlen)
+    # TMA (with PREFETCH): the same loads as bulk tensor copies by one elected thread of warp 0, w and do on their
+    # buffer's mbarrier (0, 1: chunk cr completes phase (cr // 2) % 2 of barrier cr % 2), q and k on barrier 2
+    # (chunk cr completes its phase cr % 2); gc stays on cp.async (its rows are HV floats apart)
+    if TMA and not PREFETCH:
+        raise ValueError("the TMA loads replace the prefetch's cp.async loads")
+    issue_gc = fwd.make_issue_gc()
+    WD_BYTES = (C * K + C * VB) * dtype.width // 8
+    QK_BYTES = 2 * C * K * dtype.width // 8
+
+    def tma_tiles(jobs, bar, nbytes, b, t0):
+        # (TMA, warp 0, while tracing) the [C, cols] tiles of jobs (atom, TMA tensor, smem tile, head, first
+        # column, cols) of the chunk at row t0 on the mbarrier bar; rows past the tensor's end arrive as zeros,
+        # rows past a varlen sequence's end are the next sequence's (zero_tail clears them once landed)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+        for atom, tT, sX, head, c0, cols in jobs:
+            gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
+            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                           cute.group_modes(gT, 0, 2))
+            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+
+    @cute.jit
+    def zero_tail(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
+        # (TMA) rows >= length of the [C, cols] tile sX zeroed, as cp.async zero-fills them: the update's sums over
+        # the chunk's rows must not meet the next sequence's rows (or NaN past a varlen tensor's last sequence)
+        zero = cute.make_rmem_tensor((1, 8), dtype)
+        zero.fill(0.0)
+        for p in cutlass.range_constexpr(C * cols // 8 // THREADS):
+            idx = p * THREADS + tidx
+            r = idx // (cols // 8)
+            if r >= length:
+                cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
 
     @cute.kernel
     def kernel(
         mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor, mDHT: cute.Tensor,
         mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, group: Int32, mProf: cute.Tensor,
+        scale: Float32, T: Int32, NT: Int32, group: Int32, mProf: cute.Tensor, aQ: cute.CopyAtom, aK: cute.CopyAtom,
+        aW: cute.CopyAtom, aDo: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor, tW: cute.Tensor, tDo: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
@@ -151,6 +190,18 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
         cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
 
+        mbar = None
+        if cutlass.const_expr(TMA):
+            mbar = smem.allocate_array(cutlass.Int64, 3, byte_alignment=8)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                for a in (aQ, aK, aW, aDo):
+                    cpasync.prefetch_descriptor(a)
+                with cute.arch.elect_one():
+                    for i in cutlass.range_constexpr(3):
+                        cute.arch.mbarrier_init(mbar + i, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
 
         accD = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
@@ -159,8 +210,14 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         if cutlass.const_expr(PREFETCH):  # the first chunk of the sweep (the sequence's last)
             if nchunks > 0:
                 t1 = ts + (nchunks - 1) * C
-                issue_qk(mQ, mK, sQ, sK, b, h, t1, te - t1, tidx)
-                issue_wdg(mW, mDO, mGc, sWb[0], sDob[0], sGcb[0], b, hv, t1, v0, te - t1, tidx)
+                if cutlass.const_expr(TMA):
+                    issue_gc(mGc, sGcb[0], b, hv, t1, te - t1, tidx)
+                    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                        tma_tiles([(aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K)], mbar + 2, QK_BYTES, b, t1)
+                        tma_tiles([(aW, tW, sWb[0], hv, 0, K), (aDo, tDo, sDob[0], hv, v0, VB)], mbar, WD_BYTES, b, t1)
+                else:
+                    issue_qk(mQ, mK, sQ, sK, b, h, t1, te - t1, tidx)
+                    issue_wdg(mW, mDO, mGc, sWb[0], sDob[0], sGcb[0], b, hv, t1, v0, te - t1, tidx)
             cute.arch.cp_async_commit_group()
         for cp in cutlass.range((nchunks + NBUF - 1) // NBUF, unroll=1):
             for par in cutlass.range_constexpr(NBUF):  # one chunk a buffer, so every tile stays static
@@ -172,12 +229,26 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     sW, sDo, sGc = sWb[par], sDob[par], sGcb[par]
                     pmark(prof, -1)
                     if cutlass.const_expr(PREFETCH):
+                        if cutlass.const_expr(TMA):  # chunk cr = 2 cp + par: w, do on barrier par, q, k on 2
+                            cute.arch.mbarrier_wait(mbar + par, cp % 2)
+                            cute.arch.mbarrier_wait(mbar + 2, par)
+                            if length < C:  # only the first chunk taken, the sequence's last, is partial
+                                zero_tail(sQ, K, length, tidx)
+                                zero_tail(sK, K, length, tidx)
+                                zero_tail(sW, K, length, tidx)
+                                zero_tail(sDo, VB, length, tidx)
                         cute.arch.cp_async_wait_group(0)
                         cute.arch.fence_view_async_shared()
                         cute.arch.sync_threads()  # chunk cr is in smem; every thread is done with chunk cr - 1
                         if cr + 1 < nchunks:  # w, do, gc of chunk cr + 1 into the buffers chunk cr - 1 used
-                            issue_wdg(mW, mDO, mGc, sWb[1 - par], sDob[1 - par], sGcb[1 - par], b, hv, t0 - C, v0,
-                                      C, tidx)
+                            if cutlass.const_expr(TMA):
+                                issue_gc(mGc, sGcb[1 - par], b, hv, t0 - C, C, tidx)
+                                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                                    tma_tiles([(aW, tW, sWb[1 - par], hv, 0, K), (aDo, tDo, sDob[1 - par], hv, v0, VB)],
+                                              mbar + (1 - par), WD_BYTES, b, t0 - C)
+                            else:
+                                issue_wdg(mW, mDO, mGc, sWb[1 - par], sDob[1 - par], sGcb[1 - par], b, hv, t0 - C,
+                                          v0, C, tidx)
                         cute.arch.cp_async_commit_group()
                     else:
                         cute.arch.sync_threads()  # the previous chunk is done with every smem tile
@@ -224,7 +295,11 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         # during P and do^T P too
                         cute.arch.sync_threads()
                         if cr + 1 < nchunks:
-                            issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
+                            if cutlass.const_expr(TMA):
+                                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                                    tma_tiles([(aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K)], mbar + 2, QK_BYTES, b, t0 - C)
+                            else:
+                                issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
                         cute.arch.cp_async_commit_group()
                     pmark(prof, 2)
 
@@ -241,7 +316,11 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     pmark(prof, 3)
                     if cutlass.const_expr(PREFETCH and not EARLY_QK):  # q, k of chunk cr + 1 (done with them)
                         if cr + 1 < nchunks:
-                            issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
+                            if cutlass.const_expr(TMA):
+                                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                                    tma_tiles([(aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K)], mbar + 2, QK_BYTES, b, t0 - C)
+                            else:
+                                issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
                         cute.arch.cp_async_commit_group()
 
                     gemm(mma_t, accX, tAdob[par], tBpt, False)  # dvn^T += do^T P
@@ -279,7 +358,22 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     ):
         _static_checks(dtype, K, WGS)
         HV = mW.shape[2]
-        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, mProf).launch(
+        if cutlass.const_expr(TMA):
+            def rows_first(m):  # [B, T, heads, D] -> (T, D, B, heads): the TMA box is (C rows, cols)
+                return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
+
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            lqk = cm.smem_tile_layout(dtype, C, K)
+            aQ, tQ = cpasync.make_tiled_tma_atom(g2s, rows_first(mQ), lqk, (C, K))
+            aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), lqk, (C, K))
+            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), lqk, (C, K))
+            aDo, tDo = cpasync.make_tiled_tma_atom(g2s, rows_first(mDO), cm.smem_tile_layout(dtype, C, VBLOCK),
+                                                   (C, VBLOCK))
+        else:  # placeholders, never used
+            aQ = aK = aW = aDo = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
+            tQ, tK, tW, tDo = mQ, mK, mW, mDO
+        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, mProf, aQ, aK, aW, aDo,
+               tQ, tK, tW, tDo).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
         )
 
@@ -323,17 +417,29 @@ def early_qk_default(wgs: int) -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_EARLY_QK", wgs == 1)
 
 
+def tma_default() -> bool:
+    """``CUDNN_TRAIN_GDN_SWEEP_TMA=1``: the fused sweep's prefetch by TMA instead of ``cp.async`` (one elected
+    thread of warp 0 issues a chunk's w, do and, after the products on them, q, k; gc stays on cp.async), so
+    the warpgroup that runs the chain no longer issues about 28 16-byte copies a thread and chunk (the forward's
+    state pass stalled half its chain's cycles issuing them). The first chunk taken, a sequence's last, has its
+    rows past the end zeroed once landed, as cp.async zero-fills them: the same bits. Prepared in the fifteenth
+    session, compiled, not yet GPU-run: off."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_TMA", False)
+
+
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
-                      prefetch=None, profile=False, early_qk=None):
+                      prefetch=None, profile=False, early_qk=None, tma=None):
     prefetch = prefetch_default() if prefetch is None else bool(prefetch)
     early_qk = prefetch and (early_qk_default(wgs) if early_qk is None else bool(early_qk))
+    tma = prefetch and (tma_default() if tma is None else bool(tma))
     key = ("dstate", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk)) + (
         () if out_dtype == torch.float32 else (str(out_dtype),)) + (() if wgs == 1 else (("wgs", wgs),)) + (
-        ("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (("early_qk",) if early_qk else ())
+        ("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (("early_qk",) if early_qk else ()) + (
+        ("tma",) if tma else ())
 
     def build():
         return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs,
-                             prefetch, bool(profile), early_qk)
+                             prefetch, bool(profile), early_qk, tma)
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 
@@ -362,7 +468,8 @@ def split_default(nseq: int, HV: int, V: int, device) -> bool:
 def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_kernel: bool = False,
                   cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None,
                   prefetch: bool | None = None, split: bool | None = None, profile: torch.Tensor | None = None,
-                  early_qk: bool | None = None, ws: bool | None = None, ws_tma: bool | None = None):
+                  early_qk: bool | None = None, ws: bool | None = None, ws_tma: bool | None = None,
+                  tma: bool | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
@@ -378,7 +485,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     summed over the CTA's chunks, and the CTA's total (``tools/time_gdn_sweep.py --profile``). ``ws``: where the
     fused kernel would run, its variant on two specialized warpgroups instead (``gated_delta_rule_bwd_ws_sm90``;
     default ``CUDNN_TRAIN_GDN_SWEEP_WS``, off); ``ws_tma``: that variant's loads by TMA (default
-    ``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``, off; the same bits)."""
+    ``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``, off; the same bits); ``tma``: the fused kernel's prefetch by TMA (default
+    :func:`tma_default`, off; the same bits)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -420,7 +528,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
                            ws_tma)
     elif not split:
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
-                               out_dtype, wgs, prefetch, profile is not None, early_qk)
+                               out_dtype, wgs, prefetch, profile is not None, early_qk, tma)
     if T == 0 or nseq == 0:
         if dht is None:
             dh0.zero_()

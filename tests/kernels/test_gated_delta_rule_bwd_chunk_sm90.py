@@ -273,12 +273,13 @@ def _pad_rows(args, vn, tm, extra):
     """A varlen case's token tensors ``extra`` rows longer than its sequences, NaN there (what a varlen tensor
     may hold past ``cu_seqlens[-1]``), and the chunk-row tensors grown to the longer tensor's grid."""
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    T = qn.shape[1]
 
     def pad(x):
         return torch.cat([x, torch.full((1, extra, *x.shape[2:]), float("nan"), device=x.device, dtype=x.dtype)], 1)
 
     def grow(x):
-        rows = (qn.shape[1] + extra) // 64 + cu.numel() - 1
+        rows = (T + extra) // 64 + cu.numel() - 1
         return torch.cat([x, x.new_zeros(max(rows - x.shape[0], 0), *x.shape[1:])]).contiguous()
 
     qn, kn, v, gc, beta, do, dvn, vn, tm = (pad(x) for x in (qn, kn, v, gc, beta, do, dvn, vn, tm))

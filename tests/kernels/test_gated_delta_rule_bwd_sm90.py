@@ -31,7 +31,11 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(kernel_cache):
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], profile=True))
     # the next chunk's q, k issued right after this chunk's products on them (CUDNN_TRAIN_GDN_SWEEP_EARLY_QK)
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, early_qk=not B90.early_qk_default(1)))
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 4
+    # the prefetch by TMA (CUDNN_TRAIN_GDN_SWEEP_TMA): one warpgroup (q, k early), two (q, k after P), K = 64 varlen
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=True))
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], wgs=2, prefetch=True, tma=True))
+    assert callable(B90.get_dstate_kernel(*VARIANTS[1], prefetch=True, tma=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 7
 
 
 @pytest.mark.compile
@@ -199,13 +203,14 @@ def test_reverse_sweep_specialized_warpgroups_match_reference_and_fused(T, out_d
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["T300", "T65_fp32_out", "varlen", "varlen_vk", "varlen_nan_tail"])
+@pytest.mark.parametrize("case", ["T300", "T900", "T65_fp32_out", "varlen", "varlen_vk", "varlen_nan_tail"])
 def test_reverse_sweep_specialized_warpgroups_tma_is_bitwise_cp_async(case):
     """The specialized-warpgroup sweep with its loads by TMA (CUDNN_TRAIN_GDN_SWEEP_WS_TMA: one thread issues a
     chunk's q, k, w, do on the chunk's mbarrier; the first chunk taken, a sequence's last, has its rows past the
     end zeroed once landed) brings the same bytes as cp.async: dvn, every dH row and dh0 bitwise equal. Dense T
-    300 and 65 (rows past the tensor's end), varlen GVA 4 at K = 64 with empty, one-token and odd sequences in
-    both state layouts, and NaN in the rows past the last sequence."""
+    300 and 65 (rows past the tensor's end), 900 (15 chunks: every one of the six mbarriers armed again, both
+    phases waited), varlen GVA 4 at K = 64 with empty, one-token and odd sequences in both state layouts, and NaN
+    in the rows past the last sequence."""
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
 
     if case.startswith("varlen"):
@@ -215,7 +220,7 @@ def test_reverse_sweep_specialized_warpgroups_tma_is_bitwise_cp_async(case):
             q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
                                                         dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
     else:
-        T = 300 if case == "T300" else 65
+        T = {"T300": 300, "T900": 900}.get(case, 65)
         q, k, _g, _beta, w, gc, _, scale = _case(2, T, 2, 4, 128, 128, torch.bfloat16, l2norm=True)
         do = torch.randn(2, T, 4, 128, device="cuda", dtype=torch.bfloat16)
         dht = torch.randn(2, 4, 128, 128, device="cuda")
@@ -293,6 +298,44 @@ def test_reverse_sweep_prefetch_is_bitwise_the_synchronous_loads(case, wgs):
         ref_dvn, _, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
         assert rel_l2(outs[0][0].float(), ref_dvn) <= 2e-2
         assert rel_l2(outs[0][2], ref_dh0) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, wgs, early_qk", [("dense", 1, True), ("dense", 2, False), ("dense", 1, False),
+                                                 ("T65_fp16", 1, True), ("T65_fp16", 2, False),
+                                                 ("varlen_gva_64", 1, True), ("varlen_nan_tail", 1, True)])
+def test_reverse_sweep_tma_prefetch_is_bitwise_cp_async(case, wgs, early_qk):
+    """The fused sweep's prefetch by TMA (CUDNN_TRAIN_GDN_SWEEP_TMA: one thread issues w, do on the buffer's
+    mbarrier and q, k on theirs; the first chunk taken has its rows past the end zeroed once landed) brings the
+    same bytes as cp.async: dvn, every written dH row and dh0 bitwise equal; one warpgroup and two, q and k issued
+    early or after P, rows past the tensor's end (T 65), varlen GVA 4 at K = 64 with empty, one-token and odd
+    sequences, NaN past the last sequence."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    if case.startswith("varlen"):
+        lens, Bn, H, HV, K, dt = [1, 63, 130, 64, 0, 7, 200], 1, 1, 4, 64, torch.float16
+        T = sum(lens)
+    else:
+        lens, Bn, H, HV, K = None, 2, 2, 4, 128
+        T, dt = (65, torch.float16) if case.startswith("T65") else (300, torch.bfloat16)
+    q, k, _g, _beta, w, gc, cu, scale = _case(Bn, T, H, HV, K, K, dt, l2norm=True, lens=lens)
+    do = torch.randn(Bn, T, HV, K, device="cuda", dtype=dt)
+    dht = torch.randn(Bn if lens is None else len(lens), HV, K, K, device="cuda")
+    rows = None if lens is None else int(F90.chunk_map(cu, 1, T, q.device)[1][-1])
+    if case == "varlen_nan_tail":  # 37 more rows past the last sequence, NaN
+        q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
+                                                    dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
+    outs = [B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                              out_dtype=dt, wgs=wgs, prefetch=True, split=False, early_qk=early_qk, tma=t)
+            for t in (False, True)]
+    for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
+        if name == "dH" and rows is not None:  # rows past the varlen chunk count are never written
+            a, b = a[:rows], b[:rows]
+        if name == "dvn" and lens is not None:
+            a, b = a[:, :T], b[:, :T]
+        assert torch.isfinite(b).all(), f"{case}: {name} is not finite"
+        assert torch.equal(a, b), f"{case}, wgs {wgs}, early q, k {early_qk}: {name} differs with the TMA loads"
 
 
 @pytest.mark.gpu
