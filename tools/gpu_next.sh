@@ -50,11 +50,10 @@
 #   bash tools/gpu_next.sh s25      # every prepared GPU case (s22-s24, the fourteenth session's, the sweep's TMA
 #                                   # variant), the sweep's timing
 #   bash tools/gpu_next.sh s26      # then the forward's timings and profiles of all the prepared variants
-#   bash tools/gpu_next.sh s27      # stage 3's TMA loads (fifteenth session): its bitwise cases, then its timings
-#                                   # (per tile, persistent, four warpgroups) and profile against cp.async, then
-#                                   # the persistent variant's profile against the per-tile one; the fused
-#                                   # sweep's prefetch (B4's sweep) and the split sweep's dchain (B1's) by TMA:
-#                                   # cases and timings
+#   bash tools/gpu_next.sh s27      # the fifteenth session's TMA variants (stage 3, the fused sweep's prefetch, the
+#                                   # split sweep's dchain, the training forward's chain): their bitwise cases, then
+#                                   # stage 3's timings (per tile, persistent, four warpgroups) and profiles
+#   bash tools/gpu_next.sh s28      # then the other TMA variants' timings and the persistent stage 3's profile
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -332,7 +331,7 @@ s25)
   # the thirteenth and fourteenth sessions' prepared work in one call: every new GPU case (TMA loads, w and u formed
   # in the chain, two output warpgroups, 128 columns of V a CTA, the specialized-warpgroup sweep), then the forward's
   # and the sweep's timings (flip a default only if faster)
-  tier s25 ${GDN_S:-260} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+  tier s25 ${GDN_S:-320} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
     -k "tma_loads or formed_in_the_chain or output_warpgroups or v_block_128 or rows_past_the_last or specialized_warpgroups_match_reference or specialized_warpgroups_varlen or specialized_warpgroups_tma"
   timed sweep_ws 120 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
 s26)
@@ -340,14 +339,19 @@ s26)
   # output warpgroups, 128 columns a CTA, w and u in the chain, the training forward at 128 columns; with profiles
   timed ws_all ${TIME_S:-400} python3 tools/time_gdn_fwd.py --shapes 2 --ws-only --profile ;;
 s27)
-  # the fifteenth session's prepared work: stage 3 with its loads by TMA (CUDNN_TRAIN_GDN_DCHUNK_TMA), bitwise the
-  # cp.async loads, then timed against them per tile, persistent and on four warpgroups, with both profiles
+  # the fifteenth session's prepared work, its GPU cases: stage 3's loads by TMA (CUDNN_TRAIN_GDN_DCHUNK_TMA) per
+  # tile and persistent, the persistent profile variant, the fused sweep's prefetch (CUDNN_TRAIN_GDN_SWEEP_TMA), the
+  # split sweep's dchain (CUDNN_TRAIN_GDN_DCHAIN_TMA) and the training forward's chain (CUDNN_TRAIN_GDN_CHAIN_TMA) by
+  # TMA, each bitwise its cp.async loads; then stage 3's timings and profiles (flip a default only if faster)
   # (the specialized-warpgroup sweep's TMA variant is in s25: its cases and its row of time_gdn_sweep.py --ws)
-  tier s27 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    -k "tma_chunk_gradients or persistent or dchain_tma or tma_prefetch"
-  timed dchunk_tma ${TIME_S:-200} python3 tools/time_gdn_dchunk.py --shapes 2 --tma
+  tier s27 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    tests/kernels/test_gated_delta_rule_sm90.py -k "tma_chunk_gradients or persistent or dchain_tma or tma_prefetch or chain_tma"
+  timed dchunk_tma ${TIME_S:-200} python3 tools/time_gdn_dchunk.py --shapes 2 --tma ;;
+s28)
+  # then (its own call) the other TMA variants' timings against cp.async, and the persistent stage 3's profile
   timed sweep_tma 100 python3 tools/time_gdn_sweep.py --shapes 1 --tma
   timed dchain_tma 100 python3 tools/time_gdn_sweep.py --shapes 2 --dchain-tma
+  timed chain_tma 100 python3 tools/time_gdn_fwd.py --shapes 2 --chain-tma
   timed dchunk_persist 120 python3 tools/time_gdn_dchunk.py --shapes 1 --persist ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)

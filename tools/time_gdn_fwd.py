@@ -4,8 +4,10 @@ the whole forward as chosen and with each state pass forced, and FLA's forward i
 also the wy and state kernels on two warpgroups (the wy kernel's default at K = V = 128; the state
 kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
-    python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only]
+    python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma]
 
+``--chain-tma``: only the split pass's chain at both V blocks with its loads by TMA
+(``CUDNN_TRAIN_GDN_CHAIN_TMA``) against cp.async: hs and vn bitwise, then timed twice each, alternating.
 ``--ws-only``: the fused state kernel (default) against its variant on two specialized warpgroups
 (``gated_delta_rule_fwd_ws_sm90``, ``CUDNN_TRAIN_GDN_FWD_WS``): the outputs compared, alternating times,
 and the whole forward with each.
@@ -47,6 +49,8 @@ def main():
                     help="only the fused state kernel against its specialized-warpgroup variant (and whole forwards)")
     ap.add_argument("--wy-only", action="store_true",
                     help="only the wy kernel at its default warpgroups: its time and (with --profile) its phases")
+    ap.add_argument("--chain-tma", action="store_true",
+                    help="only the split pass's chain with its loads by TMA against cp.async, both V blocks")
     args = ap.parse_args()
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fwd
@@ -93,6 +97,29 @@ def main():
                 print(f"  wy kernel (default warpgroups), {name}: {bench(outs[name][0], 10, 40):.3f} ms")
             if args.profile:
                 profile_wy(k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group)
+            continue
+
+        if args.chain_tma:  # the chain (CUDNN_TRAIN_GDN_CHAIN_TMA) on one wy output: bitwise, then alternating times
+            wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
+                                    False, False, 1.0, False)
+            wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
+            d4 = f32.view(1, 1, 1, 1)
+            for vb in SP.CHAIN_VBLOCKS:
+                runs = {}
+                for tma in (False, True):
+                    ch = SP.get_chain_kernel(torch.bfloat16, K, V, vb, True, False, False, False, False, tma=tma)
+                    hs = torch.empty(rows, HV, K, V, device=dev, dtype=torch.bfloat16)
+                    vn = torch.empty_like(u)
+                    runs[tma] = (lambda ch=ch, hs=hs, vn=vn: ch(k, w, u, gc, d4, d4, cu, cuc, hs, vn, T, NT, group, B),
+                                 hs, vn)
+                    runs[tma][0]()
+                torch.cuda.synchronize()
+                same = torch.equal(runs[False][1], runs[True][1]) and torch.equal(runs[False][2], runs[True][2])
+                print(f"B{B} T{T} H{H} HV{HV}: chain VB {vb}, TMA loads: hs and vn bitwise cp.async's: {same}")
+                for _ in range(2):
+                    for tma in (False, True):
+                        print(f"  chain kernel, VB={vb}, {'TMA' if tma else 'cp.async':8s} "
+                              f"{bench(runs[tma][0], 10, 40):.3f} ms")
             continue
 
         if args.ws_only:  # the fused state kernel against its specialized-warpgroup variant, alternating

@@ -11,7 +11,10 @@ two M = 64 halves at K = 128), and per chunk does only what the next chunk needs
     vn (input dtype) -> global                           (for `out`)
     S  = exp(gc_C) S + k^T (vn exp(gc_C - gc) rk)        WGMMA  A = k^T (MN-major view), B = vn (smem)
 
-The next chunk's w, k, u, gc arrive by ``cp.async`` while the current one is computed.
+The next chunk's w, k, u, gc arrive by ``cp.async`` while the current one is computed (with
+``CUDNN_TRAIN_GDN_CHAIN_TMA=1``, :func:`chain_tma`, prepared in the fifteenth session and not yet GPU-run: w, k
+and u by TMA, one elected thread issuing them on the buffer's mbarrier, the sequence's last chunk's rows past
+its end zeroed once landed; the same bits).
 Everything the output needs (q, the q k^T tile, its exp scaling, the o stores) is off this
 chain, so a chunk costs two small WGMMA groups and the conversions between them; and the grid
 is V/32 = 4 CTAs per (sequence, value head) at K = V = 128, so one long sequence still spreads
@@ -165,10 +168,10 @@ def make_block_io(dtype, K: int, VB: int):
 
 
 def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool,
-                 state_vk: bool):
+                 state_vk: bool, tma: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
-    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.cute.nvgpu import cpasync, warpgroup
 
     C = CHUNK
     KH = K // 64  # M = 64 halves of the state's K rows
@@ -181,11 +184,50 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     locate_seq = cm.make_seq_locator(varlen)
     load_block, store_block, block_to_tile, tile_to_rows = make_block_io(dtype, K, VB)
 
+    TX_BYTES = (2 * C * K + C * VB) * dtype.width // 8  # tma: w, k and u's columns of a chunk
+
+    def tma_chunk(ta, sKs, sW, sU, bar, b, h, hv, t0, v0):
+        # (tma, warp 0, while tracing) the chunk at row t0 on the mbarrier bar: w (value head hv), k's 64-column
+        # halves (head h) and u's columns v0 : v0 + VB; rows past the tensor's end arrive as zeros, rows past a
+        # varlen sequence's end are the next sequence's (zero_tail clears them once landed)
+        aW, aK, aU, tW, tK, tU = ta
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, TX_BYTES)
+        jobs = [(aW, tW, sW, hv, 0, K), (aU, tU, sU, hv, v0, VB)]
+        jobs += [(aK, tK, sKs[hf], h, hf * 64, 64) for hf in range(KH)]
+        for atom, tT, sX, head, c0, cols in jobs:
+            gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
+            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                           cute.group_modes(gT, 0, 2))
+            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+
+    @cute.jit
+    def zero_tail(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
+        # (tma) rows >= length of the [C, cols] tile sX zeroed, as cp.async zero-fills them: the state update sums
+        # over the chunk's rows
+        zero = cute.make_rmem_tensor((1, 8), dtype)
+        zero.fill(0.0)
+        for p in cutlass.range_constexpr(C * cols // 8 // THREADS):
+            idx = p * THREADS + tidx
+            r = idx // (cols // 8)
+            if r >= length:
+                cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
+
     @cute.jit
     def issue_chunk(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, sKs: cutlass.Constexpr,
-                    sW: cute.Tensor,
-                    sU: cute.Tensor, sGc: cute.Tensor, b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32,
-                    length: Int32, tidx: Int32):
+                    sW: cute.Tensor, sU: cute.Tensor, sGc: cute.Tensor, b: Int32, h: Int32, hv: Int32, t0: Int32,
+                    v0: Int32, length: Int32, tidx: Int32, ta: cutlass.Constexpr, bar):
+        if cutlass.const_expr(tma):  # the tiles by TMA (warp 0), gc by cp.async (its rows are HV floats apart)
+            issue_gc(mGc, sGc, b, hv, t0, length, tidx)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                tma_chunk(ta, sKs, sW, sU, bar, b, h, hv, t0, v0)
+        else:
+            issue_rows_of_chunk(mK, mW, mU, mGc, sKs, sW, sU, sGc, b, h, hv, t0, v0, length, tidx)
+
+    @cute.jit
+    def issue_rows_of_chunk(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
+                            sKs: cutlass.Constexpr, sW: cute.Tensor, sU: cute.Tensor, sGc: cute.Tensor, b: Int32,
+                            h: Int32, hv: Int32, t0: Int32, v0: Int32, length: Int32, tidx: Int32):
         gK = cute.domain_offset((t0, 0), mK[b, None, h, None])
         tiles = [(cute.domain_offset((t0, 0), mW[b, None, hv, None]), sW, K, 0),
                  (cute.domain_offset((t0, 0), mU[b, None, hv, None]), sU, VB, v0 // 8)]
@@ -197,7 +239,8 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     @cute.kernel
     def kernel(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
                mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, mHs: cute.Tensor, mVn: cute.Tensor,
-               T: Int32, NT: Int32, group: Int32):
+               T: Int32, NT: Int32, group: Int32, aW: cute.CopyAtom, aK: cute.CopyAtom, aU: cute.CopyAtom,
+               tW: cute.Tensor, tK: cute.Tensor, tU: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
         h = hv // group
@@ -213,9 +256,24 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         sKb = [[cm.alloc_tile(smem, dtype, C, 64) for _ in range(KH)] for _ in range(2)]
         sS = cm.alloc_tile(smem, dtype, K, VB)
         sVn = cm.alloc_tile(smem, dtype, C, VB)
-        sUb = [smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16) for _ in range(2)]
+        if cutlass.const_expr(tma):  # TMA writes no padding: u in a swizzled tile
+            sUb = [cm.alloc_tile(smem, dtype, C, VB) for _ in range(2)]
+        else:
+            sUb = [smem.allocate_tensor(dtype, cute.make_layout((C, VB), stride=(U_STRIDE, 1)), 16) for _ in range(2)]
         sGcb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(2)]
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        ta = (aW, aK, aU, tW, tK, tU)
+        mbar = None
+        if cutlass.const_expr(tma):  # one mbarrier a buffer: chunk ci in buffer ci % 2 completes its phase (ci // 2) % 2
+            mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                for a in (aW, aK, aU):
+                    cpasync.prefetch_descriptor(a)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(mbar, 1)
+                    cute.arch.mbarrier_init(mbar + 1, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
 
         thr_vn = mma_vn.get_slice(tidx)
         thr_up = mma_up.get_slice(tidx)
@@ -237,7 +295,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
 
         if nchunks > 0:
             issue_chunk(mK, mW, mU, mGc, sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts, v0,
-                        cutlass.min(te - ts, C), tidx)
+                        cutlass.min(te - ts, C), tidx, ta, mbar)
         cute.arch.cp_async_commit_group()
         for cp in cutlass.range((nchunks + 1) // 2, unroll=1):
             for par in cutlass.range_constexpr(2):  # chunk ci in buffer par: every tile stays static
@@ -247,13 +305,21 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     length = cutlass.min(te - t0, C)
                     # ---- the chunk-start state in the input dtype -> sS (B operand of w S)
                     block_to_tile(accS, cS, sS)
+                    if cutlass.const_expr(tma):
+                        cute.arch.mbarrier_wait(mbar + par, cp % 2)
+                        if length < C:  # the sequence's last chunk
+                            zero_tail(sWb[par], K, length, tidx)
+                            zero_tail(sUb[par], VB, length, tidx)
+                            for hf in cutlass.range_constexpr(KH):
+                                zero_tail(sKb[par][hf], 64, length, tidx)
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # chunk ci and sS in smem; every thread is done with chunk ci - 1
                     if ci + 1 < nchunks:
                         t1 = t0 + C
                         issue_chunk(mK, mW, mU, mGc, sKb[1 - par], sWb[1 - par], sUb[1 - par], sGcb[1 - par],
-                                    b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx)
+                                    b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx, ta,
+                                    None if mbar is None else mbar + (1 - par))
                     cute.arch.cp_async_commit_group()
 
                     accVn = cute.make_rmem_tensor(thr_vn.partition_shape_C((C, VB)), Float32)
@@ -313,7 +379,18 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
              T: Int32, NT: Int32, group: Int32, nseq: Int32, stream):
         _static_checks(dtype, K, V, VB)
         HV = mU.shape[2]
-        kernel(mK, mW, mU, mGc, mH0, mHT, mCu, mCuC, mHs, mVn, T, NT, group).launch(
+        if cutlass.const_expr(tma):
+            def rows_first(m):  # [B, T, heads, D] -> (T, D, B, heads): the TMA box is (C rows, cols)
+                return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
+
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), cm.smem_tile_layout(dtype, C, K), (C, K))
+            aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), cm.smem_tile_layout(dtype, C, 64), (C, 64))
+            aU, tU = cpasync.make_tiled_tma_atom(g2s, rows_first(mU), cm.smem_tile_layout(dtype, C, VB), (C, VB))
+        else:  # placeholders, never used
+            aW = aK = aU = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
+            tW, tK, tU = mW, mK, mU
+        kernel(mK, mW, mU, mGc, mH0, mHT, mCu, mCuC, mHs, mVn, T, NT, group, aW, aK, aU, tW, tK, tU).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
         )
 
@@ -436,13 +513,25 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
 # ------------------------------------------------------------------ compile (cached) and launch
 
 
-def get_chain_kernel(dtype, K, V, VB, l2norm, varlen, has_h0, out_final, state_vk):
+def chain_tma() -> bool:
+    """``CUDNN_TRAIN_GDN_CHAIN_TMA=1``: ``chain`` loads each chunk's w, k and u's columns by TMA (one elected
+    thread of warp 0 on the buffer's mbarrier; gc stays on cp.async; u then in a swizzled tile, TMA writes no
+    padding) instead of its one warpgroup's 128 threads issuing about 20 ``cp.async`` each a chunk on the chain
+    (B1 T16384's training forward: the chain 0.43 ms). The sequence's last chunk has its rows past the end
+    zeroed once landed, as cp.async zero-fills them: the same bits. Prepared in the fifteenth session, compiled,
+    not yet GPU-run: off."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_CHAIN_TMA", False)
+
+
+def get_chain_kernel(dtype, K, V, VB, l2norm, varlen, has_h0, out_final, state_vk, tma=None):
     if VB not in CHAIN_VBLOCKS or V % VB:
         raise ValueError(f"VB={VB}: expected one of {CHAIN_VBLOCKS} dividing V={V}")
-    key = ("chain", str(dtype), K, V, VB, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk))
+    tma = chain_tma() if tma is None else bool(tma)
+    key = ("chain", str(dtype), K, V, VB, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final),
+           bool(state_vk)) + (("tma",) if tma else ())
 
     def build():
-        return _build_chain(F._dt(dtype), K, V, VB, l2norm, varlen, has_h0, out_final, state_vk)
+        return _build_chain(F._dt(dtype), K, V, VB, l2norm, varlen, has_h0, out_final, state_vk, tma)
 
     return kc.get_kernel("gdn_fwd_chain", key, build, _SOURCES)
 

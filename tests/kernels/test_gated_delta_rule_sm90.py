@@ -87,7 +87,10 @@ def test_split_state_kernels_compile_for_sm90a(kernel_cache):
         assert callable(SP.get_out_kernel(*v))
     # the out kernel with P's factors read unconditionally (CUDNN_TRAIN_GDN_OUT_PSEL)
     assert callable(SP.get_out_kernel(*OUT_VARIANTS[0], p_select=not SP.out_p_select()))
-    assert len(list(kernel_cache.rglob("*.o"))) == len(CHAIN_VARIANTS) + len(OUT_VARIANTS) + 1
+    # the chain's loads by TMA (CUDNN_TRAIN_GDN_CHAIN_TMA)
+    for v in CHAIN_VARIANTS:
+        assert callable(SP.get_chain_kernel(*v, tma=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(CHAIN_VARIANTS) + len(OUT_VARIANTS) + 1
     with pytest.raises(ValueError, match="VB=48"):
         SP.get_chain_kernel(torch.bfloat16, 128, 128, 48, True, False, False, False, False)
 
@@ -620,6 +623,44 @@ def test_split_state_pass_matches_oracle_and_fused_kernel(case, vb, monkeypatch,
     for name, a, b in zip(("o", "final_state"), split, fused):
         err = rel_l2(a.float(), b.float())
         assert err < 2e-3, f"{case}, VB {vb}: {name} differs from the fused kernel's by {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vb", [32, 64])
+@pytest.mark.parametrize("case", ["dense", "varlen", "varlen_tail", "k64_state_vk_fp16"])
+def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
+    """The training forward's chain with its loads by TMA (CUDNN_TRAIN_GDN_CHAIN_TMA: one thread issues a chunk's
+    w, k and u on the buffer's mbarrier; a sequence's last chunk has its rows past the end zeroed once landed)
+    brings the same bytes as cp.async: o, the final state and every written chunk-start state bitwise equal, at
+    both V blocks; dense T 333 (rows past the tensor's end), varlen with empty and one-token sequences, varlen
+    with 37 rows past the last sequence (w and u there are never written: poisoned memory), K = 64 fp16 with [V,
+    K] states."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", str(vb))
+    K, vk, cu, dtype = 128, False, None, torch.bfloat16
+    if case.startswith("k64"):
+        K, vk, dtype = 64, True, torch.float16
+    if case.startswith("varlen"):
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        T = sum(lengths) + (37 if case == "varlen_tail" else 0)
+        q, k, v, g, beta, h0 = _inputs(1, T, 2, 4, K, 128, dtype, nseq=len(lengths))
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, 128, dtype, state_v_first=vk)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                state_v_first=vk, store_states=True)
+    outs = []
+    for tma in ("0", "1"):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_TMA", tma)
+        res = F90.forward(q, k, v, g, beta, **args).value
+        outs.append((res[0], res[1], res[2][3]))
+    if cu is not None:  # rows past the varlen chunk count are never written; o past the last sequence neither
+        rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
+        end = int(cu[-1])
+        outs = [(o[:, :end], ht, hs[:rows]) for o, ht, hs in outs]
+    names = ("o", "final_state", "chunk_states")
+    _assert_bitwise(f"{case}, VB {vb}", dict(zip(names, outs[1])), dict(zip(names, outs[0])), "the chain's TMA loads")
 
 
 @pytest.mark.gpu
