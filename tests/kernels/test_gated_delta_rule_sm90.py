@@ -641,8 +641,8 @@ def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
     K, vk, cu, dtype = 128, False, None, torch.bfloat16
     if case.startswith("k64"):
         K, vk, dtype = 64, True, torch.float16
-    if case.startswith("varlen"):
-        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+    if case.startswith("varlen"):  # the last sequence (5 tokens) is one partial chunk
+        lengths = VARLEN_LENGTHS
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
         T = sum(lengths) + (37 if case == "varlen_tail" else 0)
         q, k, v, g, beta, h0 = _inputs(1, T, 2, 4, K, 128, dtype, nseq=len(lengths))
