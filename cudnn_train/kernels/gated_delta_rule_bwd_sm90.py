@@ -486,7 +486,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     fused kernel would run, its variant on two specialized warpgroups instead (``gated_delta_rule_bwd_ws_sm90``;
     default ``CUDNN_TRAIN_GDN_SWEEP_WS``, off); ``ws_tma``: that variant's loads by TMA (default
     ``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``, off; the same bits); ``tma``: the fused kernel's prefetch by TMA (default
-    :func:`tma_default`, off; the same bits)."""
+    :func:`tma_default`, off; the same bits; nothing without the prefetch; the split sweep's chain follows
+    ``CUDNN_TRAIN_GDN_DCHAIN_TMA`` instead)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")

@@ -35,7 +35,8 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(kernel_cache):
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=True))
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], wgs=2, prefetch=True, tma=True))
     assert callable(B90.get_dstate_kernel(*VARIANTS[1], prefetch=True, tma=True))
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 7
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=True, profile=True))  # time_gdn_sweep --tma
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 8
 
 
 @pytest.mark.compile
@@ -327,7 +328,7 @@ def test_reverse_sweep_tma_prefetch_is_bitwise_cp_async(case, wgs, early_qk):
         q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
                                                     dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
     outs = [B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                              out_dtype=dt, wgs=wgs, prefetch=True, split=False, early_qk=early_qk, tma=t)
+                              out_dtype=dt, wgs=wgs, prefetch=True, split=False, ws=False, early_qk=early_qk, tma=t)
             for t in (False, True)]
     for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
         if name == "dH" and rows is not None:  # rows past the varlen chunk count are never written

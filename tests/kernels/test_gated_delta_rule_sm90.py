@@ -638,6 +638,7 @@ def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", str(vb))
+    monkeypatch.setattr(F90, "SPLIT", True)  # the split pass, whatever CUDNN_TRAIN_GDN_FWD_SPLIT / _WS say
     K, vk, cu, dtype = 128, False, None, torch.bfloat16
     if case.startswith("k64"):
         K, vk, dtype = 64, True, torch.float16
