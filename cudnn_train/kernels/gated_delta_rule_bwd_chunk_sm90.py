@@ -177,26 +177,24 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         cute.arch.cp_async_commit_group()
 
     TMA_NAMES = ("q", "k", "v", "do", "dvn", "vn", "tm", "s")  # the order of the kernel's atoms, tensors, tiles
+    TMA_COLS = {"q": K, "k": K, "v": V, "do": V, "dvn": V, "vn": V, "tm": C}  # the [C, cols] token tiles
+    zero_all = cm.make_zero_rows(dtype, THREADS)
+    init_barriers = cm.make_tma_init()
 
     def tma_group(g, ta, tiles, bar, b, t0, h, hv, cid):
         # (TMA, warp 0, while tracing) group g of the inputs of the tile (chunk at row t0 of sequence b, its chunk
-        # row cid, value head hv, q/k head h) on the mbarrier bar: one elected arrive with the group's bytes, then
-        # one bulk copy a tile. Rows past the tensor's end arrive as zeros; rows past a varlen sequence's end are
-        # the next sequence's (zero_tails clears them once landed)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, TMA_BYTES[g])
+        # row cid, value head hv, q/k head h) on the mbarrier bar (cm.tma_load); rows past a varlen sequence's
+        # end are zeroed by zero_tails once landed
+        jobs = []
         for name in TMA_GROUPS[g]:
             i = TMA_NAMES.index(name)
-            atom, tT, sX = ta[i], ta[len(TMA_NAMES) + i], tiles[i]
+            tT = ta[len(TMA_NAMES) + i]
             if name == "s":  # the chunk-start state, [K, V] of chunk row cid
                 gT = cute.local_tile(tT[None, None, cid, hv], (K, V), (0, 0))
             else:
-                cols = K if name in ("q", "k") else (C if name == "tm" else V)
-                gT = cute.local_tile(cute.domain_offset((t0, 0), tT[None, None, b, h if name in ("q", "k") else hv]),
-                                     (C, cols), (0, 0))
-            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                           cute.group_modes(gT, 0, 2))
-            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+                gT = cm.token_box(tT, b, h if name in ("q", "k") else hv, t0, 0, C, TMA_COLS[name])
+            jobs.append((ta[i], gT, tiles[i]))
+        cm.tma_load(jobs, bar, TMA_BYTES[g])
 
     @cute.jit
     def tma_unit(g: cutlass.Constexpr, ta: cutlass.Constexpr, tiles: cutlass.Constexpr, bar, u: Int32, nunits: Int32,
@@ -210,24 +208,26 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 tma_group(g, ta, tiles, bar, b, t0, h, hv, cid)
 
     @cute.jit
+    def next_part(part: cutlass.Constexpr, ins: cutlass.Constexpr, smem_in: cutlass.Constexpr, ta: cutlass.Constexpr,
+                  tiles: cutlass.Constexpr, tbar, u: Int32, nunits: Int32, by: Int32, ngrid: Int32, group: Int32,
+                  mCu: cute.Tensor, mCuC: cute.Tensor, T: Int32, NT: Int32, nseq: Int32, tidx: Int32):
+        # (PERSIST) part `part` of tile unit u's inputs: by TMA on its mbarrier, or by cp.async as one group
+        if cutlass.const_expr(TMA):
+            tma_unit(part, ta, tiles, tbar + part, u, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq)
+        else:
+            next_inputs(ins, smem_in, u, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq, tidx, part)
+
+    @cute.jit
     def zero_rows(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
-        # (TMA) rows >= length of the [C, cols] tile sX, zeroed as cp.async zero-fills them (the next sequence's
-        # rows, or whatever a varlen tensor holds past its last sequence, NaN included)
+        # (TMA) rows >= length of a partial chunk's [C, cols] tile zeroed (cm.make_zero_rows)
         if length < C:
-            zero = cute.make_rmem_tensor((1, 8), dtype)
-            zero.fill(0.0)
-            for p in cutlass.range_constexpr(C * cols // 8 // THREADS):
-                idx = p * THREADS + tidx
-                r = idx // (cols // 8)
-                if r >= length:
-                    cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
+            zero_all(sX, cols, length, tidx)
 
     def zero_tails(g, tiles, length, tidx):
         # (TMA, while tracing) zero_rows on group g's token tiles; the caller fences and syncs
         for name in TMA_GROUPS[g]:
             if name != "s":
-                zero_rows(tiles[TMA_NAMES.index(name)], K if name in ("q", "k") else (C if name == "tm" else V),
-                          length, tidx)
+                zero_rows(tiles[TMA_NAMES.index(name)], TMA_COLS[name], length, tidx)
 
     @cute.jit
     def swap_in_dot(gX: cute.Tensor, sX: cute.Tensor, tidx: Int32):
@@ -444,14 +444,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         tbar = None
         if cutlass.const_expr(TMA):
             tbar = smem.allocate_array(cutlass.Int64, len(TMA_GROUPS), byte_alignment=8)
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                for a in ta[:len(TMA_NAMES)]:
-                    cpasync.prefetch_descriptor(a)
-                with cute.arch.elect_one():
-                    for g in cutlass.range_constexpr(len(TMA_GROUPS)):
-                        cute.arch.mbarrier_init(tbar + g, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
+            init_barriers(tbar, len(TMA_GROUPS), ta[:len(TMA_NAMES)], 0)
 
         # the tile loop: one tile (chunk, value head) a CTA, or with PERSIST a CTA per SM (a cluster of two per
         # two SMs with PAIR) walking its tiles, the next tile's inputs loaded during this one's last phases
@@ -460,10 +453,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         nunits = ngrid * (mV.shape[2] // PW)
         if cutlass.const_expr(PERSIST):  # the first tile's inputs
             for part in cutlass.range_constexpr(3):
-                if cutlass.const_expr(TMA):
-                    tma_unit(part, ta, tma_tiles, tbar + part, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq)
-                else:
-                    next_inputs(ins, smem_in, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq, tidx, part)
+                next_part(part, ins, smem_in, ta, tma_tiles, tbar, bx, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
+                          tidx)
         for it in cutlass.range(niter, unroll=1):
             if cutlass.const_expr(PERSIST):
                 cid, hv, h = tile_of(bx + it * nctas, by, ngrid, group)
@@ -798,12 +789,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
             if cutlass.const_expr(PERSIST):  # every warp is done with q, Sc / dH and vn: the next tile's
                 cute.arch.sync_threads()
-                if cutlass.const_expr(TMA):
-                    tma_unit(0, ta, tma_tiles, tbar + 0, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC,
-                             T, NT, nseq)
-                else:
-                    next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
-                                tidx, 0)
+                next_part(0, ins, smem_in, ta, tma_tiles, tbar, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu,
+                          mCuC, T, NT, nseq, tidx)
 
             pmark(prof, 7)
             # ---- dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2
@@ -859,12 +846,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if cutlass.const_expr(PAIR):
                 cute.arch.cluster_arrive()  # sT (dKK) read: the peer may send dk into it
             if cutlass.const_expr(PERSIST):  # the next tile's v, do, dvn (and Tm), into the tiles no longer read
-                if cutlass.const_expr(TMA):
-                    tma_unit(1, ta, tma_tiles, tbar + 1, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC,
-                             T, NT, nseq)
-                else:
-                    next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
-                                tidx, 1)
+                next_part(1, ins, smem_in, ta, tma_tiles, tbar, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu,
+                          mCuC, T, NT, nseq, tidx)
             pmark(prof, 8)
             mm(accDk, K, sX1, False, tv(sK), True, False)  # dk += (dKK + dKK^T) k
             done()
@@ -889,12 +872,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 sDgc[0, pi] = wg_sum(sDgc, pi) + ps - kt
             cute.arch.sync_threads()
             if cutlass.const_expr(PERSIST):  # every thread is done with k: the next tile's
-                if cutlass.const_expr(TMA):
-                    tma_unit(2, ta, tma_tiles, tbar + 2, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC,
-                             T, NT, nseq)
-                else:
-                    next_inputs(ins, smem_in, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq,
-                                tidx, 2)
+                next_part(2, ins, smem_in, ta, tma_tiles, tbar, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu,
+                          mCuC, T, NT, nseq, tidx)
             # the tail and the reverse cumulative sum on warp 0: lane l holds rows 2l and 2l + 1
             if tidx < 32:
                 x0 = sDgc[0, 2 * tidx]
@@ -945,17 +924,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         grid = [nctas, PW, 1] if PERSIST else [nchunks_grid, HV, 1]  # PERSIST: nctas CTAs (clusters) walk the tiles
         srcs = (mQ, mK, mV, mDo, mDvn, mVnI, mTmI, mHs)  # in TMA_NAMES order
         if cutlass.const_expr(TMA):
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
             atoms, tmas = [], []
             for name, m in zip(TMA_NAMES, srcs):
                 if cutlass.const_expr(name == "s"):  # [rows, HV, K, V] -> (K, V, rows, HV): the box is a chunk row's state
-                    box = (K, V)
                     view = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[2, 3, 0, 1]))
-                else:  # [B, T, heads, D] -> (T, D, B, heads): the box is (C rows, D columns)
-                    box = (C, C if name == "tm" else m.shape[3])
-                    view = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
-                a, t = cpasync.make_tiled_tma_atom(g2s, view, cm.smem_tile_layout(dtype, *box, 128 if name == "tm" else SW),
-                                                   box)
+                    a, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view,
+                                                       cm.smem_tile_layout(dtype, K, V, SW), (K, V))
+                else:  # the token tiles: (C rows, their columns)
+                    a, t = cm.make_tma_rows_atom(dtype, m, C, TMA_COLS[name], 128 if name == "tm" else SW)
                 atoms.append(a)
                 tmas.append(t)
         else:  # placeholders, never used

@@ -99,29 +99,14 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     WD_BYTES = (C * K + C * VB) * dtype.width // 8
     QK_BYTES = 2 * C * K * dtype.width // 8
 
-    def tma_tiles(jobs, bar, nbytes, b, t0):
-        # (TMA, warp 0, while tracing) the [C, cols] tiles of jobs (atom, TMA tensor, smem tile, head, first
-        # column, cols) of the chunk at row t0 on the mbarrier bar; rows past the tensor's end arrive as zeros,
-        # rows past a varlen sequence's end are the next sequence's (zero_tail clears them once landed)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
-        for atom, tT, sX, head, c0, cols in jobs:
-            gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
-            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                           cute.group_modes(gT, 0, 2))
-            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+    zero_tail = cm.make_zero_rows(dtype, THREADS)  # (TMA) the first chunk taken's rows past its end
+    init_barriers = cm.make_tma_init()
 
-    @cute.jit
-    def zero_tail(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
-        # (TMA) rows >= length of the [C, cols] tile sX zeroed, as cp.async zero-fills them: the update's sums over
-        # the chunk's rows must not meet the next sequence's rows (or NaN past a varlen tensor's last sequence)
-        zero = cute.make_rmem_tensor((1, 8), dtype)
-        zero.fill(0.0)
-        for p in cutlass.range_constexpr(C * cols // 8 // THREADS):
-            idx = p * THREADS + tidx
-            r = idx // (cols // 8)
-            if r >= length:
-                cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
+    def tma_tiles(jobs, bar, nbytes, b, t0):
+        # (TMA, warp 0, while tracing) the [C, cols] tiles of jobs (atom, TMA tensor, smem tile, head, first column,
+        # cols) of the chunk at row t0 on the mbarrier bar (cm.tma_load)
+        cm.tma_load([(atom, cm.token_box(tT, b, head, t0, c0, C, cols), sX) for atom, tT, sX, head, c0, cols in jobs],
+                    bar, nbytes)
 
     @cute.kernel
     def kernel(
@@ -193,14 +178,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         mbar = None
         if cutlass.const_expr(TMA):
             mbar = smem.allocate_array(cutlass.Int64, 3, byte_alignment=8)
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                for a in (aQ, aK, aW, aDo):
-                    cpasync.prefetch_descriptor(a)
-                with cute.arch.elect_one():
-                    for i in cutlass.range_constexpr(3):
-                        cute.arch.mbarrier_init(mbar + i, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
+            init_barriers(mbar, 3, (aQ, aK, aW, aDo), 0)
 
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
 
@@ -358,22 +336,9 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     ):
         _static_checks(dtype, K, WGS)
         HV = mW.shape[2]
-        if cutlass.const_expr(TMA):
-            def rows_first(m):  # [B, T, heads, D] -> (T, D, B, heads): the TMA box is (C rows, cols)
-                return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
-
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            lqk = cm.smem_tile_layout(dtype, C, K)
-            aQ, tQ = cpasync.make_tiled_tma_atom(g2s, rows_first(mQ), lqk, (C, K))
-            aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), lqk, (C, K))
-            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), lqk, (C, K))
-            aDo, tDo = cpasync.make_tiled_tma_atom(g2s, rows_first(mDO), cm.smem_tile_layout(dtype, C, VBLOCK),
-                                                   (C, VBLOCK))
-        else:  # placeholders, never used
-            aQ = aK = aW = aDo = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
-            tQ, tK, tW, tDo = mQ, mK, mW, mDO
-        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, mProf, aQ, aK, aW, aDo,
-               tQ, tK, tW, tDo).launch(
+        atoms, tmas = cm.make_tma_rows_atoms(TMA, dtype, ((mQ, C, K), (mK, C, K), (mW, C, K), (mDO, C, VBLOCK)))
+        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, mProf, *atoms,
+               *tmas).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
         )
 

@@ -193,32 +193,16 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
     TX_BYTES = (3 * C * K + C * VB) * dtype.width // 8  # tma: k, q, w and do's columns of a chunk
 
     def tma_chunk(ta, sQs, sK, sWs, sDo, bar, b, h, hv, t0, v0):
-        # (tma, warp 0, while tracing) the chunk at row t0 on the mbarrier bar: k, q's and w's 64-column halves (q
-        # and k at head h, w at value head hv) and do's columns v0 : v0 + VB; rows past the tensor's end arrive as
-        # zeros, rows past a varlen sequence's end are the next sequence's (zero_tail clears them once landed)
+        # (tma, warp 0, while tracing) the chunk at row t0 on the mbarrier bar (cm.tma_load): k, q's and w's
+        # 64-column halves (q and k at head h, w at value head hv) and do's columns v0 : v0 + VB
         aK, aQ, aW, aDo, tK, tQ, tW, tDo = ta
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, TX_BYTES)
-        jobs = [(aK, tK, sK, h, 0, K), (aDo, tDo, sDo, hv, v0, VB)]
-        jobs += [(aQ, tQ, sQs[hf], h, hf * 64, 64) for hf in range(KH)]
-        jobs += [(aW, tW, sWs[hf], hv, hf * 64, 64) for hf in range(KH)]
-        for atom, tT, sX, head, c0, cols in jobs:
-            gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
-            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                           cute.group_modes(gT, 0, 2))
-            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+        jobs = [(aK, cm.token_box(tK, b, h, t0, 0, C, K), sK), (aDo, cm.token_box(tDo, b, hv, t0, v0, C, VB), sDo)]
+        jobs += [(aQ, cm.token_box(tQ, b, h, t0, hf * 64, C, 64), sQs[hf]) for hf in range(KH)]
+        jobs += [(aW, cm.token_box(tW, b, hv, t0, hf * 64, C, 64), sWs[hf]) for hf in range(KH)]
+        cm.tma_load(jobs, bar, TX_BYTES)
 
-    @cute.jit
-    def zero_tail(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
-        # (tma) rows >= length of the [C, cols] tile sX zeroed, as cp.async zero-fills them: the update's q^T do_s
-        # and w^T dvn sum over the chunk's rows
-        zero = cute.make_rmem_tensor((1, 8), dtype)
-        zero.fill(0.0)
-        for p in cutlass.range_constexpr(C * cols // 8 // THREADS):
-            idx = p * THREADS + tidx
-            r = idx // (cols // 8)
-            if r >= length:
-                cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
+    zero_tail = cm.make_zero_rows(dtype, THREADS)  # (tma) the first chunk taken's rows past its end
+    init_barriers = cm.make_tma_init()
 
     @cute.jit
     def issue_chunk(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mDO: cute.Tensor, mGc: cute.Tensor,
@@ -290,14 +274,7 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
         mbar = None
         if cutlass.const_expr(tma):  # one mbarrier a buffer: chunk cr in buffer cr % 2 completes its phase (cr // 2) % 2
             mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                for a in (aK, aQ, aW, aDo):
-                    cpasync.prefetch_descriptor(a)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_init(mbar, 1)
-                    cute.arch.mbarrier_init(mbar + 1, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
+            init_barriers(mbar, 2, (aK, aQ, aW, aDo), 0)
 
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
 
@@ -417,21 +394,9 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
              stream):
         _static_checks(dtype, K, V, VB)
         HV = mW.shape[2]
-        if cutlass.const_expr(tma):
-            def rows_first(m):  # [B, T, heads, D] -> (T, D, B, heads): the TMA box is (C rows, cols)
-                return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
-
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            lh = cm.smem_tile_layout(dtype, C, 64)
-            aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), cm.smem_tile_layout(dtype, C, K), (C, K))
-            aQ, tQ = cpasync.make_tiled_tma_atom(g2s, rows_first(mQ), lh, (C, 64))
-            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), lh, (C, 64))
-            aDo, tDo = cpasync.make_tiled_tma_atom(g2s, rows_first(mDO), cm.smem_tile_layout(dtype, C, VB), (C, VB))
-        else:  # placeholders, never used
-            aK = aQ = aW = aDo = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
-            tK, tQ, tW, tDo = mK, mQ, mW, mDO
-        kernel(mQ, mK, mW, mGc, mDO, mDvl, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, aK, aQ, aW, aDo,
-               tK, tQ, tW, tDo).launch(
+        atoms, tmas = cm.make_tma_rows_atoms(tma, dtype, ((mK, C, K), (mQ, C, 64), (mW, C, 64), (mDO, C, VB)))
+        kernel(mQ, mK, mW, mGc, mDO, mDvl, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, *atoms,
+               *tmas).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
         )
 

@@ -79,34 +79,16 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
     TMA_WARP = 4  # tma: the aux's first warp issues the copies (one elected thread arms the chunk's mbarrier)
     TX_BYTES = (3 * C * K + C * VB) * dtype.width // 8  # q, k, w, do of a chunk
 
-    @cute.jit
-    def tma_chunk(ta: cutlass.Constexpr, sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sDo: cute.Tensor, bar,
-                  b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32):
-        """(tma, warp TMA_WARP) the chunk at row t0: q, k (head h), w and do's columns v0 : v0 + VB (value head
-        hv) on the mbarrier ``bar``. Rows past the tensor's end arrive as zeros; rows past a varlen sequence's end
-        are the next sequence's (zeroed by :func:`zero_tail` once landed)."""
-        aQ, aK, aW, aDo, tQ, tK, tW, tDo = ta
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, TX_BYTES)
-        for atom, tT, sX, head, c0, cols in ((aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K), (aW, tW, sW, hv, 0, K),
-                                             (aDo, tDo, sDo, hv, v0, VB)):
-            gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
-            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                           cute.group_modes(gT, 0, 2))
-            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+    zero_tail = cm.make_zero_rows(dtype, THREADS)  # (tma) the first chunk taken's rows past its end
+    init_barriers = cm.make_tma_init()
 
-    @cute.jit
-    def zero_tail(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
-        """(tma, every thread) rows >= length of the [C, cols] tile sX zeroed, as cp.async zero-fills them: the
-        update's do_s^T q and dvn^T w sum over the chunk's rows, so the next sequence's rows (or whatever a varlen
-        tensor holds past its last sequence, NaN included) must not reach them."""
-        zero = cute.make_rmem_tensor((1, 8), dtype)
-        zero.fill(0.0)
-        for p in cutlass.range_constexpr(C * cols // 8 // THREADS):
-            idx = p * THREADS + tidx
-            r = idx // (cols // 8)
-            if r >= length:
-                cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
+    def tma_chunk(ta, sQ, sK, sW, sDo, bar, b, h, hv, t0, v0):
+        # (tma, warp TMA_WARP, while tracing) the chunk at row t0: q, k (head h), w and do's columns v0 : v0 + VB
+        # (value head hv) on the mbarrier bar (cm.tma_load)
+        aQ, aK, aW, aDo, tQ, tK, tW, tDo = ta
+        cm.tma_load([(aQ, cm.token_box(tQ, b, h, t0, 0, C, K), sQ), (aK, cm.token_box(tK, b, h, t0, 0, C, K), sK),
+                     (aW, cm.token_box(tW, b, hv, t0, 0, C, K), sW),
+                     (aDo, cm.token_box(tDo, b, hv, t0, v0, C, VB), sDo)], bar, TX_BYTES)
 
     @cute.jit
     def issue_chunk(gm: cutlass.Constexpr, sb: cutlass.Constexpr, nb3: cutlass.Constexpr, nb2: cutlass.Constexpr,
@@ -193,14 +175,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
         mbar = None
         if cutlass.const_expr(tma):  # one mbarrier a chunk slot: chunk cr on cr % 6, completing phase (cr // 6) % 2
             mbar = smem.allocate_array(cutlass.Int64, 6, byte_alignment=8)
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
-                for a in (aQ, aK, aW, aDo):
-                    cpasync.prefetch_descriptor(a)
-                with cute.arch.elect_one():
-                    for i in cutlass.range_constexpr(6):
-                        cute.arch.mbarrier_init(mbar + i, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
+            init_barriers(mbar, 6, (aQ, aK, aW, aDo), TMA_WARP)
 
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
         niter = nchunks + cutlass.min(nchunks, 1)  # the chain takes chunk cr in iteration cr + 1
@@ -318,21 +293,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, sta
         cm.check_mn_major_view(dtype, C, C)
         cm.check_mn_major_view(dtype, C, VB)
         HV = mW.shape[2]
-        if cutlass.const_expr(tma):
-            def rows_first(m):  # [B, T, heads, D] -> (T, D, B, heads): the TMA box is (C rows, D columns)
-                return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
-
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            lqk = cm.smem_tile_layout(dtype, C, K)
-            aQ, tQ = cpasync.make_tiled_tma_atom(g2s, rows_first(mQ), lqk, (C, K))
-            aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), lqk, (C, K))
-            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), lqk, (C, K))
-            aDo, tDo = cpasync.make_tiled_tma_atom(g2s, rows_first(mDO), cm.smem_tile_layout(dtype, C, VB), (C, VB))
-        else:  # placeholders, never used
-            aQ = aK = aW = aDo = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
-            tQ, tK, tW, tDo = mQ, mK, mW, mDO
-        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, aQ, aK, aW, aDo, tQ, tK,
-               tW, tDo).launch(
+        atoms, tmas = cm.make_tma_rows_atoms(tma, dtype, ((mQ, C, K), (mK, C, K), (mW, C, K), (mDO, C, VB)))
+        kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, *atoms, *tmas).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
         )
 

@@ -696,3 +696,102 @@ def quad_row_groups(mma, shape_mn, threads=SAMPLE_THREADS, wgs: int = 1):
             if len(cs) != shape_mn[1] // wgs:
                 raise AssertionError(f"the quad of thread {t} holds {len(cs)} of {shape_mn[1]} columns of row {r}")
     return ref
+
+
+# ------------------------------------------------------------------ TMA loads of chunk tiles
+# The kernels' TMA variants share one pattern: one warp (its elected thread) arms an mbarrier with a group's
+# bytes and issues the group's bulk copies (CuTe splits a tile wider than its swizzle into boxes), every thread
+# waits on the mbarrier's phase, and rows past a varlen sequence's end, which TMA brings as they are (the next
+# sequence's, or whatever a tensor holds past its last sequence), are zeroed after landing, as cp.async
+# zero-fills them.
+
+
+def rows_first(m):
+    """``[B, T, heads, D]`` -> its ``(T, D, B, heads)`` view (same memory): the TMA box is (rows, columns)."""
+    _, cute = kc.import_cute()
+    return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
+
+
+def make_tma_rows_atom(dtype, m, rows: int, cols: int, max_swizzle: int = 128):
+    """(While tracing a host function) ``(atom, TMA tensor)`` loading ``rows x cols`` boxes of the ``[B, T, heads,
+    D]`` tensor ``m`` into a :func:`smem_tile_layout` tile of the same shape and swizzle."""
+    from cutlass.cute.nvgpu import cpasync
+
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows_first(m),
+                                       smem_tile_layout(dtype, rows, cols, max_swizzle), (rows, cols))
+
+
+def make_tma_rows_atoms(on: bool, dtype, specs):
+    """(While tracing a host function) ``(atoms, TMA tensors)`` of :func:`make_tma_rows_atom` for each ``(m, rows,
+    cols)`` of ``specs``; with ``on`` False placeholders of the kernel's parameters (a cp.async atom and the tensors
+    themselves), never used."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import cpasync
+
+    if not on:
+        return [cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)] * len(specs), [
+            m for m, _, _ in specs]
+    pairs = [make_tma_rows_atom(dtype, m, rows, cols) for m, rows, cols in specs]
+    return [a for a, _ in pairs], [t for _, t in pairs]
+
+
+def token_box(tT, b, head, t0, c0, rows: int, cols: int):
+    """(While tracing) the ``rows x cols`` box of a :func:`make_tma_rows_atom` tensor at row ``t0`` and column
+    ``c0`` of sequence (batch) ``b`` and head ``head``."""
+    _, cute = kc.import_cute()
+    return cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (rows, cols), (0, 0))
+
+
+def tma_load(jobs, bar, nbytes: int):
+    """(One warp, while tracing) ``jobs`` = ((atom, global box, smem tile), ...) on the mbarrier ``bar``: one
+    elected arrive expecting ``nbytes`` (every box's full size: rows past a tensor's end arrive as zeros and
+    count), then the bulk copies (the copy elects its own thread)."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import cpasync
+
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+    for atom, gT, sX in jobs:
+        tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                       cute.group_modes(gT, 0, 2))
+        cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+
+
+def make_tma_init():
+    """``init_barriers(mbar, n, atoms, warp)``: (every thread) warp ``warp`` prefetches the atoms' descriptors and
+    initializes the ``n`` mbarriers at ``mbar`` (one arrival each), then the init fence and a CTA barrier."""
+    cutlass, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import cpasync
+
+    @cute.jit
+    def init_barriers(mbar, n: cutlass.Constexpr, atoms: cutlass.Constexpr, warp: cutlass.Constexpr):
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == warp:
+            for a in atoms:
+                cpasync.prefetch_descriptor(a)
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(n):
+                    cute.arch.mbarrier_init(mbar + i, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+    return init_barriers
+
+
+def make_zero_rows(dtype, threads: int, rows: int = CHUNK):
+    """``zero_rows(sX, cols, length, tidx)``: (every thread) rows ``>= length`` of the ``rows x cols`` smem tile
+    ``sX`` zeroed by 16-byte stores, as cp.async zero-fills them; the caller fences to the async proxy and syncs
+    before the tile is read."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    @cute.jit
+    def zero_rows(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
+        zero = cute.make_rmem_tensor((1, 8), dtype)
+        zero.fill(0.0)
+        for p in cutlass.range_constexpr(rows * cols // 8 // threads):
+            idx = p * threads + tidx
+            r = idx // (cols // 8)
+            if r >= length:
+                cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
+
+    return zero_rows

@@ -187,31 +187,15 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     TX_BYTES = (2 * C * K + C * VB) * dtype.width // 8  # tma: w, k and u's columns of a chunk
 
     def tma_chunk(ta, sKs, sW, sU, bar, b, h, hv, t0, v0):
-        # (tma, warp 0, while tracing) the chunk at row t0 on the mbarrier bar: w (value head hv), k's 64-column
-        # halves (head h) and u's columns v0 : v0 + VB; rows past the tensor's end arrive as zeros, rows past a
-        # varlen sequence's end are the next sequence's (zero_tail clears them once landed)
+        # (tma, warp 0, while tracing) the chunk at row t0 on the mbarrier bar (cm.tma_load): w (value head hv),
+        # k's 64-column halves (head h) and u's columns v0 : v0 + VB
         aW, aK, aU, tW, tK, tU = ta
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, TX_BYTES)
-        jobs = [(aW, tW, sW, hv, 0, K), (aU, tU, sU, hv, v0, VB)]
-        jobs += [(aK, tK, sKs[hf], h, hf * 64, 64) for hf in range(KH)]
-        for atom, tT, sX, head, c0, cols in jobs:
-            gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
-            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                           cute.group_modes(gT, 0, 2))
-            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+        jobs = [(aW, cm.token_box(tW, b, hv, t0, 0, C, K), sW), (aU, cm.token_box(tU, b, hv, t0, v0, C, VB), sU)]
+        jobs += [(aK, cm.token_box(tK, b, h, t0, hf * 64, C, 64), sKs[hf]) for hf in range(KH)]
+        cm.tma_load(jobs, bar, TX_BYTES)
 
-    @cute.jit
-    def zero_tail(sX: cute.Tensor, cols: cutlass.Constexpr, length: Int32, tidx: Int32):
-        # (tma) rows >= length of the [C, cols] tile sX zeroed, as cp.async zero-fills them: the state update sums
-        # over the chunk's rows
-        zero = cute.make_rmem_tensor((1, 8), dtype)
-        zero.fill(0.0)
-        for p in cutlass.range_constexpr(C * cols // 8 // THREADS):
-            idx = p * THREADS + tidx
-            r = idx // (cols // 8)
-            if r >= length:
-                cute.autovec_copy(zero, cute.local_tile(sX, (1, 8), (r, idx % (cols // 8))))
+    zero_tail = cm.make_zero_rows(dtype, THREADS)  # (tma) the sequence's last chunk's rows past its end
+    init_barriers = cm.make_tma_init()
 
     @cute.jit
     def issue_chunk(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, sKs: cutlass.Constexpr,
@@ -266,14 +250,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         mbar = None
         if cutlass.const_expr(tma):  # one mbarrier a buffer: chunk ci in buffer ci % 2 completes its phase (ci // 2) % 2
             mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                for a in (aW, aK, aU):
-                    cpasync.prefetch_descriptor(a)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_init(mbar, 1)
-                    cute.arch.mbarrier_init(mbar + 1, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
+            init_barriers(mbar, 2, (aW, aK, aU), 0)
 
         thr_vn = mma_vn.get_slice(tidx)
         thr_up = mma_up.get_slice(tidx)
@@ -379,18 +356,8 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
              T: Int32, NT: Int32, group: Int32, nseq: Int32, stream):
         _static_checks(dtype, K, V, VB)
         HV = mU.shape[2]
-        if cutlass.const_expr(tma):
-            def rows_first(m):  # [B, T, heads, D] -> (T, D, B, heads): the TMA box is (C rows, cols)
-                return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
-
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), cm.smem_tile_layout(dtype, C, K), (C, K))
-            aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), cm.smem_tile_layout(dtype, C, 64), (C, 64))
-            aU, tU = cpasync.make_tiled_tma_atom(g2s, rows_first(mU), cm.smem_tile_layout(dtype, C, VB), (C, VB))
-        else:  # placeholders, never used
-            aW = aK = aU = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
-            tW, tK, tU = mW, mK, mU
-        kernel(mK, mW, mU, mGc, mH0, mHT, mCu, mCuC, mHs, mVn, T, NT, group, aW, aK, aU, tW, tK, tU).launch(
+        atoms, tmas = cm.make_tma_rows_atoms(tma, dtype, ((mW, C, K), (mK, C, 64), (mU, C, VB)))
+        kernel(mK, mW, mU, mGc, mH0, mHT, mCu, mCuC, mHs, mVn, T, NT, group, *atoms, *tmas).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
         )
 

@@ -162,6 +162,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     CHAIN_REGS, OUT_REGS = 232, 136
     assert CHAIN_REGS + 2 * OUT_REGS <= 3 * (65536 // 384 // 8 * 8)
     TMA_WARP = 4  # the output warpgroup's first warp issues them (one elected thread arms the mbarrier)
+    init_barriers = cm.make_tma_init()
     # with TMA, right after the barrier: a one-thread branch between a warpgroup's products and their wait makes
     # ptxas serialize the products (C7520)
     late = not tma
@@ -195,21 +196,14 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                      (cute.domain_offset((t0, 0), mU[b, None, hv, None]), sU, VB, v0 // 8)), length, tidx)
         issue_rows(mGc, mBe, sGc, sBe, b, hv, t0, length, tidx)
 
-    @cute.jit
-    def tma_chunk(ta: cutlass.Constexpr, sQ: cute.Tensor, sK: cute.Tensor, sW: cute.Tensor, sU: cute.Tensor, bar,
-                  b: Int32, h: Int32, hv: Int32, t0: Int32, v0: Int32):
-        """(One warp) the chunk at row t0: q, k (head h), w and u's columns v0 : v0 + VB (value head hv) by TMA on
-        the mbarrier ``bar`` (one elected arrive with the bytes expected). Rows past the tensor's end arrive as
-        zeros; rows past a varlen sequence's end are the next sequence's (the chain masks their vn)."""
+    def tma_chunk(ta, sQ, sK, sW, sU, bar, b, h, hv, t0, v0):
+        """(One warp, while tracing) the chunk at row t0: q, k (head h), w and u's columns v0 : v0 + VB (value head
+        hv) by TMA on the mbarrier ``bar`` (:func:`cm.tma_load`). Rows past the tensor's end arrive as zeros; rows
+        past a varlen sequence's end are the next sequence's (the chain masks their vn)."""
         aQ, aK, aW, aU, tQ, tK, tW, tU = ta
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, TX_BYTES)
-        for atom, tT, sX, head, c0, cols in ((aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K),
-                                             (aW, tW, sW, hv, 0, WCOLS), (aU, tU, sU, hv, v0, VB)):
-            gT = cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (C, cols), (0, 0))
-            tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
-                                           cute.group_modes(gT, 0, 2))
-            cute.copy(atom, tG, tS, tma_bar_ptr=bar)
+        cm.tma_load([(aQ, cm.token_box(tQ, b, h, t0, 0, C, K), sQ), (aK, cm.token_box(tK, b, h, t0, 0, C, K), sK),
+                     (aW, cm.token_box(tW, b, hv, t0, 0, C, WCOLS), sW),
+                     (aU, cm.token_box(tU, b, hv, t0, v0, C, VB), sU)], bar, TX_BYTES)
 
     @cute.jit
     def issue_next(gm: cutlass.Constexpr, sb: cutlass.Constexpr, nb: cutlass.Constexpr, b: Int32, h: Int32,
@@ -396,14 +390,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         mbar = None
         if cutlass.const_expr(tma):  # one mbarrier a buffer: chunk c in buffer c % 2 completes its phase (c // 2) % 2
             mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
-                for a in (aQ, aK, aW, aU):
-                    cpasync.prefetch_descriptor(a)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_init(mbar, 1)
-                    cute.arch.mbarrier_init(mbar + 1, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
+            init_barriers(mbar, 2, (aQ, aK, aW, aU), TMA_WARP)
 
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
         niter = nchunks + cutlass.min(nchunks, 1)  # the output finishes chunk c in iteration c + 1
@@ -620,19 +607,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         F._static_checks(dtype, K, V)
         cm.check_mn_major_view(dtype, C, K)  # k: MN-major B operand of the state update
         HV = mU.shape[2]
-        if cutlass.const_expr(tma):
-            def rows_first(m):  # [B, T, heads, D] -> (T, D, B, heads): the TMA box is (C rows, D columns)
-                return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
-
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            lqk = cm.smem_tile_layout(dtype, C, K)
-            aQ, tQ = cpasync.make_tiled_tma_atom(g2s, rows_first(mQ), lqk, (C, K))
-            aK, tK = cpasync.make_tiled_tma_atom(g2s, rows_first(mK), lqk, (C, K))
-            aW, tW = cpasync.make_tiled_tma_atom(g2s, rows_first(mW), cm.smem_tile_layout(dtype, C, WCOLS), (C, WCOLS))
-            aU, tU = cpasync.make_tiled_tma_atom(g2s, rows_first(mU), cm.smem_tile_layout(dtype, C, VB), (C, VB))
-        else:  # placeholders, never used
-            aQ = aK = aW = aU = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
-            tQ, tK, tW, tU = mQ, mK, mW, mU
+        (aQ, aK, aW, aU), (tQ, tK, tW, tU) = cm.make_tma_rows_atoms(
+            tma, dtype, ((mQ, C, K), (mK, C, K), (mW, C, WCOLS), (mU, C, VB)))
         kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group, mProf,
                aQ, aK, aW, aU, tQ, tK, tW, tU, mBe).launch(
             grid=[nseq, HV, V // VB], block=[NTHR, 1, 1], stream=stream,

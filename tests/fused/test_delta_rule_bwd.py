@@ -78,33 +78,41 @@ def test_reverse_sweep_stage_alone_gives_the_initial_state_gradient():
     assert rel_l2(dS0, want[5]) <= 1e-12
 
 
-def _kernel_algebra(q, k, v, gc, b, scale, Sc, dH, dvn, do):
-    """Stage 3 in the order and form the SM90 chunk-gradient kernel computes it
-    (``kernels/gated_delta_rule_bwd_chunk_sm90.py``), one chunk of [C, *] tensors."""
-    C = q.shape[0]
+def _gates(gc):
+    """One chunk's gate factors: ``(strict, E, Es, eg, glast)`` (E_ij = e^(gc_i - gc_j) for j <= i, Es its strictly
+    lower part, eg = e^gc, glast = gc_C)."""
+    C = gc.shape[0]
     lower = torch.ones(C, C, dtype=torch.bool).tril()
+    E = torch.where(lower, (gc[:, None] - gc[None, :]).exp(), torch.zeros(()).to(gc))
     strict = lower.tril(-1)
-    Ediff = gc[:, None] - gc[None, :]
-    E = torch.where(lower, Ediff.exp(), torch.zeros(()).to(q))
-    Es = E * strict
-    eg, glast = gc.exp(), gc[-1]
+    return strict, E, E * strict, gc.exp(), gc[-1]
+
+
+def _kernel_algebra(q, k, v, gc, b, scale, Sc, dH, dvn, do, vn=None, Tm=None, rnd=lambda x: x):
+    """Stage 3 in the order and form the SM90 chunk-gradient kernel computes it
+    (``kernels/gated_delta_rule_bwd_chunk_sm90.py``), one chunk of [C, *] tensors; vn and Tm solved and formed here
+    unless given (the forward's); ``rnd`` rounds where the kernel holds a bf16 tile (dQK, dw, dTm^T, Tm^T dTm,
+    dKK + dKK^T; identity: exact)."""
+    C = q.shape[0]
+    strict, E, Es, eg, glast = _gates(gc)
     Ae = (k @ k.T) * Es
     A = b[:, None] * Ae
-    Tm = torch.linalg.inv(torch.eye(C, dtype=q.dtype) + A)
-    Z = b[:, None] * v - (b * eg)[:, None] * (k @ Sc)
-    vn = Tm @ Z
+    if Tm is None:
+        Tm = torch.linalg.inv(torch.eye(C, dtype=q.dtype) + A)
+    if vn is None:
+        vn = Tm @ (b[:, None] * v - (b * eg)[:, None] * (k @ Sc))
     QK = q @ k.T
     dP = do @ vn.T
     dQK = scale * dP * E
     pair = dQK * QK  # dP * P
     dqg = (do @ Sc.T) * (scale * eg)[:, None]
     dgc = (dqg * q).sum(-1)
-    dq = dqg + dQK @ k
-    dw = -(dvn @ Sc.T)
+    dq = dqg + rnd(dQK) @ k
+    dw = rnd(-(dvn @ Sc.T))
     tail_s = (Sc * dH).sum()
     dk = (vn @ dH.T) * (glast - gc).exp()[:, None]
     kdt = (dk * k).sum(-1)
-    dk = dk + dQK.T @ q
+    dk = dk + rnd(dQK).T @ q
     dkb = Tm.T @ dw
     dk = dk + (b * eg)[:, None] * dkb
     dbeta = (dkb * k * eg[:, None]).sum(-1)
@@ -112,26 +120,22 @@ def _kernel_algebra(q, k, v, gc, b, scale, Sc, dH, dvn, do):
     dvb = Tm.T @ dvn
     dbeta = dbeta + (dvb * v).sum(-1)
     dv = b[:, None] * dvb
-    dTm = (dw @ k.T) * (b * eg)[None, :] + (dvn @ v.T) * b[None, :]
-    dA = -(Tm.T @ dTm @ Tm.T) * strict
+    dTmT = rnd(((dw @ k.T) * (b * eg)[None, :] + (dvn @ v.T) * b[None, :]).T)
+    dA = -(rnd(Tm.T @ dTmT.T) @ Tm.T) * strict
     dbeta = dbeta + (dA * Ae).sum(-1)
     pair = pair + b[:, None] * dA * Ae
     dKK = b[:, None] * dA * Es
-    dk = dk + (dKK + dKK.T) @ k
+    dk = dk + rnd(dKK + dKK.T) @ k
     dgc = dgc + pair.sum(-1) - pair.sum(-2) - kdt
     dgc[-1] = dgc[-1] + kdt.sum() + tail_s * glast.exp()
     dg = dgc.flip(0).cumsum(0).flip(0)
     return dq, dk, dv, dg, dbeta
 
 
-@pytest.mark.parametrize("length", [64, 37, 1])
-def test_the_chunk_gradient_kernels_algebra_matches_chunk_grads(length):
-    """The SM90 stage-3 kernel regroups stage 3 (vn from Z, dTm from two products, dKK + dKK^T,
-    dgc from row and pair sums): the same numbers as ``chunk_grads``, padded rows included."""
-    from cudnn_train.fused.delta_rule_bwd import _recompute, chunk_grads
-
-    torch.manual_seed(3)
-    C, K, V, dt = 64, 16, 8, torch.float64
+def _chunk_case(length, K, V, seed, dt=torch.float64):
+    """One chunk's inputs of stage 3 (rows past ``length`` zero) and a state and its gradient, seeded."""
+    torch.manual_seed(seed)
+    C = 64
     pad = torch.arange(C) < length
     q = torch.randn(C, K, dtype=dt) * pad[:, None]
     k = F.normalize(torch.randn(C, K, dtype=dt), dim=-1) * pad[:, None]
@@ -141,6 +145,17 @@ def test_the_chunk_gradient_kernels_algebra_matches_chunk_grads(length):
     do = torch.randn(C, V, dtype=dt) * pad[:, None]
     dvn = torch.randn(C, V, dtype=dt) * pad[:, None]
     Sc, dH = torch.randn(K, V, dtype=dt), torch.randn(K, V, dtype=dt)
+    return q, k, v, g, b, do, dvn, Sc, dH
+
+
+@pytest.mark.parametrize("length", [64, 37, 1])
+def test_the_chunk_gradient_kernels_algebra_matches_chunk_grads(length):
+    """The SM90 stage-3 kernel regroups stage 3 (vn from Z, dTm from two products, dKK + dKK^T,
+    dgc from row and pair sums): the same numbers as ``chunk_grads``, padded rows included."""
+    from cudnn_train.fused.delta_rule_bwd import _recompute, chunk_grads
+
+    q, k, v, g, b, do, dvn, Sc, dH = _chunk_case(length, 16, 8, 3)
+    C = q.shape[0]
     one = lambda x: x.reshape(1, 1, 1, *x.shape)  # noqa: E731
     r = _recompute(one(q), one(k), one(v), one(g[:, None]), one(b[:, None]), 0.3, C)
     want = chunk_grads(one(q), one(k), one(v), one(b[:, None]), one(Sc), one(dH), one(dvn), one(do), r)
@@ -157,13 +172,7 @@ def _rebuilt_algebra(q, k, v, gc, b, scale, Sc, dH, dvn, do, vn, Tm, rnd=lambda 
     sums of ``k * dkb`` and ``v * dvb`` come from the [C, C] products dTm needs (``rowsum(k * dkb)_i = sum_j
     Tm_ji (dw k^T)_ji``); kdt from the chain's ``k dH``. ``rnd`` rounds where the kernel would hold a bf16 tile
     (identity: the exact regrouping). vn and Tm are the forward's."""
-    C = q.shape[0]
-    lower = torch.ones(C, C, dtype=torch.bool).tril()
-    strict = lower.tril(-1)
-    Ediff = gc[:, None] - gc[None, :]
-    E = torch.where(lower, Ediff.exp(), torch.zeros(()).to(q))
-    Es = E * strict
-    eg, glast = gc.exp(), gc[-1]
+    strict, E, Es, eg, glast = _gates(gc)
     kdec = (glast - gc).exp()
     Ae = (k @ k.T) * Es
     A = b[:, None] * Ae
@@ -196,60 +205,6 @@ def _rebuilt_algebra(q, k, v, gc, b, scale, Sc, dH, dvn, do, vn, Tm, rnd=lambda 
     dgc[-1] = dgc[-1] + kdt.sum() + (Sc * dH).sum() * glast.exp()
     dg = dgc.flip(0).cumsum(0).flip(0)
     return dq, dk, dv, dg, dbeta
-
-
-def _current_rounding(q, k, v, gc, b, scale, Sc, dH, dvn, do, vn, Tm, rnd):
-    """The current stage-3 kernel's bf16 tiles on the same values (dQK, dw, dTm^T, Tm^T dTm, dKK + dKK^T rounded
-    once), to compare the rebuild's rounding points with."""
-    C = q.shape[0]
-    lower = torch.ones(C, C, dtype=torch.bool).tril()
-    strict = lower.tril(-1)
-    E = torch.where(lower, (gc[:, None] - gc[None, :]).exp(), torch.zeros(()).to(q))
-    Es = E * strict
-    eg, glast = gc.exp(), gc[-1]
-    Ae = (k @ k.T) * Es
-    dP = do @ vn.T
-    dQK = scale * dP * E
-    pair = dQK * (q @ k.T)
-    dqg = (do @ Sc.T) * (scale * eg)[:, None]
-    dgc = (dqg * q).sum(-1)
-    dq = dqg + rnd(dQK) @ k
-    dwb = rnd(-(dvn @ Sc.T))
-    dk = (vn @ dH.T) * (glast - gc).exp()[:, None]
-    kdt = (dk * k).sum(-1)
-    dk = dk + rnd(dQK).T @ q
-    dkb = Tm.T @ dwb
-    dk = dk + (b * eg)[:, None] * dkb
-    dbeta = (dkb * k * eg[:, None]).sum(-1)
-    dgc = dgc + b * (dkb * k * eg[:, None]).sum(-1)
-    dvb = Tm.T @ dvn
-    dbeta = dbeta + (dvb * v).sum(-1)
-    dv = b[:, None] * dvb
-    dTmT = rnd(((dwb @ k.T) * (b * eg)[None, :] + (dvn @ v.T) * b[None, :]).T)
-    dA = -(rnd(Tm.T @ dTmT.T) @ Tm.T) * strict
-    dbeta = dbeta + (dA * Ae).sum(-1)
-    pair = pair + b[:, None] * dA * Ae
-    dKK = b[:, None] * dA * Es
-    dk = dk + rnd(dKK + dKK.T) @ k
-    dgc = dgc + pair.sum(-1) - pair.sum(-2) - kdt
-    dgc[-1] = dgc[-1] + kdt.sum() + (Sc * dH).sum() * glast.exp()
-    dg = dgc.flip(0).cumsum(0).flip(0)
-    return dq, dk, dv, dg, dbeta
-
-
-def _chunk_case(length, K, V, seed, dt=torch.float64):
-    torch.manual_seed(seed)
-    C = 64
-    pad = torch.arange(C) < length
-    q = torch.randn(C, K, dtype=dt) * pad[:, None]
-    k = F.normalize(torch.randn(C, K, dtype=dt), dim=-1) * pad[:, None]
-    v = torch.randn(C, V, dtype=dt) * pad[:, None]
-    g = F.logsigmoid(torch.randn(C, dtype=dt)) * pad
-    b = torch.rand(C, dtype=dt) * pad
-    do = torch.randn(C, V, dtype=dt) * pad[:, None]
-    dvn = torch.randn(C, V, dtype=dt) * pad[:, None]
-    Sc, dH = torch.randn(K, V, dtype=dt), torch.randn(K, V, dtype=dt)
-    return q, k, v, g, b, do, dvn, Sc, dH
 
 
 @pytest.mark.parametrize("length", [64, 37, 1])
@@ -289,7 +244,7 @@ def test_the_fused_backward_rebuilds_rounding_is_no_worse_than_the_current_kerne
     args = (q, k, v, g.cumsum(0), b, 128**-0.5, Sc, dH, dvn, do, vn, Tm)
     exact = _rebuilt_algebra(*args)
     rebuilt = _rebuilt_algebra(*args, rnd=bf)
-    current = _current_rounding(*args, rnd=bf)
+    current = _kernel_algebra(*args[:10], vn=vn, Tm=Tm, rnd=bf)
     for name, e, a, c in zip(("dq", "dk", "dv", "dg", "dbeta"), exact, rebuilt, current):
         err_a, err_c = rel_l2(a, e), rel_l2(c, e)
         assert err_a <= 1.5 * err_c + 1e-4 and err_a <= 3e-3, (name, err_a, err_c)
