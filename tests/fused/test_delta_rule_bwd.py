@@ -230,7 +230,7 @@ def test_the_fused_backward_rebuilds_rounding_is_no_worse_than_the_current_kerne
     """With bf16 tiles where each kernel holds them (the rebuild rounds diag(beta e^gc) Tm^T and dKK alone; the
     current kernel dw, dQK, dTm^T, Tm^T dTm and dKK + dKK^T), on bf16 inputs at K = V = 128: every output's error
     against the unrounded float64 values stays within 1.5 times the current kernel's (plus 1e-4 of the output's
-    norm) and under the FLA-compat bound's floor of 3e-3 relative L2 per chunk."""
+    norm)."""
     from cudnn_train.fused.delta_rule_bwd import _recompute
 
     def bf(x):
@@ -247,4 +247,90 @@ def test_the_fused_backward_rebuilds_rounding_is_no_worse_than_the_current_kerne
     current = _kernel_algebra(*args[:10], vn=vn, Tm=Tm, rnd=bf)
     for name, e, a, c in zip(("dq", "dk", "dv", "dg", "dbeta"), exact, rebuilt, current):
         err_a, err_c = rel_l2(a, e), rel_l2(c, e)
-        assert err_a <= 1.5 * err_c + 1e-4 and err_a <= 3e-3, (name, err_a, err_c)
+        assert err_a <= 1.5 * err_c + 1e-4, (name, err_a, err_c)
+
+
+def _fused_backward_loop(q, k, v, g, b, scale, do, dS_last, Sc, vn, Tm, w, rnd=lambda x: x, rebuilt=True):
+    """The fused backward's per-(sequence, value head) loop as planned (docs/PERFORMANCE.md, "The fused backward:
+    the plan"), one sequence and head of chunked [NC, C, *] tensors: reverse over the chunks, dH carried by the
+    chain; per chunk the chain's ``dvn = P^T do + kd dH`` (one accumulator: kd = diag(e^(gc_C - gc)) k as a tile),
+    stage 3 of the chunk on dH and dvn (:func:`_rebuilt_algebra`, or the current kernel's
+    :func:`_kernel_algebra`), then the update ``dH <- e^(gc_C) dH + (scale e^gc q)^T do - w^T dvn``. Sc, vn, Tm and
+    w are the forward's. ``rnd`` rounds where the kernels hold bf16 tiles: the dH and dvn hand-overs (also the
+    chain's A operands), P, do_s and, with ``rebuilt``, kd (FLA's rounding point; the current sweep scales the
+    product in float32 instead). Returns the chunked dq, dk, dv, dg, dbeta and dS0."""
+    NC, C, _ = q.shape
+    dH = dS_last
+    outs = []
+    for c in reversed(range(NC)):
+        gc = g[c].cumsum(0)
+        _, E, _, eg, glast = _gates(gc)
+        kdec = (glast - gc).exp()
+        dHb = rnd(dH)
+        Pb = rnd(scale * (q[c] @ k[c].T) * E)
+        if rebuilt:
+            dvn = Pb.T @ do[c] + rnd(kdec[:, None] * k[c]) @ dHb
+        else:
+            dvn = Pb.T @ do[c] + kdec[:, None] * (k[c] @ dHb)
+        dvnb = rnd(dvn)
+        algebra = _rebuilt_algebra if rebuilt else _kernel_algebra
+        outs.append(algebra(q[c], k[c], v[c], gc, b[c], scale, Sc[c], dHb, dvnb, do[c], vn=vn[c], Tm=Tm[c], rnd=rnd))
+        dos = rnd((scale * eg)[:, None] * do[c])
+        dH = glast.exp() * dH + q[c].T @ dos - w[c].T @ dvnb
+    return [torch.stack(x[::-1]) for x in zip(*outs)] + [dH]
+
+
+def _one_head_case(T, K, V, seed, dt=torch.float64):
+    """A sequence's inputs at one head, chunked ([NC, C, *], padded rows zero), the forward's Sc, vn, Tm, w and the
+    backward's do and dS_last; with the reference gradients of ``chunked_core_bwd`` (float64)."""
+    from cudnn_train.fused.delta_rule_bwd import ChunkLayout, _recompute, chunked_core_bwd, sweeps_ref
+
+    torch.manual_seed(seed)
+    q, k, v, g, beta, S0 = _inputs(1, T, 1, K, V, dt)
+    do, dS = torch.randn(1, T, 1, V, dtype=dt), torch.randn(1, 1, K, V, dtype=dt)
+    want = chunked_core_bwd(q, k, v, g, beta, 0.3, S0, do, dS, 64)
+    lay = ChunkLayout(1, T, 64)
+    qc, kc, vc, gch, doc = (lay.to_chunks(x) for x in (q, k, v, g, do))
+    bc = lay.to_chunks(beta.unsqueeze(-1))
+    r = _recompute(qc, kc, vc, gch, bc, 0.3, 64)
+    Sc, _ = sweeps_ref(r, lay, S0, None, None)
+    vn = r["u"] - r["w"] @ Sc
+    flat = [x[0, 0] for x in (qc, kc, vc, gch[..., 0], bc[..., 0], doc, Sc, vn, r["Tm"], r["w"])]
+    return flat, dS[0, 0], want, lay
+
+
+@pytest.mark.parametrize("T", [64, 200])
+def test_the_fused_backward_loop_matches_the_stagewise_backward(T):
+    """The fused backward's loop (chain and stage 3 per chunk, dH never leaving the loop) gives the stage-wise
+    backward's gradients and initial-state gradient, float64, a partial last chunk included."""
+    (q, k, v, g, b, do, Sc, vn, Tm, w), dS, want, lay = _one_head_case(T, 16, 8, 11)
+    got = _fused_backward_loop(q, k, v, g, b, 0.3, do, dS, Sc, vn, Tm, w)
+    for name, a, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dS0"), got, want):
+        a = a[None, None] if name != "dS0" else a
+        if name in ("dg",):
+            a = a.unsqueeze(-1)
+        if name == "dbeta":
+            a = lay.from_chunks(a[..., None]).squeeze(-1)
+        elif name != "dS0":
+            a = lay.from_chunks(a)
+        assert rel_l2(a.reshape(ref.shape), ref) <= 1e-10, (name, rel_l2(a.reshape(ref.shape), ref))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_fused_backwards_rounding_is_no_worse_than_the_two_kernels(seed):
+    """With bf16 tiles where the kernels hold them, over a whole sequence (T 1000, K = V = 128): the fused loop's
+    rounding points (kd rounded as FLA's, stage 3 rebuilt) err no more than the current sweep and stage 3's
+    (within 1.5x, plus 1e-4) against the unrounded loop (the current kernels' errors pass the GPU tier's
+    FLA-compat rule; bf16 inputs alone put dg near 3.6e-3 here, for both)."""
+    def bf(x):
+        return x.to(torch.bfloat16).to(torch.float64)
+
+    (q, k, v, g, b, do, Sc, vn, Tm, w), dS, _, _ = _one_head_case(1000, 128, 128, seed)
+    q, k, v, do, Sc, vn, Tm, w = (bf(x) for x in (q, k, v, do, Sc, vn, Tm, w))
+    args = (q, k, v, g, b, 128**-0.5, do, dS, Sc, vn, Tm, w)
+    exact = _fused_backward_loop(*args)
+    fused = _fused_backward_loop(*args, rnd=bf)
+    current = _fused_backward_loop(*args, rnd=bf, rebuilt=False)
+    for name, e, a, c in zip(("dq", "dk", "dv", "dg", "dbeta", "dS0"), exact, fused, current):
+        err_a, err_c = rel_l2(a, e), rel_l2(c, e)
+        assert err_a <= 1.5 * err_c + 1e-4, (name, err_a, err_c)
