@@ -141,8 +141,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     # read, all waited for at the next tile's top.
     TMA_GROUPS = (("q", "s", "vn"), ("v", "do", "dvn", "tm"), ("k",)) if PERSIST else (
         ("q", "k"), ("s", "tm", "vn", "do"), ("v", "dvn"))
-    TMA_ELEMS = {"q": C * K, "k": C * K, "v": C * V, "do": C * V, "dvn": C * V, "vn": C * V, "tm": C * C, "s": K * V}
-    TMA_BYTES = tuple(sum(TMA_ELEMS[x] for x in g) * dtype.width // 8 for g in TMA_GROUPS)
+    TMA_COLS = {"q": K, "k": K, "v": V, "do": V, "dvn": V, "vn": V, "tm": C}  # the [C, cols] token tiles (and Sc)
+    TMA_BYTES = tuple(sum(K * V if x == "s" else C * TMA_COLS[x] for x in g) * dtype.width // 8 for g in TMA_GROUPS)
 
     def tile_of(u, by, ngrid, group):
         # PERSIST: tile unit u (chunk fastest) of CTA column by -> chunk, value head, q/k head
@@ -177,7 +177,6 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         cute.arch.cp_async_commit_group()
 
     TMA_NAMES = ("q", "k", "v", "do", "dvn", "vn", "tm", "s")  # the order of the kernel's atoms, tensors, tiles
-    TMA_COLS = {"q": K, "k": K, "v": V, "do": V, "dvn": V, "vn": V, "tm": C}  # the [C, cols] token tiles
     zero_all = cm.make_zero_rows(dtype, THREADS)
     init_barriers = cm.make_tma_init()
 
@@ -197,23 +196,17 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         cm.tma_load(jobs, bar, TMA_BYTES[g])
 
     @cute.jit
-    def tma_unit(g: cutlass.Constexpr, ta: cutlass.Constexpr, tiles: cutlass.Constexpr, bar, u: Int32, nunits: Int32,
-                 by: Int32, ngrid: Int32, group: Int32, mCu: cute.Tensor, mCuC: cute.Tensor, T: Int32, NT: Int32,
-                 nseq: Int32):
-        # (PERSIST with TMA) group g of tile unit u's inputs, if u < nunits, by warp 0
-        if u < nunits:
-            cid, hv, h = tile_of(u, by, ngrid, group)
-            b, t0, _, _ = locate(cid, mCu, mCuC, T, NT, nseq)
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                tma_group(g, ta, tiles, bar, b, t0, h, hv, cid)
-
-    @cute.jit
     def next_part(part: cutlass.Constexpr, ins: cutlass.Constexpr, smem_in: cutlass.Constexpr, ta: cutlass.Constexpr,
                   tiles: cutlass.Constexpr, tbar, u: Int32, nunits: Int32, by: Int32, ngrid: Int32, group: Int32,
                   mCu: cute.Tensor, mCuC: cute.Tensor, T: Int32, NT: Int32, nseq: Int32, tidx: Int32):
-        # (PERSIST) part `part` of tile unit u's inputs: by TMA on its mbarrier, or by cp.async as one group
+        # (PERSIST) part `part` of tile unit u's inputs, if u < nunits: by TMA on its mbarrier (warp 0), or by
+        # cp.async as one group
         if cutlass.const_expr(TMA):
-            tma_unit(part, ta, tiles, tbar + part, u, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq)
+            if u < nunits:
+                cid, hv, h = tile_of(u, by, ngrid, group)
+                b, t0, _, _ = locate(cid, mCu, mCuC, T, NT, nseq)
+                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                    tma_group(part, ta, tiles, tbar + part, b, t0, h, hv, cid)
         else:
             next_inputs(ins, smem_in, u, nunits, by, ngrid, group, mCu, mCuC, T, NT, nseq, tidx, part)
 

@@ -102,11 +102,31 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     zero_tail = cm.make_zero_rows(dtype, THREADS)  # (TMA) the first chunk taken's rows past its end
     init_barriers = cm.make_tma_init()
 
-    def tma_tiles(jobs, bar, nbytes, b, t0):
-        # (TMA, warp 0, while tracing) the [C, cols] tiles of jobs (atom, TMA tensor, smem tile, head, first column,
-        # cols) of the chunk at row t0 on the mbarrier bar (cm.tma_load)
-        cm.tma_load([(atom, cm.token_box(tT, b, head, t0, c0, C, cols), sX) for atom, tT, sX, head, c0, cols in jobs],
-                    bar, nbytes)
+    @cute.jit
+    def next_qk(gm: cutlass.Constexpr, sQ: cute.Tensor, sK: cute.Tensor, ta: cutlass.Constexpr, mbar, b: Int32, h: Int32,
+                t1: Int32, length: Int32, tidx: Int32):
+        # q and k of the chunk at row t1 into their one buffer: by TMA on mbarrier 2 (warp 0), or by cp.async
+        if cutlass.const_expr(TMA):
+            aQ, aK, _, _, tQ, tK, _, _ = ta
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                cm.tma_load([(aQ, cm.token_box(tQ, b, h, t1, 0, C, K), sQ), (aK, cm.token_box(tK, b, h, t1, 0, C, K), sK)],
+                            mbar + 2, QK_BYTES)
+        else:
+            issue_qk(gm[0], gm[1], sQ, sK, b, h, t1, length, tidx)
+
+    @cute.jit
+    def next_wdg(gm: cutlass.Constexpr, sW: cute.Tensor, sDo: cute.Tensor, sGc: cute.Tensor, ta: cutlass.Constexpr,
+                 bar, b: Int32, hv: Int32, t1: Int32, v0: Int32, length: Int32, tidx: Int32):
+        # w, do and gc of the chunk at row t1 into one buffer: w and do by TMA on that buffer's mbarrier ``bar``
+        # (warp 0) and gc by cp.async, or all by cp.async
+        if cutlass.const_expr(TMA):
+            _, _, aW, aDo, _, _, tW, tDo = ta
+            issue_gc(gm[4], sGc, b, hv, t1, length, tidx)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                cm.tma_load([(aW, cm.token_box(tW, b, hv, t1, 0, C, K), sW),
+                             (aDo, cm.token_box(tDo, b, hv, t1, v0, C, VB), sDo)], bar, WD_BYTES)
+        else:
+            issue_wdg(gm[2], gm[3], gm[4], sW, sDo, sGc, b, hv, t1, v0, length, tidx)
 
     @cute.kernel
     def kernel(
@@ -180,6 +200,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             mbar = smem.allocate_array(cutlass.Int64, 3, byte_alignment=8)
             init_barriers(mbar, 3, (aQ, aK, aW, aDo), 0)
 
+        ta = (aQ, aK, aW, aDo, tQ, tK, tW, tDo)
+        gm = (mQ, mK, mW, mDO, mGc)
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
 
         accD = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
@@ -188,14 +210,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         if cutlass.const_expr(PREFETCH):  # the first chunk of the sweep (the sequence's last)
             if nchunks > 0:
                 t1 = ts + (nchunks - 1) * C
-                if cutlass.const_expr(TMA):
-                    issue_gc(mGc, sGcb[0], b, hv, t1, te - t1, tidx)
-                    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                        tma_tiles([(aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K)], mbar + 2, QK_BYTES, b, t1)
-                        tma_tiles([(aW, tW, sWb[0], hv, 0, K), (aDo, tDo, sDob[0], hv, v0, VB)], mbar, WD_BYTES, b, t1)
-                else:
-                    issue_qk(mQ, mK, sQ, sK, b, h, t1, te - t1, tidx)
-                    issue_wdg(mW, mDO, mGc, sWb[0], sDob[0], sGcb[0], b, hv, t1, v0, te - t1, tidx)
+                next_qk(gm, sQ, sK, ta, mbar, b, h, t1, te - t1, tidx)
+                next_wdg(gm, sWb[0], sDob[0], sGcb[0], ta, mbar, b, hv, t1, v0, te - t1, tidx)
             cute.arch.cp_async_commit_group()
         for cp in cutlass.range((nchunks + NBUF - 1) // NBUF, unroll=1):
             for par in cutlass.range_constexpr(NBUF):  # one chunk a buffer, so every tile stays static
@@ -219,14 +235,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         cute.arch.fence_view_async_shared()
                         cute.arch.sync_threads()  # chunk cr is in smem; every thread is done with chunk cr - 1
                         if cr + 1 < nchunks:  # w, do, gc of chunk cr + 1 into the buffers chunk cr - 1 used
-                            if cutlass.const_expr(TMA):
-                                issue_gc(mGc, sGcb[1 - par], b, hv, t0 - C, C, tidx)
-                                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                                    tma_tiles([(aW, tW, sWb[1 - par], hv, 0, K), (aDo, tDo, sDob[1 - par], hv, v0, VB)],
-                                              mbar + (1 - par), WD_BYTES, b, t0 - C)
-                            else:
-                                issue_wdg(mW, mDO, mGc, sWb[1 - par], sDob[1 - par], sGcb[1 - par], b, hv, t0 - C,
-                                          v0, C, tidx)
+                            next_wdg(gm, sWb[1 - par], sDob[1 - par], sGcb[1 - par], ta,
+                                     None if mbar is None else mbar + (1 - par), b, hv, t0 - C, v0, C, tidx)
                         cute.arch.cp_async_commit_group()
                     else:
                         cute.arch.sync_threads()  # the previous chunk is done with every smem tile
@@ -273,11 +283,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         # during P and do^T P too
                         cute.arch.sync_threads()
                         if cr + 1 < nchunks:
-                            if cutlass.const_expr(TMA):
-                                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                                    tma_tiles([(aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K)], mbar + 2, QK_BYTES, b, t0 - C)
-                            else:
-                                issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
+                            next_qk(gm, sQ, sK, ta, mbar, b, h, t0 - C, C, tidx)
                         cute.arch.cp_async_commit_group()
                     pmark(prof, 2)
 
@@ -294,11 +300,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     pmark(prof, 3)
                     if cutlass.const_expr(PREFETCH and not EARLY_QK):  # q, k of chunk cr + 1 (done with them)
                         if cr + 1 < nchunks:
-                            if cutlass.const_expr(TMA):
-                                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                                    tma_tiles([(aQ, tQ, sQ, h, 0, K), (aK, tK, sK, h, 0, K)], mbar + 2, QK_BYTES, b, t0 - C)
-                            else:
-                                issue_qk(mQ, mK, sQ, sK, b, h, t0 - C, C, tidx)
+                            next_qk(gm, sQ, sK, ta, mbar, b, h, t0 - C, C, tidx)
                         cute.arch.cp_async_commit_group()
 
                     gemm(mma_t, accX, tAdob[par], tBpt, False)  # dvn^T += do^T P
