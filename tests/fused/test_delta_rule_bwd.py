@@ -230,7 +230,7 @@ def test_the_fused_backward_rebuilds_rounding_is_no_worse_than_the_current_kerne
     """With bf16 tiles where each kernel holds them (the rebuild rounds diag(beta e^gc) Tm^T and dKK alone; the
     current kernel dw, dQK, dTm^T, Tm^T dTm and dKK + dKK^T), on bf16 inputs at K = V = 128: every output's error
     against the unrounded float64 values stays within 1.5 times the current kernel's (plus 1e-4 of the output's
-    norm)."""
+    norm) and, for one chunk, under 3e-3 relative L2."""
     from cudnn_train.fused.delta_rule_bwd import _recompute
 
     def bf(x):
@@ -247,7 +247,7 @@ def test_the_fused_backward_rebuilds_rounding_is_no_worse_than_the_current_kerne
     current = _kernel_algebra(*args[:10], vn=vn, Tm=Tm, rnd=bf)
     for name, e, a, c in zip(("dq", "dk", "dv", "dg", "dbeta"), exact, rebuilt, current):
         err_a, err_c = rel_l2(a, e), rel_l2(c, e)
-        assert err_a <= 1.5 * err_c + 1e-4, (name, err_a, err_c)
+        assert err_a <= 1.5 * err_c + 1e-4 and err_a <= 3e-3, (name, err_a, err_c)
 
 
 def _fused_backward_loop(q, k, v, g, b, scale, do, dS_last, Sc, vn, Tm, w, rnd=lambda x: x, rebuilt=True):
