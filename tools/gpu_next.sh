@@ -353,6 +353,12 @@ s28)
   timed dchain_tma 100 python3 tools/time_gdn_sweep.py --shapes 2 --dchain-tma
   timed chain_tma 100 python3 tools/time_gdn_fwd.py --shapes 2 --chain-tma
   timed dchunk_persist 120 python3 tools/time_gdn_dchunk.py --shapes 1 --persist ;;
+s29)
+  # the sixteenth session's leftovers: w and u formed in the chain, timed for the first time (its earlier rows ran the
+  # fused state kernel, where onfly does not apply), and the specialized-warpgroup sweep's timing (cut at 120 s
+  # by its compiles in s25); then the whole GDN tiers under the new TMA defaults: gpu_next.sh gdn, gdn_train
+  timed onfly ${TIME_S:-200} python3 tools/time_gdn_fwd.py --shapes 2 --onfly
+  timed sweep_ws 280 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

@@ -4,7 +4,10 @@ the whole forward as chosen and with each state pass forced, and FLA's forward i
 also the wy and state kernels on two warpgroups (the wy kernel's default at K = V = 128; the state
 kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
-    python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma]
+    python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --onfly]
+
+``--onfly``: only the whole forward with w and u formed in the chain (``CUDNN_TRAIN_GDN_FWD_ONFLY``) against the
+default, as called and with the specialized warpgroups forced: o compared, then timed twice each, alternating.
 
 ``--chain-tma``: only the split pass's chain at both V blocks with its loads by TMA
 (``CUDNN_TRAIN_GDN_CHAIN_TMA``) against cp.async: hs and vn bitwise, then timed twice each, alternating.
@@ -51,6 +54,8 @@ def main():
                     help="only the wy kernel at its default warpgroups: its time and (with --profile) its phases")
     ap.add_argument("--chain-tma", action="store_true",
                     help="only the split pass's chain with its loads by TMA against cp.async, both V blocks")
+    ap.add_argument("--onfly", action="store_true",
+                    help="only the whole forward with w and u formed in the chain against the default, twice, alternating")
     args = ap.parse_args()
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fwd
@@ -97,6 +102,27 @@ def main():
                 print(f"  wy kernel (default warpgroups), {name}: {bench(outs[name][0], 10, 40):.3f} ms")
             if args.profile:
                 profile_wy(k, v, g, beta, w, u, gc, f32, cu, cuc, rows, NT, group)
+            continue
+
+        if args.onfly:  # w and u formed in the chain (CUDNN_TRAIN_GDN_FWD_ONFLY) against w, u from the wy kernel
+            print(f"\nB{B} T{T} H{H} HV{HV}:")
+            for forced in (False, True):  # the whole forward as called, then on the specialized warpgroups forced
+                F90.SPLIT, F90.STATE_WS = (False, True) if forced else (None, None)
+                path = "specialized warpgroups forced" if forced else "as called"
+                runs = {}
+                for on in (False, True):
+                    F90.ONFLY = on
+                    runs[on] = F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True).value[0]
+                F90.ONFLY = False
+                print(f"  {path}: o with w, u in the chain vs without: rel L2 "
+                      f"{rel_l2(runs[True].float(), runs[False].float()):.2e}, finite {bool(torch.isfinite(runs[True]).all())}")
+                for _ in range(2):
+                    for on in (False, True):
+                        F90.ONFLY = on
+                        ms = bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40)
+                        print(f"  whole forward, {path}, w, u in the chain {on}: {ms:.3f} ms")
+                    F90.ONFLY = False
+            F90.SPLIT, F90.STATE_WS, F90.ONFLY = None, None, False
             continue
 
         if args.chain_tma:  # the chain (CUDNN_TRAIN_GDN_CHAIN_TMA) on one wy output: bitwise, then alternating times
@@ -176,6 +202,9 @@ def main():
             for _ in range(2):
                 print(f"  wy kernel (w, u)                      {bench(lambda: wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64), 10, 40):.3f} ms")
                 print(f"  wy kernel, gate-free inverse only     {bench(run_inv, 10, 40):.3f} ms")
+            # the rows below: the whole forward as it is called (the split pass or the specialized warpgroups, as
+            # split_sm90.preferred picks), then forced onto the specialized warpgroups at each VB and load path
+            F90.SPLIT, F90.STATE_WS = None, None
             F90.ONFLY = True
             o_on = F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True).value[0]
             F90.ONFLY = False
@@ -190,16 +219,17 @@ def main():
                       f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
                 F90.ONFLY = False
                 vb_mode, tma_mode = WS.VB_MODE, WS.TMA
-                for vb_tma in (False, True):  # and with 128 columns a CTA (also with the TMA loads)
-                    WS.VB_MODE, WS.TMA = "128", vb_tma
-                    print(f"  whole forward, 128 columns a CTA, TMA {vb_tma}: "
+                F90.SPLIT, F90.STATE_WS = False, True  # the specialized warpgroups, whatever the default picks
+                for vb, vb_tma in (("64", False), ("64", True), ("128", False), ("128", True)):
+                    WS.VB_MODE, WS.TMA = vb, vb_tma
+                    print(f"  whole forward, specialized warpgroups, {vb} columns a CTA, TMA {vb_tma}: "
                           f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms,"
                           f" w, u in the chain too ", end="")
                     F90.ONFLY = True
                     print(f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
                     F90.ONFLY = False
                 WS.VB_MODE, WS.TMA = vb_mode, tma_mode
-            F90.SPLIT, F90.STATE_WS = None, None
+                F90.SPLIT, F90.STATE_WS = None, None
             train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True)
             for _ in range(2):  # the training forward: its default (the split pass) against the specialized warpgroups
                 print(f"  training forward (store_states, keep_vn), default      "
@@ -340,6 +370,7 @@ def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     K, V = q.shape[-1], u.shape[-1]
+    kw = dict(dict(tma=False, wg3=False), **kw)  # each variant as named: cp.async, one output warpgroup unless asked
     fn = WS.get_kernel(torch.bfloat16, K, V, True, False, False, False, False, **kw)
     i64 = F90._dummies(q.device)[2]
     o_ws = torch.full_like(o_ref, float("nan"))
@@ -360,6 +391,7 @@ def profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     K, HV, V = q.shape[-1], u.shape[2], u.shape[-1]
+    kw = dict(dict(tma=False), **kw)
     fn = WS.get_kernel(torch.bfloat16, K, V, True, False, False, False, False, profile=True, **kw)
     ctas = B * HV * (V // kw.get("vb", WS.VB))
     nph = len(WS.WS_PHASES[0])
