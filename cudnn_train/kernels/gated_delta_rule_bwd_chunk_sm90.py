@@ -60,8 +60,10 @@ With ``tma`` (``chunk_grads(tma=True)``, TMA compiled in; only for the training 
 three load groups are bulk tensor copies, issued by one elected thread of warp 0 on one mbarrier a group (Sc
 moved from the first group to the second: the l2norm rows and k k^T wait for q and k alone);
 rows past a varlen sequence's end are zeroed once landed, as cp.async zero-fills them (same bits). ptxas: 241
-registers, no spill, per tile; 255 and 4 bytes spilled persistent (against 227 and 255 with cp.async). Prepared
-in the fifteenth session, not yet GPU-run: off (:func:`tma_default`).
+registers, no spill, per tile; 255 and 4 bytes spilled persistent (against 227 and 255 with cp.async). The
+default since the sixteenth session (:func:`tma_default`; ``CUDNN_TRAIN_GDN_DCHUNK_TMA=0`` gives cp.async back):
+bitwise the cp.async loads, H200 B4 T4096 H16 HV32 1.228 ms against 1.263 (per tile), 1.295 against 1.358
+(persistent, still off: slower than per tile).
 
 Status: compiles for sm_90a (compile tier); its GPU test
 (``tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py``, against the float32 torch stage) and the
@@ -1011,8 +1013,8 @@ def tma_default() -> bool:
     (per tile: q, k; Sc, Tm, vn, do; v, dvn, each waited for where first read; persistent: the three parts, each
     issued once its tiles are no longer read), so no warp spends issue slots on 16-byte copies and their
     addresses. Rows past a varlen sequence's end are zeroed once landed, as cp.async zero-fills them: the same
-    bits. Prepared, not yet GPU-run: off."""
-    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_TMA", False)
+    bits. On unless 0 (sixteenth session: bitwise, 1.228 against 1.263 ms at B4 T4096 H16 HV32)."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_TMA", True)
 
 
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,

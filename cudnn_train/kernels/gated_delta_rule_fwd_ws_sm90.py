@@ -28,9 +28,9 @@ factors it needs). The chain's critical path per chunk is two WGMMA groups and t
 between them; the output's products and P, its exp2s and o's stores, which the fused kernel runs on
 the same warpgroup in series with the chain, run beside it.
 
-Loads: by default ``cp.async`` by all 256 threads, issued after each warpgroup's first product group (the
-issue stalls while the load queues are full: half the chain's cycles in the thirteenth session's profile).
-``CUDNN_TRAIN_GDN_FWD_WS_TMA=1`` (prepared, compiled, not yet GPU-run): q, k, w and u's columns by TMA, issued
+Loads: by default (since the sixteenth session, ``CUDNN_TRAIN_GDN_FWD_WS_TMA=0`` gives the ``cp.async`` loads
+back: all 256 threads, issued after each warpgroup's first product group, whose issue stalls while the load
+queues are full) q, k, w and u's columns by TMA, issued
 by the output warpgroup's first warp (one elected thread arms the buffer's mbarrier with the bytes; every
 thread waits on it before the CTA barrier), gc still by ``cp.async`` (its rows are HV floats apart, under
 TMA's 16-byte minimum); u then sits in a swizzled tile. Rows past a varlen sequence's end then hold the
@@ -39,13 +39,18 @@ them, so the chain zeroes those rows of vn by a select and every thread zeroes k
 after the tile lands (the state update meets them with zero vn columns, and 0 x NaN is NaN): the same bits as
 the ``cp.async`` loads.
 
-``CUDNN_TRAIN_GDN_FWD_WS_VB=128`` (or ``auto``; prepared in the fourteenth session, compiled, not yet GPU-run):
-all 128 columns of V in one CTA, half the CTAs (at B4 T4096 HV32 128 CTAs, one wave on 132 SMs, where 64
+``CUDNN_TRAIN_GDN_FWD_WS_VB=auto`` (the default since the sixteenth session; ``64`` or ``128`` force either):
+where 2 N HV CTAs of 64 columns exceed the SMs (not for the training forward's call: slower there), all 128
+columns of V in one CTA, half the CTAs (at B4 T4096 HV32 128 CTAs, one wave on 132 SMs, where 64
 columns make 256 in two). The chain's S^T [128, K] then takes 128 accumulator registers a thread, so its first
 product reads S^T from the sS tile (written and fenced before the CTA barrier anyway) instead of a register
 copy; u sits in a swizzled tile (the padded one would not fit). Same values, same operations: o and the
 states are bitwise those of 64 columns. ptxas: 255 registers, 8-24 bytes spilled. With the TMA loads it
-combines with the two output warpgroups (no spill), not with those and ``onfly`` together.
+combines with the two output warpgroups (no spill; measured slower there, so not by default), not with those
+and ``onfly`` together. H200, B4 T4096 H16 HV32, the state pass alone (sixteenth session): 64 columns with
+``cp.async`` 0.429 ms, with TMA 0.426, TMA and two output warpgroups 0.417; 128 columns 0.353, **with TMA
+0.313**, TMA and two output warpgroups 0.330. At B1 T16384 (64 CTAs, so 64 columns under auto) 0.855, 0.853,
+**0.824**; 128 columns there 1.19 with TMA.
 
 Cost: about 164 KB of shared memory (two buffers of q, k, w, u; two of sS, sVo), one CTA an SM; at 128
 columns 225 KB. Numerics: the state and the final state are the fused kernel's bit for bit (the chain's
@@ -56,8 +61,8 @@ Status: the inference forward's default state pass wherever it would take the fu
 thirteenth session: B4 T4096 0.432 ms against 0.474); ``CUDNN_TRAIN_GDN_FWD_WS=1`` also for the training
 forward (``store_states``, with ``keep_vn``) where the grid fills the GPU: then warpgroup 1 also writes the
 chunk-start states (the rows of sS) and vn (the rows of sVo) as 16-byte vectors while its products run. The
-TMA loads, the two output warpgroups, w and u formed in the chain (``onfly``) and the 128-column CTAs are
-prepared, compiled, off, not yet GPU-run. A review (fourteenth session) found and fixed, before any run: the
+TMA loads (on), the two output warpgroups (on at 64 columns), the 128-column CTAs (auto) and w and u formed
+in the chain (``onfly``: off, no faster) ran on the GPU in the sixteenth session; every case bitwise. A review (fourteenth session) found and fixed, before any run: the
 onfly chain's beta never loaded with TMA; the two output warpgroups' setmaxnreg asking more registers than
 the CTA holds (240 + 2 x 136 = 512 a lane against 3 x 168: a hang); k's tail rows past the last sequence
 reaching the state update with TMA.
@@ -78,31 +83,34 @@ BAR_ITER = 1  # the whole CTA, once an iteration
 BAR_CHAIN = 2  # warpgroup 0
 BAR_OUT = 3  # warpgroup 1
 _SOURCES = (__file__, F.__file__, cm.__file__)
-# q, k, w, u by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA=1): one thread issues a chunk's tiles, so neither warpgroup stalls
-# issuing cp.async (half the chain's cycles in the thirteenth session's profile). Prepared in the thirteenth
-# session, compiled, not yet GPU-run: off.
-TMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TMA", False)
+# q, k, w, u by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA, on unless 0): one thread issues a chunk's tiles, so neither
+# warpgroup stalls issuing cp.async (half the chain's cycles in the thirteenth session's profile). GPU-run in the
+# sixteenth session: bitwise the cp.async loads, 0.426 vs 0.429 ms at 64 columns, 0.313 vs 0.353 at 128.
+TMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TMA", True)
 # With the TMA loads, two output warpgroups taking alternate chunks (CUDNN_TRAIN_GDN_FWD_WS_WG3=1; 384 threads,
 # setmaxnreg 240 / 136): the output's 20 product units a chunk were the longer half once the chain stops stalling
-# on copies. Prepared in the thirteenth session, compiled, not yet GPU-run: off.
-WG3 = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_WG3", False)
+# on copies. On (unless 0) with the TMA loads at 64 columns a CTA, where it measured faster (B4 0.417 vs 0.426 ms,
+# B1 0.824 vs 0.853); at 128 columns it was slower (0.330 vs 0.313), so there only when asked by argument.
+WG3 = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_WG3", True)
 # All 128 columns of V in one CTA (CUDNN_TRAIN_GDN_FWD_WS_VB=128, or auto: 128 where V/64 CTAs a (sequence, value
 # head) would not all be resident at once, i.e. 2 N HV > SMs). The kernel is latency-bound (about 6.2K cycles a
 # chunk against about 1.1K of products) and, at 164 KB of shared memory, one CTA an SM: at B4 T4096 HV32 its 256
 # CTAs run in two waves on 132 SMs. With VB = 128 they are 128, one wave, each doing twice the products per chunk
 # on the same dependent chain; the chain's S^T is then its A operand from the sS tile (128 float32 accumulator
 # registers a thread for the state leave no room for a register copy), u sits in a swizzled tile (the padded one
-# would not fit: 227.3 KB). Prepared in the fourteenth session, compiled, not yet GPU-run: 64 unless asked.
-VB_MODE = os.environ.get("CUDNN_TRAIN_GDN_FWD_WS_VB", "").strip() or "64"
+# would not fit: 227.3 KB). GPU-run in the sixteenth session: auto by default (128 at B4 HV32: 0.313 ms against
+# 0.417 for 64 columns, both with TMA; 64 at B1, where 128 columns leave 100 SMs idle: 1.19 against 0.82).
+VB_MODE = os.environ.get("CUDNN_TRAIN_GDN_FWD_WS_VB", "").strip() or "auto"
 if VB_MODE not in ("64", "128", "auto"):
     raise ValueError(f"CUDNN_TRAIN_GDN_FWD_WS_VB={VB_MODE!r}: expected 64, 128 or auto")
 SMEM_BYTES = 227 * 1024  # an SM90 CTA's shared memory at most
 
 
-def v_block(V: int, nseq: int, HV: int, device) -> int:
+def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False) -> int:
     """The specialized warpgroups' V columns per CTA: 64, or 128 (V = 128 only) as ``CUDNN_TRAIN_GDN_FWD_WS_VB``
-    asks (auto: where 2 N HV CTAs of 64 columns exceed the SMs)."""
-    if V != 128 or VB_MODE == "64":
+    asks (auto: where 2 N HV CTAs of 64 columns exceed the SMs, and not for the training forward's call, which
+    measured slower at 128: 1.30 against 0.98 ms at B4 T4096 H16 HV32, sixteenth session)."""
+    if V != 128 or VB_MODE == "64" or (VB_MODE == "auto" and store_states):
         return 64
     if VB_MODE == "128":
         return 128
@@ -627,7 +635,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
                profile=False, tma=None, onfly=False, wg3=None, vb=VB):
     tma = TMA if tma is None else bool(tma)
-    wg3 = (WG3 and tma and not store_states and not profile and not (vb == 128 and onfly)) if wg3 is None else bool(wg3)
+    wg3 = (WG3 and tma and vb == 64 and not store_states and not profile) if wg3 is None else bool(wg3)
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if vb not in (64, 128) or vb > V or (wg3 and vb == 128 and onfly):
@@ -653,7 +661,7 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, stat
     written too. ``vb``: V columns per CTA (None: :func:`v_block`)."""
     B, T, HV, V = u.shape
     K = q.shape[-1]
-    vb = v_block(V, nseq, HV, q.device) if vb is None else vb
+    vb = v_block(V, nseq, HV, q.device, hs is not None) if vb is None else vb
     fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, hs is not None,
                     vn is not None, vb=vb)
     f32_dummy, _, i64_dummy = F._dummies(q.device)

@@ -21,7 +21,7 @@ VARIANTS = [
 def test_reverse_sweep_kernel_compiles_for_sm90a(kernel_cache):
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
 
-    for v in VARIANTS:
+    for v in VARIANTS:  # as served (the prefetch by TMA: CUDNN_TRAIN_GDN_SWEEP_TMA, on unless 0)
         assert callable(B90.get_dstate_kernel(*v))
     # two warpgroups splitting N (chosen where the grid leaves SMs idle); the synchronous loads
     # (CUDNN_TRAIN_GDN_SWEEP_PREFETCH=0)
@@ -29,13 +29,17 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(kernel_cache):
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=not B90.prefetch_default()))
     # the training path's call, profile variant (tools/time_gdn_sweep.py --profile)
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], profile=True))
-    # the next chunk's q, k issued right after this chunk's products on them (CUDNN_TRAIN_GDN_SWEEP_EARLY_QK)
-    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, early_qk=not B90.early_qk_default(1)))
-    # the prefetch by TMA (CUDNN_TRAIN_GDN_SWEEP_TMA): one warpgroup (q, k early), two (q, k after P), K = 64 varlen
-    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=True))
-    assert callable(B90.get_dstate_kernel(*VARIANTS[2], wgs=2, prefetch=True, tma=True))
-    assert callable(B90.get_dstate_kernel(*VARIANTS[1], prefetch=True, tma=True))
-    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=True, profile=True))  # time_gdn_sweep --tma
+    # the next chunk's q, k issued right after this chunk's products on them (CUDNN_TRAIN_GDN_SWEEP_EARLY_QK, the other
+    # side of its default), with the cp.async prefetch
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, early_qk=not B90.early_qk_default(1),
+                                          tma=False))
+    # the other side of CUDNN_TRAIN_GDN_SWEEP_TMA: one warpgroup, two, K = 64 varlen, the profile variant
+    # (time_gdn_sweep.py --tma times both)
+    alt = not B90.tma_default()
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=alt))
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], wgs=2, prefetch=True, tma=alt))
+    assert callable(B90.get_dstate_kernel(*VARIANTS[1], prefetch=True, tma=alt))
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=alt, profile=True))
     assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 8
 
 
@@ -68,10 +72,12 @@ def test_split_sweep_kernels_compile_for_sm90a(kernel_cache):
     assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True))
     # dvl with P in two passes (CUDNN_TRAIN_GDN_DVL_P2)
     assert callable(S.get_dvl_kernel(torch.bfloat16, 128, 128, True, False, p2=not S.dvl_p_two_pass()))
-    # dchain's loads by TMA (CUDNN_TRAIN_GDN_DCHAIN_TMA): both V blocks at K = 128, K = 64 varlen
+    # the other side of dchain's loads (CUDNN_TRAIN_GDN_DCHAIN_TMA: by TMA unless 0): both V blocks at K = 128,
+    # K = 64 varlen
+    alt = not S.dchain_tma()
     for vb in S.VBLOCKS:
-        assert callable(S.get_dchain_kernel(torch.bfloat16, 128, 128, vb, True, False, True, False, tma=True))
-    assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True, tma=True))
+        assert callable(S.get_dchain_kernel(torch.bfloat16, 128, 128, vb, True, False, True, False, tma=alt))
+    assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True, tma=alt))
     assert len(list(kernel_cache.rglob("*.o"))) == 9
 
 

@@ -3,6 +3,7 @@ FLA's float32 naive recurrence (the oracle) under the FLA-compat rule, with FLA'
 kernels as the peer."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -87,9 +88,9 @@ def test_split_state_kernels_compile_for_sm90a(kernel_cache):
         assert callable(SP.get_out_kernel(*v))
     # the out kernel with P's factors read unconditionally (CUDNN_TRAIN_GDN_OUT_PSEL)
     assert callable(SP.get_out_kernel(*OUT_VARIANTS[0], p_select=not SP.out_p_select()))
-    # the chain's loads by TMA (CUDNN_TRAIN_GDN_CHAIN_TMA)
+    # the other side of the chain's loads (CUDNN_TRAIN_GDN_CHAIN_TMA: by TMA unless 0)
     for v in CHAIN_VARIANTS:
-        assert callable(SP.get_chain_kernel(*v, tma=True))
+        assert callable(SP.get_chain_kernel(*v, tma=not SP.chain_tma()))
     assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(CHAIN_VARIANTS) + len(OUT_VARIANTS) + 1
     with pytest.raises(ValueError, match="VB=48"):
         SP.get_chain_kernel(torch.bfloat16, 128, 128, 48, True, False, False, False, False)
@@ -135,11 +136,14 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(kernel_cache):
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
+    # as served (since the sixteenth session): loads by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA), at 64 columns a CTA two
+    # output warpgroups (CUDNN_TRAIN_GDN_FWD_WS_WG3); every call below names its variant, whatever the env says
+    served = dict(tma=True, wg3=True)
     for v in WS_VARIANTS:
-        assert callable(WS.get_kernel(*v))
-    # the training forward's: the chunk-start states (and vn) written too
-    assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, keep_vn=True))
-    assert callable(WS.get_kernel(*WS_VARIANTS[1], store_states=True))
+        assert callable(WS.get_kernel(*v, **served))
+    # the training forward's: the chunk-start states (and vn) written too (one output warpgroup)
+    assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, keep_vn=True, tma=True))
+    assert callable(WS.get_kernel(*WS_VARIANTS[1], store_states=True, tma=True))
     assert len(list(kernel_cache.rglob("*.o"))) == len(WS_VARIANTS) + 2
     with pytest.raises(ValueError, match="K=96"):
         WS.get_kernel(torch.bfloat16, 96, 128, True, False, False, False, False)
@@ -147,27 +151,29 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(kernel_cache):
         WS.get_kernel(*WS_VARIANTS[0], keep_vn=True)
     # w and u formed in the chain (CUDNN_TRAIN_GDN_FWD_ONFLY), and the wy kernel's gate-free inverse variant
     for v in WS_VARIANTS:
-        assert callable(WS.get_kernel(*v, onfly=True))
+        assert callable(WS.get_kernel(*v, onfly=True, **served))
     for v in WY_VARIANTS:
         assert callable(_wy_kernel(v, inv=True))
     n_onfly = len(WS_VARIANTS) + len(WY_VARIANTS)
-    # its loads by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA)
+    # the cp.async loads (CUDNN_TRAIN_GDN_FWD_WS_TMA=0; one output warpgroup then): plain, training, w, u in the chain
     for v in WS_VARIANTS:
-        assert callable(WS.get_kernel(*v, tma=not WS.TMA))
-    assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, keep_vn=True, tma=not WS.TMA))
-    assert callable(WS.get_kernel(*WS_VARIANTS[2], onfly=True, tma=not WS.TMA))  # both
-    # two output warpgroups (CUDNN_TRAIN_GDN_FWD_WS_WG3), with the TMA loads, with and without w, u in the chain
-    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True))
-    assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=True, onfly=True))
+        assert callable(WS.get_kernel(*v, tma=False))
+    assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, keep_vn=True, tma=False))
+    assert callable(WS.get_kernel(*WS_VARIANTS[2], onfly=True, tma=False))
+    # TMA with one output warpgroup (CUDNN_TRAIN_GDN_FWD_WS_WG3=0), with and without w, u in the chain
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=False))
+    assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=False, onfly=True))
     assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 6 + n_onfly
-    # all 128 columns of V in one CTA (CUDNN_TRAIN_GDN_FWD_WS_VB): plain, the training forward's, TMA with w and u
-    # formed in the chain (K = 64 at V = 128 in the last)
-    assert callable(WS.get_kernel(*WS_VARIANTS[0], vb=128))
-    assert callable(WS.get_kernel(*WS_VARIANTS[0], store_states=True, keep_vn=True, vb=128))
+    # all 128 columns of V in one CTA (CUDNN_TRAIN_GDN_FWD_WS_VB, auto: B4 T4096 HV32's): as served there (TMA, one
+    # output warpgroup), with cp.async, the training forward's, TMA with w and u formed in the chain (K = 64 at
+    # V = 128), and with two output warpgroups
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=False, vb=128))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=128))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], store_states=True, keep_vn=True, tma=False, vb=128))
     k64 = (torch.bfloat16, 64, 128) + WS_VARIANTS[2][3:]
-    assert callable(WS.get_kernel(*k64, onfly=True, tma=True, vb=128))
-    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True, vb=128))  # and two output warpgroups
-    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 10 + n_onfly
+    assert callable(WS.get_kernel(*k64, onfly=True, tma=True, wg3=False, vb=128))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True, vb=128))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 11 + n_onfly
     with pytest.raises(ValueError, match="vb=128"):
         WS.get_kernel(*WS_VARIANTS[2], vb=128)  # V = 64
     with pytest.raises(ValueError, match="vb=128"):
@@ -175,8 +181,9 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(kernel_cache):
 
 
 def test_specialized_warpgroups_v_block_choice(monkeypatch):
-    """CUDNN_TRAIN_GDN_FWD_WS_VB: 64 unless asked; 128 only at V = 128; auto takes 128 where two CTAs a (sequence,
-    value head) would not all be resident (2 N HV > SMs)."""
+    """CUDNN_TRAIN_GDN_FWD_WS_VB: auto (the default) takes 128 where two CTAs a (sequence, value head) would not all
+    be resident (2 N HV > SMs), never for the training forward's call (store_states); 64 and 128 force either;
+    128 only at V = 128."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
@@ -187,6 +194,10 @@ def test_specialized_warpgroups_v_block_choice(monkeypatch):
     for mode, vbs in want.items():
         monkeypatch.setattr(WS, "VB_MODE", mode)
         assert [WS.v_block(V, n, hv, dev) for V, n, hv in shapes] == vbs, mode
+        want_store = [64] * len(shapes) if mode == "auto" else vbs
+        assert [WS.v_block(V, n, hv, dev, store_states=True) for V, n, hv in shapes] == want_store, mode
+    monkeypatch.undo()
+    assert WS.VB_MODE == "auto" or os.environ.get("CUDNN_TRAIN_GDN_FWD_WS_VB", "").strip(), "the default is auto"
 
 
 @pytest.mark.parametrize("beta_scale", [1.0, 2.0])
