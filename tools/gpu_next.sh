@@ -356,9 +356,11 @@ s28)
 s29)
   # the sixteenth session's leftovers: w and u formed in the chain, timed for the first time (its earlier rows ran the
   # fused state kernel, where onfly does not apply), and the specialized-warpgroup sweep's timing (cut at 120 s
-  # by its compiles in s25); then the whole GDN tiers under the new TMA defaults: gpu_next.sh gdn, gdn_train
+  # by its compiles in s25); first the new K = 128, V = 64 cases of the TMA loads and the two output warpgroups;
+  # then (their own calls) the whole GDN tiers under the new TMA defaults: gpu_next.sh gdn, gdn_train
+  tier s29 ${GDN_S:-120} tests/kernels/test_gated_delta_rule_sm90.py -k "v64_varlen"
   timed onfly ${TIME_S:-200} python3 tools/time_gdn_fwd.py --shapes 2 --onfly
-  timed sweep_ws 280 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
+  timed sweep_ws 240 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

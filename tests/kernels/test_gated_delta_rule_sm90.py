@@ -758,8 +758,8 @@ def test_specialized_warpgroups_training_forward(case, monkeypatch, poisoned):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm", "varlen_training", "onfly_dense",
-                                  "onfly_varlen"])
+@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm", "v64_varlen", "varlen_training",
+                                  "onfly_dense", "onfly_varlen"])
 def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, monkeypatch, poisoned):
     """The specialized-warpgroup state pass with q, k, w, u by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA): rows past a
     varlen sequence's end arrive as the next sequence's, where cp.async zero-fills them, and the chain masks
@@ -774,9 +774,14 @@ def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, mo
     case = case.removeprefix("onfly_")
     if case.startswith("k64"):
         K, V, l2, dtype = 64, 64, False, torch.float16
+    if case.startswith("v64"):  # K = 128 with V = 64: w's and u's tiles of different widths
+        V = 64
+        case = case.removeprefix("v64_")
     q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False)
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(WS, "WG3", False)  # one output warpgroup both times, 64 columns a CTA
+    monkeypatch.setattr(WS, "VB_MODE", "64")
     args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
     if train:
         args.update(store_states=True, keep_vn=True)
@@ -864,8 +869,8 @@ def test_specialized_warpgroups_ignore_rows_past_the_last_sequence(case, monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm", "onfly_varlen", "vb128_dense",
-                                  "vb128_varlen"])
+@pytest.mark.parametrize("case", ["dense", "varlen", "k64_fp16_no_l2norm", "v64_varlen", "onfly_varlen",
+                                  "vb128_dense", "vb128_varlen"])
 def test_two_output_warpgroups_are_bitwise_one(case, monkeypatch, poisoned):
     """Two output warpgroups taking alternate chunks (CUDNN_TRAIN_GDN_FWD_WS_WG3, with the TMA loads) make the same
     operations on the same values as one: o and the final state bitwise equal (and with w, u formed in the
@@ -880,6 +885,9 @@ def test_two_output_warpgroups_are_bitwise_one(case, monkeypatch, poisoned):
     case = case.removeprefix("vb128_")
     if case.startswith("k64"):
         K, V, l2, dtype = 64, 64, False, torch.float16
+    if case.startswith("v64"):  # K = 128 with V = 64
+        V = 64
+        case = case.removeprefix("v64_")
     q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False)
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
