@@ -106,9 +106,12 @@ def main():
 
         if args.onfly:  # w and u formed in the chain (CUDNN_TRAIN_GDN_FWD_ONFLY) against w, u from the wy kernel
             print(f"\nB{B} T{T} H{H} HV{HV}:")
+            saved = F90.SPLIT, F90.STATE_WS, F90.ONFLY
             for forced in (False, True):  # the whole forward as called, then on the specialized warpgroups forced
-                F90.SPLIT, F90.STATE_WS = (False, True) if forced else (None, None)
+                F90.SPLIT, F90.STATE_WS = (False, True) if forced else saved[:2]
                 path = "specialized warpgroups forced" if forced else "as called"
+                if not forced and SP.preferred(B, HV, V, q.device):
+                    path += " (the split pass: onfly does not apply, both rows run the same kernels)"
                 runs = {}
                 for on in (False, True):
                     F90.ONFLY = on
@@ -122,7 +125,7 @@ def main():
                         ms = bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40)
                         print(f"  whole forward, {path}, w, u in the chain {on}: {ms:.3f} ms")
                     F90.ONFLY = False
-            F90.SPLIT, F90.STATE_WS, F90.ONFLY = None, None, False
+            F90.SPLIT, F90.STATE_WS, F90.ONFLY = saved
             continue
 
         if args.chain_tma:  # the chain (CUDNN_TRAIN_GDN_CHAIN_TMA) on one wy output: bitwise, then alternating times
@@ -182,11 +185,12 @@ def main():
             for _ in range(2):
                 print(f"  state kernel (default)               {bench(run_def, 10, 40):.3f} ms")
                 print(f"  state kernel, specialized warpgroups {bench(run_ws, 10, 40):.3f} ms")
-                print(f"  the default with its loads by TMA         {bench(run_tma, 10, 40):.3f} ms")
+                print(f"  specialized warpgroups, TMA loads         {bench(run_tma, 10, 40):.3f} ms")
                 print(f"  TMA loads, two output warpgroups          {bench(run_wg3, 10, 40):.3f} ms")
                 print(f"  128 columns a CTA                         {bench(run_vb, 10, 40):.3f} ms")
                 print(f"  128 columns a CTA, TMA loads              {bench(run_vbt, 10, 40):.3f} ms")
                 print(f"  128 columns, TMA, two output warpgroups   {bench(run_vbw, 10, 40):.3f} ms")
+            saved_paths = F90.SPLIT, F90.STATE_WS
             F90.SPLIT, F90.STATE_WS = False, False
             print(f"  whole forward, fused state kernel    "
                   f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
@@ -204,7 +208,9 @@ def main():
                 print(f"  wy kernel, gate-free inverse only     {bench(run_inv, 10, 40):.3f} ms")
             # the rows below: the whole forward as it is called (the split pass or the specialized warpgroups, as
             # split_sm90.preferred picks), then forced onto the specialized warpgroups at each VB and load path
-            F90.SPLIT, F90.STATE_WS = None, None
+            F90.SPLIT, F90.STATE_WS = saved_paths
+            if SP.preferred(B, HV, V, q.device):
+                print("  (the whole forward as called takes the split pass here: w, u in the chain does not apply)")
             F90.ONFLY = True
             o_on = F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True).value[0]
             F90.ONFLY = False
@@ -218,18 +224,20 @@ def main():
                 print(f"  whole forward, w, u in the chain      "
                       f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
                 F90.ONFLY = False
-                vb_mode, tma_mode = WS.VB_MODE, WS.TMA
+                vb_mode, tma_mode, wg3_mode = WS.VB_MODE, WS.TMA, WS.WG3
                 F90.SPLIT, F90.STATE_WS = False, True  # the specialized warpgroups, whatever the default picks
+                WS.WG3 = False  # one output warpgroup in these rows
                 for vb, vb_tma in (("64", False), ("64", True), ("128", False), ("128", True)):
                     WS.VB_MODE, WS.TMA = vb, vb_tma
-                    print(f"  whole forward, specialized warpgroups, {vb} columns a CTA, TMA {vb_tma}: "
+                    print(f"  whole forward, specialized warpgroups, {vb} columns a CTA, TMA {vb_tma}, one output "
+                          f"warpgroup: "
                           f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms,"
                           f" w, u in the chain too ", end="")
                     F90.ONFLY = True
                     print(f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
                     F90.ONFLY = False
-                WS.VB_MODE, WS.TMA = vb_mode, tma_mode
-                F90.SPLIT, F90.STATE_WS = None, None
+                WS.VB_MODE, WS.TMA, WS.WG3 = vb_mode, tma_mode, wg3_mode
+                F90.SPLIT, F90.STATE_WS = saved_paths
             train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True)
             for _ in range(2):  # the training forward: its default (the split pass) against the specialized warpgroups
                 print(f"  training forward (store_states, keep_vn), default      "

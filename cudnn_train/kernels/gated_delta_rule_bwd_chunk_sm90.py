@@ -1008,7 +1008,7 @@ def persist_default() -> bool:
 
 
 def tma_default() -> bool:
-    """``CUDNN_TRAIN_GDN_DCHUNK_TMA=1``: the training path's stage 3 (vn and Tm read, cp.async loads) loads its
+    """``CUDNN_TRAIN_GDN_DCHUNK_TMA`` (on unless 0): the training path's stage 3 (vn and Tm read, cp.async loads) loads its
     tiles by TMA instead: one elected thread of warp 0 issues each group's bulk copies on the group's mbarrier
     (per tile: q, k; Sc, Tm, vn, do; v, dvn, each waited for where first read; persistent: the three parts, each
     issued once its tiles are no longer read), so no warp spends issue slots on 16-byte copies and their

@@ -386,7 +386,7 @@ def early_qk_default(wgs: int) -> bool:
 
 
 def tma_default() -> bool:
-    """``CUDNN_TRAIN_GDN_SWEEP_TMA=1``: the fused sweep's prefetch by TMA instead of ``cp.async`` (one elected
+    """``CUDNN_TRAIN_GDN_SWEEP_TMA`` (on unless 0): the fused sweep's prefetch by TMA instead of ``cp.async`` (one elected
     thread of warp 0 issues a chunk's w, do and, after the products on them, q, k; gc stays on cp.async), so
     the warpgroup that runs the chain no longer issues about 28 16-byte copies a thread and chunk (the forward's
     state pass stalled half its chain's cycles issuing them). The first chunk taken, a sequence's last, has its

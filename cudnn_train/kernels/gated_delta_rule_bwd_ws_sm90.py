@@ -52,7 +52,8 @@ def tma_enabled() -> bool:
     aux's first warp issues a chunk's four tiles on the chunk's mbarrier; gc stays on cp.async, its rows HV
     floats apart), so the chain no longer spends issue slots on the next chunk's 16-byte copies (the forward's
     state pass, the same structure, stalled half its chain's cycles issuing them). Prepared in the fifteenth
-    session, compiled, not yet GPU-run: off."""
+    session; its GPU cases (bitwise the cp.async loads) passed in the sixteenth, not yet timed: off, as this
+    kernel is."""
     return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_WS_TMA", False)
 
 

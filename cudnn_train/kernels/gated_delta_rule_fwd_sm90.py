@@ -67,8 +67,9 @@ training forward (``store_states``) takes it at every grid: its chain writes the
 states in the input dtype (the precision the backward reads them in) as 16-byte rows of its
 shared state tile, cheaper than kernel 2's element-wise stores from its accumulators. Where the inference
 forward would take kernel 2, it runs its warp-specialized variant instead (``gated_delta_rule_fwd_ws_sm90``:
-the chain on one warpgroup, the outputs on another; ``STATE_WS``), with prepared, not yet GPU-run switches
-for TMA loads and for w, u formed in the chain after kernel 1's gate-free inverse variant (``ONFLY``). Not
+the chain on one warpgroup, the outputs on another; ``STATE_WS``; its loads by TMA where K == V), with a
+GPU-checked, not yet timed switch for w, u formed in the chain after kernel 1's gate-free inverse variant
+(``ONFLY``, off). Not
 yet: splitting one sequence across CTAs. The backward lives in
 ``gated_delta_rule_bwd_sm90.py`` / ``gated_delta_rule_bwd_chunk_sm90.py`` and the
 training path in ``gated_delta_rule_train_sm90.py``.
@@ -133,7 +134,8 @@ STATE_WS = None if not _ws_env else env_flag("CUDNN_TRAIN_GDN_FWD_WS")
 # Where the inference forward takes the specialized warpgroups: w and u never materialized
 # (CUDNN_TRAIN_GDN_FWD_ONFLY=1): the wy kernel's INV variant writes only the gate-free chunk inverses, gc and the
 # effective beta, and the state pass's chain forms vn = T diag(beta) (v - diag(exp(gc) rk) k S) itself
-# (FlashQLA's structure). Prepared in the thirteenth session, compiled, not yet GPU-run: off.
+# (FlashQLA's structure). Prepared in the thirteenth session; its GPU cases passed in the sixteenth, not yet timed
+# (that session's timing rows ran the fused state kernel, where onfly does not apply): off.
 ONFLY = env_flag("CUDNN_TRAIN_GDN_FWD_ONFLY", False)
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid

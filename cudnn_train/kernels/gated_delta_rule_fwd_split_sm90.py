@@ -481,7 +481,7 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
 
 
 def chain_tma() -> bool:
-    """``CUDNN_TRAIN_GDN_CHAIN_TMA=1``: ``chain`` loads each chunk's w, k and u's columns by TMA (one elected
+    """``CUDNN_TRAIN_GDN_CHAIN_TMA`` (on unless 0): ``chain`` loads each chunk's w, k and u's columns by TMA (one elected
     thread of warp 0 on the buffer's mbarrier; gc stays on cp.async; u then in a swizzled tile, TMA writes no
     padding) instead of its one warpgroup's 128 threads issuing about 20 ``cp.async`` each a chunk on the chain
     (B1 T16384's training forward: the chain 0.43 ms). The sequence's last chunk has its rows past the end

@@ -28,9 +28,9 @@ factors it needs). The chain's critical path per chunk is two WGMMA groups and t
 between them; the output's products and P, its exp2s and o's stores, which the fused kernel runs on
 the same warpgroup in series with the chain, run beside it.
 
-Loads: by default (since the sixteenth session, ``CUDNN_TRAIN_GDN_FWD_WS_TMA=0`` gives the ``cp.async`` loads
-back: all 256 threads, issued after each warpgroup's first product group, whose issue stalls while the load
-queues are full) q, k, w and u's columns by TMA, issued
+Loads: by default where K == V (since the sixteenth session; ``CUDNN_TRAIN_GDN_FWD_WS_TMA=0`` gives the
+``cp.async`` loads back: all 256 threads, issued after each warpgroup's first product group, whose issue stalls
+while the load queues are full; ``=1`` takes TMA at K != V too) q, k, w and u's columns by TMA, issued
 by the output warpgroup's first warp (one elected thread arms the buffer's mbarrier with the bytes; every
 thread waits on it before the CTA barrier), gc still by ``cp.async`` (its rows are HV floats apart, under
 TMA's 16-byte minimum); u then sits in a swizzled tile. Rows past a varlen sequence's end then hold the
@@ -61,8 +61,9 @@ Status: the inference forward's default state pass wherever it would take the fu
 thirteenth session: B4 T4096 0.432 ms against 0.474); ``CUDNN_TRAIN_GDN_FWD_WS=1`` also for the training
 forward (``store_states``, with ``keep_vn``) where the grid fills the GPU: then warpgroup 1 also writes the
 chunk-start states (the rows of sS) and vn (the rows of sVo) as 16-byte vectors while its products run. The
-TMA loads (on), the two output warpgroups (on at 64 columns), the 128-column CTAs (auto) and w and u formed
-in the chain (``onfly``: off, no faster) ran on the GPU in the sixteenth session; every case bitwise. A review (fourteenth session) found and fixed, before any run: the
+TMA loads (on where K == V), the two output warpgroups (on at 64 columns where K == V), the 128-column CTAs
+(auto) and w and u formed in the chain (``onfly``: its cases passed, not yet timed, off) ran on the GPU in the
+sixteenth session; every case bitwise. A review (fourteenth session) found and fixed, before any run: the
 onfly chain's beta never loaded with TMA; the two output warpgroups' setmaxnreg asking more registers than
 the CTA holds (240 + 2 x 136 = 512 a lane against 3 x 168: a hang); k's tail rows past the last sequence
 reaching the state update with TMA.
@@ -83,15 +84,19 @@ BAR_ITER = 1  # the whole CTA, once an iteration
 BAR_CHAIN = 2  # warpgroup 0
 BAR_OUT = 3  # warpgroup 1
 _SOURCES = (__file__, F.__file__, cm.__file__)
-# q, k, w, u by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA, on unless 0): one thread issues a chunk's tiles, so neither
-# warpgroup stalls issuing cp.async (half the chain's cycles in the thirteenth session's profile). GPU-run in the
-# sixteenth session: bitwise the cp.async loads, 0.426 vs 0.429 ms at 64 columns, 0.313 vs 0.353 at 128.
-TMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TMA", True)
-# With the TMA loads, two output warpgroups taking alternate chunks (CUDNN_TRAIN_GDN_FWD_WS_WG3=1; 384 threads,
+# q, k, w, u by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA): one thread issues a chunk's tiles, so neither warpgroup stalls
+# issuing cp.async (half the chain's cycles in the thirteenth session's profile). GPU-run in the sixteenth session:
+# bitwise the cp.async loads, 0.426 vs 0.429 ms at 64 columns, 0.313 vs 0.353 at 128. Unset (None): on where its
+# GPU cases ran, K == V (128 and 64); 1 / 0: always / never. (K = 128 with V = 64 has its cases prepared, not yet
+# run: gpu_next.sh s29.)
+TMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TMA", None)
+# With the TMA loads, two output warpgroups taking alternate chunks (CUDNN_TRAIN_GDN_FWD_WS_WG3; 384 threads,
 # setmaxnreg 240 / 136): the output's 20 product units a chunk were the longer half once the chain stops stalling
-# on copies. On (unless 0) with the TMA loads at 64 columns a CTA, where it measured faster (B4 0.417 vs 0.426 ms,
-# B1 0.824 vs 0.853); at 128 columns it was slower (0.330 vs 0.313), so there only when asked by argument.
-WG3 = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_WG3", True)
+# on copies. Measured faster at 64 columns a CTA (B4 T4096 H16 HV32 0.417 vs 0.426 ms; B1 T16384, where the split
+# pass serves the forward, 0.824 vs 0.853), slower at 128 (0.330 vs 0.313). Unset (None): at 64 columns where K == V
+# (the GPU-run cases); 1: wherever it can serve (with TMA, not the training forward, not with 128 columns and w, u
+# formed in the chain); 0: never.
+WG3 = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_WG3", None)
 # All 128 columns of V in one CTA (CUDNN_TRAIN_GDN_FWD_WS_VB=128, or auto: 128 where V/64 CTAs a (sequence, value
 # head) would not all be resident at once, i.e. 2 N HV > SMs). The kernel is latency-bound (about 6.2K cycles a
 # chunk against about 1.1K of products) and, at 164 KB of shared memory, one CTA an SM: at B4 T4096 HV32 its 256
@@ -634,8 +639,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
                profile=False, tma=None, onfly=False, wg3=None, vb=VB):
-    tma = TMA if tma is None else bool(tma)
-    wg3 = (WG3 and tma and vb == 64 and not store_states and not profile) if wg3 is None else bool(wg3)
+    tma = (K == V if TMA is None else TMA) if tma is None else bool(tma)
+    if wg3 is None:
+        want = (vb == 64 and K == V) if WG3 is None else (WG3 and not (vb == 128 and onfly))
+        wg3 = tma and want and not store_states and not profile
+    wg3 = bool(wg3)
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if vb not in (64, 128) or vb > V or (wg3 and vb == 128 and onfly):

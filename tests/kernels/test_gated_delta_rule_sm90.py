@@ -200,6 +200,41 @@ def test_specialized_warpgroups_v_block_choice(monkeypatch):
     assert WS.VB_MODE == "auto" or os.environ.get("CUDNN_TRAIN_GDN_FWD_WS_VB", "").strip(), "the default is auto"
 
 
+def test_specialized_warpgroups_load_and_output_defaults(monkeypatch):
+    """CUDNN_TRAIN_GDN_FWD_WS_TMA / _WG3 unset: TMA loads where K == V (the configurations their GPU cases ran),
+    two output warpgroups with them at 64 columns a CTA, never for the training forward's call or the profile
+    variant; set to 1 / 0: always (where it can serve) / never. Read off the kernel's cache key, nothing built."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    monkeypatch.setattr(kc, "get_kernel", lambda name, key, build, sources: key)
+
+    def picked(K, V, **kw):
+        key = WS.get_kernel(torch.bfloat16, K, V, True, False, False, False, False, **kw)
+        return "tma" in key, "wg3" in key
+
+    monkeypatch.setattr(WS, "TMA", None)
+    monkeypatch.setattr(WS, "WG3", None)
+    assert picked(128, 128) == (True, True)
+    assert picked(64, 64) == (True, True)
+    assert picked(128, 128, vb=128) == (True, False)
+    assert picked(128, 64) == (False, False)
+    assert picked(64, 128) == (False, False)
+    assert picked(128, 128, store_states=True) == (True, False)
+    assert picked(128, 128, profile=True) == (True, False)
+    assert picked(128, 128, tma=False) == (False, False)
+    monkeypatch.setattr(WS, "TMA", True)
+    monkeypatch.setattr(WS, "WG3", True)
+    assert picked(128, 64) == (True, True)
+    assert picked(128, 128, vb=128) == (True, True)
+    assert picked(128, 128, vb=128, onfly=True) == (True, False)  # not both at 128 columns
+    monkeypatch.setattr(WS, "TMA", False)
+    assert picked(128, 128) == (False, False)  # two output warpgroups need the TMA loads
+    monkeypatch.setattr(WS, "TMA", None)
+    monkeypatch.setattr(WS, "WG3", False)
+    assert picked(128, 128) == (True, False)
+
+
 @pytest.mark.parametrize("beta_scale", [1.0, 2.0])
 def test_w_u_in_the_chain_use_an_exact_identity(beta_scale):
     """The algebra of CUDNN_TRAIN_GDN_FWD_ONFLY, in float64 on the CPU: the gated chunk inverse is the gate-free
@@ -814,6 +849,7 @@ def test_specialized_warpgroups_v_block_128_is_bitwise_64(case, monkeypatch, poi
     monkeypatch.setattr(F90, "ONFLY", case.startswith("onfly"))
     case = case.removeprefix("onfly_")
     monkeypatch.setattr(WS, "TMA", case.startswith("tma"))
+    monkeypatch.setattr(WS, "WG3", False)  # one output warpgroup at both widths
     case = case.removeprefix("tma_")
     if case.startswith("k64"):  # K = 64 at V = 128, fp16, [V, K] states
         K, vk, l2, dtype = 64, True, False, torch.float16
@@ -853,6 +889,7 @@ def test_specialized_warpgroups_ignore_rows_past_the_last_sequence(case, monkeyp
     monkeypatch.setattr(F90, "STATE_WS", True)
     monkeypatch.setattr(F90, "ONFLY", case.startswith("onfly"))
     monkeypatch.setattr(WS, "TMA", "tma" in case)
+    monkeypatch.setattr(WS, "WG3", False)  # one output warpgroup (its own test covers two)
     monkeypatch.setattr(WS, "VB_MODE", "128" if case.endswith("vb128") else "64")
     lengths = [63, 130, 5]
     n = sum(lengths)
