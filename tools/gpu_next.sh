@@ -361,6 +361,11 @@ s29)
   tier s29 ${GDN_S:-120} tests/kernels/test_gated_delta_rule_sm90.py -k "v64_varlen"
   timed onfly ${TIME_S:-200} python3 tools/time_gdn_fwd.py --shapes 2 --onfly
   timed sweep_ws 240 python3 tools/time_gdn_sweep.py --shapes 2 --ws ;;
+s30)
+  # the sixteenth session's prepared out-kernel TMA loads (CUDNN_TRAIN_GDN_OUT_TMA): its bitwise cases, then the
+  # out kernel alone both ways (flip the default only if faster)
+  tier s30 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py -k "out_tma"
+  timed out_tma ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes 2 --out-tma ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

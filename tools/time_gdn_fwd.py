@@ -4,7 +4,11 @@ the whole forward as chosen and with each state pass forced, and FLA's forward i
 also the wy and state kernels on two warpgroups (the wy kernel's default at K = V = 128; the state
 kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
-    python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --onfly]
+    python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
+                                   --onfly]
+
+``--out-tma``: only the split pass's out kernel with its loads by TMA (``CUDNN_TRAIN_GDN_OUT_TMA``) against
+cp.async, on one chain's hs and vn: o bitwise, then timed twice each, alternating.
 
 ``--onfly``: only the whole forward with w and u formed in the chain (``CUDNN_TRAIN_GDN_FWD_ONFLY``) against the
 default, as called and with the specialized warpgroups forced: o compared, then timed twice each, alternating.
@@ -54,6 +58,8 @@ def main():
                     help="only the wy kernel at its default warpgroups: its time and (with --profile) its phases")
     ap.add_argument("--chain-tma", action="store_true",
                     help="only the split pass's chain with its loads by TMA against cp.async, both V blocks")
+    ap.add_argument("--out-tma", action="store_true",
+                    help="only the split pass's out kernel with its loads by TMA against cp.async")
     ap.add_argument("--onfly", action="store_true",
                     help="only the whole forward with w and u formed in the chain against the default, twice, alternating")
     args = ap.parse_args()
@@ -126,6 +132,31 @@ def main():
                         print(f"  whole forward, {path}, w, u in the chain {on}: {ms:.3f} ms")
                     F90.ONFLY = False
             F90.SPLIT, F90.STATE_WS, F90.ONFLY = saved
+            continue
+
+        if args.out_tma:  # the out kernel (CUDNN_TRAIN_GDN_OUT_TMA) on one chain's output: bitwise, then times
+            wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
+                                    False, False, 1.0, False)
+            wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
+            d4 = f32.view(1, 1, 1, 1)
+            hs = torch.empty(rows, HV, K, V, device=dev, dtype=torch.bfloat16)
+            vn = torch.empty_like(u)
+            vb = SP.chain_vblock(B, HV, V, q.device)
+            SP.get_chain_kernel(torch.bfloat16, K, V, vb, True, False, False, False, False)(
+                k, w, u, gc, d4, d4, cu, cuc, hs, vn, T, NT, group, B)
+            runs = {}
+            for tma in (False, True):
+                ot = SP.get_out_kernel(torch.bfloat16, K, V, True, False, tma=tma)
+                o_t = torch.full((B, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16)
+                runs[tma] = (lambda ot=ot, o_t=o_t: ot(q, k, hs, vn, gc, o_t, cu, cuc, K**-0.5, T, NT, B, group, rows),
+                             o_t)
+                runs[tma][0]()
+            torch.cuda.synchronize()
+            print(f"B{B} T{T} H{H} HV{HV}: out kernel, TMA loads: o bitwise cp.async's: "
+                  f"{torch.equal(runs[False][1], runs[True][1])}, finite {bool(torch.isfinite(runs[True][1]).all())}")
+            for _ in range(2):
+                for tma in (False, True):
+                    print(f"  out kernel, {'TMA' if tma else 'cp.async':8s} {bench(runs[tma][0], 10, 40):.3f} ms")
             continue
 
         if args.chain_tma:  # the chain (CUDNN_TRAIN_GDN_CHAIN_TMA) on one wy output: bitwise, then alternating times

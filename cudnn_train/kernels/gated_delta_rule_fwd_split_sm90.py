@@ -11,10 +11,10 @@ two M = 64 halves at K = 128), and per chunk does only what the next chunk needs
     vn (input dtype) -> global                           (for `out`)
     S  = exp(gc_C) S + k^T (vn exp(gc_C - gc) rk)        WGMMA  A = k^T (MN-major view), B = vn (smem)
 
-The next chunk's w, k, u, gc arrive by ``cp.async`` while the current one is computed (with
-by default since the sixteenth session, :func:`chain_tma`, ``CUDNN_TRAIN_GDN_CHAIN_TMA=0`` for cp.async: w, k
-and u by TMA, one elected thread issuing them on the buffer's mbarrier, the sequence's last chunk's rows past
-its end zeroed once landed; the same bits).
+The next chunk's w, k, u and gc arrive while the current one is computed: w, k and u by TMA (by default since
+the sixteenth session, :func:`chain_tma`; one elected thread issues them on the buffer's mbarrier, the sequence's
+last chunk's rows past its end are zeroed once landed), gc by ``cp.async``; ``CUDNN_TRAIN_GDN_CHAIN_TMA=0`` brings
+all four by ``cp.async`` (the same bits).
 Everything the output needs (q, the q k^T tile, its exp scaling, the o stores) is off this
 chain, so a chunk costs two small WGMMA groups and the conversions between them; and the grid
 is V/32 = 4 CTAs per (sequence, value head) at K = V = 128, so one long sequence still spreads
@@ -26,7 +26,11 @@ Kernel ``out`` (grid: chunk x HV, one warpgroup; every chunk independent)::
 
 with S the bf16/fp16 chunk-start state and vn from ``chain`` (the same values the fused kernel
 converts to the input dtype before its products), P converted in registers into the A operand
-of the second product.
+of the second product. Its loads: q, k, S and vn by ``cp.async``, all waited for before the first product;
+with ``CUDNN_TRAIN_GDN_OUT_TMA=1`` (:func:`out_tma`; prepared in the sixteenth session, compiled, not yet
+GPU-run: off) by TMA in two groups, q, k and S on one mbarrier and vn on another, waited for only before
+``P vn``, so that vn lands while ``q k^T`` and ``q S`` run (rows past a varlen sequence's end zeroed once
+landed, as cp.async zero-fills them: the same bits).
 
 Cost: ``hs`` (input dtype, ``[chunk rows, HV, K, V]``, K V 2 bytes per chunk and value head) and
 ``vn`` (``[B, T, HV, V]``) round-trip through global memory, as FLA's forward does with its
@@ -373,7 +377,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
 # ------------------------------------------------------------------ kernel: out
 
 
-def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool = False):
+def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool = False, tma: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -387,11 +391,17 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
     store_pairs = cm.make_store_pairs()
     p_to_frag, scale_o_rows = cm.make_p_frag_and_o_scale(dtype, l2norm)
     locate = cm.make_chunk_locator(varlen)
+    # tma: two groups, q, k and the state on mbarrier 0, vn on mbarrier 1 (cm.tma_load)
+    TX_QKS = (2 * C * K + K * V) * dtype.width // 8
+    TX_VN = C * V * dtype.width // 8
+    zero_tail = cm.make_zero_rows(dtype, THREADS)  # (tma) the rows past a sequence's end
+    init_barriers = cm.make_tma_init()
 
     @cute.kernel
     def kernel(mQ: cute.Tensor, mK: cute.Tensor, mHs: cute.Tensor, mVn: cute.Tensor, mGc: cute.Tensor,
                mO: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, scale: Float32, T: Int32, NT: Int32,
-               nseq: Int32, group: Int32):
+               nseq: Int32, group: Int32, aQ: cute.CopyAtom, aK: cute.CopyAtom, aS: cute.CopyAtom,
+               aVn: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor, tS: cute.Tensor, tVn: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         cid, hv, _ = cute.arch.block_idx()
         h = hv // group
@@ -411,18 +421,35 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
         sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        mbar = None
+        if cutlass.const_expr(tma):
+            mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
+            init_barriers(mbar, 2, (aQ, aK, aS, aVn), 0)
 
         b, t0, tend, valid = locate(cid, mCu, mCuC, T, NT, nseq)
         length = cutlass.min(tend - t0, C)
         if valid:
-            issue_rows(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
-                        (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),
-                        (cute.domain_offset((t0, 0), mVn[b, None, hv, None]), sVn, V, 0)), length, tidx)
-            issue_state(((mHs[cid, hv, None, None], sS, V, 0),), K, tidx)
-            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(tma):
+                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                    cm.tma_load([(aQ, cm.token_box(tQ, b, h, t0, 0, C, K), sQ),
+                                 (aK, cm.token_box(tK, b, h, t0, 0, C, K), sK),
+                                 (aS, cm.token_box(tS, cid, hv, 0, 0, K, V), sS)], mbar, TX_QKS)
+                    cm.tma_load([(aVn, cm.token_box(tVn, b, hv, t0, 0, C, V), sVn)], mbar + 1, TX_VN)
+            else:
+                issue_rows(((cute.domain_offset((t0, 0), mQ[b, None, h, None]), sQ, K, 0),
+                            (cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),
+                            (cute.domain_offset((t0, 0), mVn[b, None, hv, None]), sVn, V, 0)), length, tidx)
+                issue_state(((mHs[cid, hv, None, None], sS, V, 0),), K, tidx)
+                cute.arch.cp_async_commit_group()
             if tidx < C:
                 sGc[tidx] = mGc[b, t0 + cutlass.min(tidx, length - 1), hv]
-            cute.arch.cp_async_wait_group(0)
+            if cutlass.const_expr(tma):
+                cute.arch.mbarrier_wait(mbar, 0)  # q, k, S
+                if length < C:  # rows past the sequence's end: as cp.async zero-fills them
+                    zero_tail(sQ, K, length, tidx)
+                    zero_tail(sK, K, length, tidx)
+            else:
+                cute.arch.cp_async_wait_group(0)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
 
@@ -453,6 +480,12 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
             # ---- o = scale exp(gc_i) rq_i q S + P vn
             cO = thr_o.partition_C(cute.make_identity_tensor((C, V)))
             scale_o_rows(accO, cO, sGc, sRq, scale)
+            if cutlass.const_expr(tma):
+                cute.arch.mbarrier_wait(mbar + 1, 0)  # vn, landed while q k^T and q S ran
+                if length < C:
+                    zero_tail(sVn, V, length, tidx)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_threads()
             gemm(mma_ov, accO, rP, mma_ov.make_fragment_B(thr_ov.partition_B(cm.transpose_view(sVn))), False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
@@ -464,7 +497,9 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
              nseq: Int32, group: Int32, nchunks_grid: Int32, stream):
         _static_checks(dtype, K, V, 32)
         HV = mO.shape[2]
-        kernel(mQ, mK, mHs, mVn, mGc, mO, mCu, mCuC, scale, T, NT, nseq, group).launch(
+        hs_rows = cute.make_tensor(mHs.iterator, cute.select(mHs.layout, mode=[0, 2, 1, 3]))  # [chunk, K, HV, V]
+        atoms, tmas = cm.make_tma_rows_atoms(tma, dtype, ((mQ, C, K), (mK, C, K), (hs_rows, K, V), (mVn, C, V)))
+        kernel(mQ, mK, mHs, mVn, mGc, mO, mCu, mCuC, scale, T, NT, nseq, group, *atoms, *tmas).launch(
             grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream
         )
 
@@ -511,12 +546,23 @@ def out_p_select() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_OUT_PSEL", False)
 
 
-def get_out_kernel(dtype, K, V, l2norm, varlen, p_select=None):
+def out_tma() -> bool:
+    """``CUDNN_TRAIN_GDN_OUT_TMA=1``: ``out`` loads q, k and the chunk-start state by TMA on one mbarrier and vn on
+    another, waited for only before ``P vn`` (one elected thread of warp 0 issues both groups; gc stays a plain
+    load), instead of 128 threads issuing about 40 ``cp.async`` each and waiting for all of them before the first
+    product. A varlen sequence's rows past its end are zeroed once landed, as cp.async zero-fills them: the same
+    bits. Prepared in the sixteenth session, compiled, not yet GPU-run: off."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_OUT_TMA", False)
+
+
+def get_out_kernel(dtype, K, V, l2norm, varlen, p_select=None, tma=None):
     p_select = out_p_select() if p_select is None else bool(p_select)
-    key = ("out", str(dtype), K, V, bool(l2norm), bool(varlen)) + (("psel",) if p_select else ())
+    tma = out_tma() if tma is None else bool(tma)
+    key = ("out", str(dtype), K, V, bool(l2norm), bool(varlen)) + (("psel",) if p_select else ()) + (
+        ("tma",) if tma else ())
 
     def build():
-        return _build_out(F._dt(dtype), K, V, l2norm, varlen, p_select)
+        return _build_out(F._dt(dtype), K, V, l2norm, varlen, p_select, tma)
 
     return kc.get_kernel("gdn_fwd_out", key, build, _SOURCES)
 

@@ -91,7 +91,11 @@ def test_split_state_kernels_compile_for_sm90a(kernel_cache):
     # the other side of the chain's loads (CUDNN_TRAIN_GDN_CHAIN_TMA: by TMA unless 0)
     for v in CHAIN_VARIANTS:
         assert callable(SP.get_chain_kernel(*v, tma=not SP.chain_tma()))
-    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(CHAIN_VARIANTS) + len(OUT_VARIANTS) + 1
+    # the other side of the out kernel's loads (CUDNN_TRAIN_GDN_OUT_TMA), also at K = 64 with V = 128
+    for v in OUT_VARIANTS:
+        assert callable(SP.get_out_kernel(*v, tma=not SP.out_tma()))
+    assert callable(SP.get_out_kernel(torch.bfloat16, 64, 128, True, True, tma=not SP.out_tma()))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(CHAIN_VARIANTS) + 2 * len(OUT_VARIANTS) + 2
     with pytest.raises(ValueError, match="VB=48"):
         SP.get_chain_kernel(torch.bfloat16, 128, 128, 48, True, False, False, False, False)
 
@@ -708,6 +712,43 @@ def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
         outs = [(o[:, :end], ht, hs[:rows]) for o, ht, hs in outs]
     names = ("o", "final_state", "chunk_states")
     _assert_bitwise(f"{case}, VB {vb}", dict(zip(names, outs[1])), dict(zip(names, outs[0])), "the chain's TMA loads")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "varlen_tail", "k64_fp16_vk", "k64_v128_gva4", "training"])
+def test_split_out_tma_is_bitwise_cp_async(case, monkeypatch, poisoned):
+    """The split pass's out kernel with its loads by TMA (CUDNN_TRAIN_GDN_OUT_TMA: q, k and the chunk-start state
+    on one mbarrier, vn on another waited for only before P vn; rows past a sequence's end zeroed once landed)
+    writes the same o as with cp.async, bitwise: dense T 333 (rows past the tensor's end), varlen with empty and
+    one-token sequences, varlen with 37 rows past the last sequence (vn there is never written: poisoned memory),
+    K = V = 64 fp16 with [V, K] states, K = 64 with V = 128 and GVA 4, and the training forward's call."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setattr(F90, "SPLIT", True)  # the split pass, whatever CUDNN_TRAIN_GDN_FWD_SPLIT / _WS say
+    K, V, vk, cu, dtype, H, HV = 128, 128, False, None, torch.bfloat16, 2, 4
+    if case == "k64_fp16_vk":
+        K, V, vk, dtype = 64, 64, True, torch.float16
+    if case == "k64_v128_gva4":
+        K, H = 64, 1
+    if case.startswith("varlen"):  # the last sequence (5 tokens) is one partial chunk
+        lengths = VARLEN_LENGTHS
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        T = sum(lengths) + (37 if case == "varlen_tail" else 0)
+        q, k, v, g, beta, h0 = _inputs(1, T, H, HV, K, V, dtype, nseq=len(lengths))
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 333, H, HV, K, V, dtype, state_v_first=vk)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                state_v_first=vk, store_states=case == "training")
+    outs = []
+    for tma in ("0", "1"):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_OUT_TMA", tma)
+        res = F90.forward(q, k, v, g, beta, **args).value
+        outs.append((res[0], res[1]))
+    if cu is not None:  # o past the last sequence is never written
+        end = int(cu[-1])
+        outs = [(o[:, :end], ht) for o, ht in outs]
+    names = ("o", "final_state")
+    _assert_bitwise(case, dict(zip(names, outs[1])), dict(zip(names, outs[0])), "the out kernel's TMA loads")
 
 
 @pytest.mark.gpu
