@@ -68,7 +68,8 @@
 # jit_caches.tgz that save_caches returned to .gpu/jit_caches.tgz and carry it in one call: every
 # stage unpacks it into $HOME first (Triton then compiles only each kernel's chosen config).
 source /tmp/gpu-bundle/device.sh || exit 3
-export PYTHONPATH=$(pwd):$PYTHONPATH CUDNN_TRAIN_CACHE_DIR=/tmp/ctc
+# unbuffered: a tool cut by its limit still leaves every line it printed (s25's sweep_ws log came back empty)
+export PYTHONPATH=$(pwd):$PYTHONPATH CUDNN_TRAIN_CACHE_DIR=/tmp/ctc PYTHONUNBUFFERED=1
 if [ -f .gpu/jit_caches.tgz ] && [ ! -f /tmp/jit_caches.restored ]; then
   tar xzf .gpu/jit_caches.tgz -C "$HOME" && touch /tmp/jit_caches.restored && echo "jit caches restored"
 fi
