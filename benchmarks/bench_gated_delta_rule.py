@@ -24,7 +24,10 @@ SM90 training path forced on (``CUDNN_TRAIN_GDN_SM90_TRAIN=1`` around each call)
 its stage 3 on the kernel (the default; ``--torch-stage3`` adds ``sm90-train-t3``, stage 3 in
 torch, for comparison). ``fla`` is FLA's
 ``chunk_gated_delta_rule`` and ``flashqla`` FlashQLA's (``flash-qla``), when they import.
-A peer that fails to run is reported once with its error and left out. ``--rounds N`` times every row
+A peer that fails to run is reported once with its error and left out. ``--graphed`` also times every row
+captured as a CUDA graph (``benchmarks.common.bench_graphed``: GPU time with the host's cost left out, as the
+peers' Python can be the bound; NaN with the capture's error where a row cannot be captured), in the same
+rounds, with its own columns and ratios. ``--rounds N`` times every row
 N times, interleaved, and reports each row's median: FlashQLA's calls are nearly host-bound (about
 0.3-0.6 ms of Python a forward against 0.40 ms of GPU time), so one round can catch it slowed by
 the machine (0.40 and 0.65 ms forwards were both measured at B4 T4096 in single rounds).
@@ -38,7 +41,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import bench, ceilings, parser, report
+from benchmarks.common import bench, bench_graphed, ceilings, parser, report
 
 C = 64
 TRAIN_ENV = "CUDNN_TRAIN_GDN_SM90_TRAIN"
@@ -125,6 +128,9 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="K = V (default 128)")
     ap.add_argument("--layer-flags", action="store_true",
                     help="the GatedDeltaNet layer's call: gate and beta sigmoid in the kernel (FlashQLA rejects it)")
+    ap.add_argument("--graphed", action="store_true",
+                    help="also time every row captured as a CUDA graph (GPU time, host cost left out; NaN where a "
+                         "row cannot be captured)")
     args = ap.parse_args()
     if args.torch_stage3:
         TRAIN_ROWS["sm90-train-t3"] = "torch"
@@ -191,7 +197,7 @@ def main() -> None:
                 f = lambda: fn(*leaves[:5], cu_seqlens=cul, **kwl)[0]  # noqa: E731
             return lambda: torch.autograd.grad(f(), leaves, do)
 
-        runs: dict[str, list[tuple[float, float]]] = {}
+        runs: dict[str, list[tuple[float, ...]]] = {}
         paths = {}
         names = [n for n in ["cutedsl", "op", *TRAIN_ROWS, *peers] if n not in broken | skip]
         for rnd in range(max(1, args.rounds)):  # rounds interleave the rows: drift of the machine hits all alike
@@ -207,6 +213,10 @@ def main() -> None:
                             paths["fwd+bwd"] = last_path("chunk_gated_delta_rule")
                         if name in TRAIN_ROWS:
                             assert last_path("chunk_gated_delta_rule") == "cutedsl:sm90-train"
+                    t_g = (float("nan"), float("nan"))
+                    if args.graphed:  # the same calls as CUDA graphs: GPU time alone
+                        t_g = (bench_graphed(fwd_fn(name), args.warmup, args.rep),
+                               float("nan") if name == "cutedsl" else bench_graphed(fb_fn(name), args.warmup, args.rep))
                 except Exception as e:  # noqa: BLE001 - report the peer's failure once, time the others
                     if name in peers or name in TRAIN_ROWS:
                         print(f"{name} failed at {label}: {type(e).__name__}: {e}")
@@ -214,17 +224,21 @@ def main() -> None:
                         runs.pop(name, None)
                         continue
                     raise
-                runs.setdefault(name, []).append((t_f, t_fb))
+                runs.setdefault(name, []).append((t_f, t_fb, *t_g))
                 # partial results survive a timeout
-                print(f"{label}: round {rnd + 1}: {name} fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms", flush=True)
-        # each row's figure: the median of its rounds (a lower median for an even count)
-        times = {n: tuple(sorted(r[i] for r in rs)[(len(rs) - 1) // 2] for i in (0, 1)) for n, rs in runs.items()}
-        peer_f = [t[0] for n, t in times.items() if n in peers]
-        peer_fb = [t[1] for n, t in times.items() if n in peers and t[1] == t[1]]
-        best_f = min(peer_f) if peer_f else float("nan")
-        best_fb = min(peer_fb) if peer_fb else float("nan")
+                graphed = f", graphed fwd {t_g[0]:.3f} ms, fwd+bwd {t_g[1]:.3f} ms" if args.graphed else ""
+                print(f"{label}: round {rnd + 1}: {name} fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms{graphed}", flush=True)
+        # each row's figure: the median of its rounds (a lower median for an even count; NaN rounds last)
+        times = {n: tuple(sorted((r[i] for r in rs), key=lambda x: (x != x, x))[(len(rs) - 1) // 2]
+                          for i in range(4)) for n, rs in runs.items()}
+
+        def best_peer(i):
+            ts = [t[i] for n, t in times.items() if n in peers and t[i] == t[i]]
+            return min(ts) if ts else float("nan")
+
+        best_f, best_fb, best_gf, best_gfb = (best_peer(i) for i in range(4))
         ntok = sum(seq_lengths)
-        for name, (t_f, t_fb) in times.items():
+        for name, (t_f, t_fb, t_gf, t_gfb) in times.items():
             impl = name if name != "op" else f"op [{paths.get('fwd')} / {paths.get('fwd+bwd')}]"
             rows.append(
                 {
@@ -240,6 +254,9 @@ def main() -> None:
                     "fwd+bwd speedup vs best peer": best_fb / t_fb,
                 }
             )
+            if args.graphed:
+                rows[-1].update({"graphed fwd ms": t_gf, "graphed fwd vs best peer": best_gf / t_gf,
+                                 "graphed fwd+bwd ms": t_gfb, "graphed fwd+bwd vs best peer": best_gfb / t_gfb})
         del q, k, v, g, beta, do
         torch.cuda.empty_cache()
     flags = "l2norm, gate and beta sigmoid in kernel" if args.layer_flags else "l2norm in kernel"
