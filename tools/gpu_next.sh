@@ -367,6 +367,14 @@ s30)
   # out kernel alone both ways (flip the default only if faster)
   tier s30 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py -k "out_tma"
   timed out_tma ${TIME_S:-150} python3 tools/time_gdn_fwd.py --shapes 2 --out-tma ;;
+s31)
+  # the sixteenth session's prepared V blocks of 16 for both split chains (the training forward's chain and the
+  # split sweep's dchain; B1's defaults run 32): their cases with the others of the same tests, then the chains'
+  # timings at every V block (flip CHAIN_VB / SWEEP_SPLIT_VB's heuristics only if 16 is faster at B1)
+  tier s31 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    -k "split_state_pass_matches_oracle or split_chain_tma or split_sweep_matches_reference or split_sweep_dchain_tma"
+  timed chain_vb ${TIME_S:-120} python3 tools/time_gdn_fwd.py --shapes 2 --chain-tma
+  timed dchain_vb 150 python3 tools/time_gdn_sweep.py --shapes 2 --split-only ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from benchmarks.bench_gated_delta_rule import SHAPES
 from benchmarks.common import bench
 from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+from cudnn_train.kernels import gated_delta_rule_bwd_split_sm90 as S
 from tests.utils import rel_l2
 
 
@@ -142,14 +143,14 @@ def main():
         variants = (("one warpgroup, prefetch", 1, True), ("one warpgroup, sync loads", 1, False),
                     ("two warpgroups, prefetch", 2, True), ("two warpgroups, sync loads", 2, False))
         default = run(None, None)  # the fused kernel's defaults (split=False)
-        for vb in (32, 64):
+        for vb in S.VBLOCKS:
             other = run_split(vb)
             torch.cuda.synchronize()
             diffs = ", ".join(f"{n} {rel_l2(b.float(), a.float()):.1e}" for n, a, b in
                               zip(("dvn", "dH", "dh0"), default, other))
             print(f"B{B} T{T} H{H} HV{HV}: split sweep VB {vb} vs the fused kernel: {diffs}")
         print(f"  {'fused kernel, defaults':28s} {bench(lambda: run(None, None), warmup=10, rep=50):.3f} ms")
-        for vb in (32, 64):
+        for vb in S.VBLOCKS:
             print(f"  {f'split, VB {vb}':28s} {bench(lambda: run_split(vb), warmup=10, rep=50):.3f} ms")
         if args.split_only:
             continue

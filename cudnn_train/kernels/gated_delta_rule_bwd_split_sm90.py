@@ -52,16 +52,17 @@ from . import gated_delta_rule_fwd_split_sm90 as FS
 
 CHUNK = cm.CHUNK
 THREADS = cm.THREADS
-VBLOCKS = (32, 64)
+VBLOCKS = (16, 32, 64)  # 16: only by CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB=16 (prepared, not yet GPU-run)
 _SOURCES = (__file__, F.__file__, FS.__file__, cm.__file__)
 
 
 def vblock(nseq: int, HV: int, V: int, device: torch.device) -> int:
     """V columns per ``dchain`` CTA: 64 when N x HV x V/64 CTAs already give every SM one, else 32.
-    ``CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB`` overrides (a bad value is a ValueError naming it)."""
+    ``CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB`` overrides (16, 32 or 64; a bad value is a ValueError naming it; 16 prepared
+    in the sixteenth session, not yet GPU-run, only when asked)."""
     env = os.environ.get("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", "").strip()
     if env:
-        if env not in ("32", "64") or V % int(env):
+        if env not in tuple(str(vb) for vb in VBLOCKS) or V % int(env):
             raise ValueError(f"CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB={env!r}: expected one of {VBLOCKS} dividing V={V}")
         return int(env)
     return 64 if nseq * HV * (V // 64) >= kc.num_sms(device) else 32

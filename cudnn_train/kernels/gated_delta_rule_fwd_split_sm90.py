@@ -50,7 +50,7 @@ from . import gated_delta_rule_fwd_sm90 as F
 
 CHUNK = cm.CHUNK
 THREADS = cm.THREADS
-CHAIN_VBLOCKS = (32, 64)
+CHAIN_VBLOCKS = (16, 32, 64)  # 16: only by CUDNN_TRAIN_GDN_CHAIN_VB=16 (prepared, not yet GPU-run)
 _SOURCES = (__file__, F.__file__, cm.__file__)
 
 
@@ -60,7 +60,8 @@ def sm_count(device: torch.device) -> int:
 
 def chain_vblock(nseq: int, HV: int, V: int, device: torch.device) -> int:
     """V columns per ``chain`` CTA: 64 when N x HV x V/64 CTAs already give every SM one, else 32
-    (twice the CTAs on the same sequential chain). ``CUDNN_TRAIN_GDN_CHAIN_VB`` overrides.
+    (twice the CTAs on the same sequential chain). ``CUDNN_TRAIN_GDN_CHAIN_VB`` overrides (16, 32 or 64; 16,
+    four times the CTAs of 64, prepared in the sixteenth session and not yet GPU-run, only when asked).
 
     Measured (H200, K = V = 128, ``tools/time_gdn_fwd.py``): 256 CTAs at VB 64 (B4 HV32) run the
     chain in 0.271 ms against 0.370 at VB 32; 32 sequence-heads (B1 HV32) in 0.743 at VB 64 against

@@ -74,6 +74,7 @@ def test_forward_kernels_compile_for_sm90a(kernel_cache, monkeypatch):
 CHAIN_VARIANTS = [
     (torch.bfloat16, 128, 128, 32, True, False, True, True, False),
     (torch.float16, 64, 128, 64, False, True, False, True, True),
+    (torch.bfloat16, 128, 128, 16, True, True, False, False, False),  # VB 16: CUDNN_TRAIN_GDN_CHAIN_VB=16 only
 ]
 OUT_VARIANTS = [(torch.bfloat16, 128, 128, True, False), (torch.float16, 64, 64, False, True)]
 
@@ -643,7 +644,7 @@ def test_state_prefetch_matches_synchronous_loads_bitwise(case, monkeypatch, poi
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vb", [32, 64])
+@pytest.mark.parametrize("vb", [16, 32, 64])
 @pytest.mark.parametrize("case", ["dense", "varlen", "k64_state_vk", "fp16_no_l2norm"])
 def test_split_state_pass_matches_oracle_and_fused_kernel(case, vb, monkeypatch, poisoned):
     """The chain + out kernels (the inference forward's default) at both V blocks of the chain: o and
@@ -676,7 +677,7 @@ def test_split_state_pass_matches_oracle_and_fused_kernel(case, vb, monkeypatch,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vb", [32, 64])
+@pytest.mark.parametrize("vb", [16, 32, 64])
 @pytest.mark.parametrize("case", ["dense", "varlen", "varlen_tail", "k64_state_vk_fp16"])
 def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
     """The training forward's chain with its loads by TMA (CUDNN_TRAIN_GDN_CHAIN_TMA: one thread issues a chunk's
