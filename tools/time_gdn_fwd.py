@@ -83,6 +83,13 @@ def main():
         f32, i32, i64 = F90._dummies(q.device)
         cu, cuc, rows, NT = F90.chunk_map(None, B, T, q.device)
         group = HV // H
+        d4 = f32.view(1, 1, 1, 1)
+        wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False, False,
+                                False, 1.0, False)  # the default wy kernel, l2norm in it
+
+        def run_wy_default():  # w, u, gc for the state-pass kernels timed below
+            wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
+
         if args.wy_only:  # the scan preparation against the serial one, its tile loads, the two-pass A; then times
             outs = {}
             variants = {"scan": dict(scan=True, async_loads=False, a2=False), "serial": dict(scan=False, a2=False),
@@ -135,10 +142,7 @@ def main():
             continue
 
         if args.out_tma:  # the out kernel (CUDNN_TRAIN_GDN_OUT_TMA) on one chain's output: bitwise, then times
-            wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
-                                    False, False, 1.0, False)
-            wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
-            d4 = f32.view(1, 1, 1, 1)
+            run_wy_default()
             hs = torch.empty(rows, HV, K, V, device=dev, dtype=torch.bfloat16)
             vn = torch.empty_like(u)
             vb = SP.chain_vblock(B, HV, V, q.device)
@@ -160,10 +164,7 @@ def main():
             continue
 
         if args.chain_tma:  # the chain (CUDNN_TRAIN_GDN_CHAIN_TMA) on one wy output: bitwise, then alternating times
-            wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
-                                    False, False, 1.0, False)
-            wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
-            d4 = f32.view(1, 1, 1, 1)
+            run_wy_default()
             for vb in SP.CHAIN_VBLOCKS:
                 runs = {}
                 for tma in (False, True):
@@ -185,10 +186,7 @@ def main():
         if args.ws_only:  # the fused state kernel against its specialized-warpgroup variant, alternating
             from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-            wyd = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,
-                                    False, False, 1.0, False)
-            wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
-            d4 = f32.view(1, 1, 1, 1)
+            run_wy_default()
             sk = F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False)
             o_def = torch.full((B, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16)
 
@@ -235,7 +233,7 @@ def main():
             gci = torch.empty_like(gc)
             run_inv = lambda: inv(k, g, beta, f32, f32, cu, cuc, gci, a0, be, T, NT, B, group, rows, i64)  # noqa: E731
             for _ in range(2):
-                print(f"  wy kernel (w, u)                      {bench(lambda: wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64), 10, 40):.3f} ms")
+                print(f"  wy kernel (w, u)                      {bench(run_wy_default, 10, 40):.3f} ms")
                 print(f"  wy kernel, gate-free inverse only     {bench(run_inv, 10, 40):.3f} ms")
             # the rows below: the whole forward as it is called (the split pass or the specialized warpgroups, as
             # split_sm90.preferred picks), then forced onto the specialized warpgroups at each VB and load path
@@ -303,7 +301,6 @@ def main():
         st = {pf: F90.get_state_kernel(torch.bfloat16, K, V, True, False, False, False, False, False, prefetch=pf)
               for pf in (True, False)}
         outs = {pf: torch.full((B, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16) for pf in st}
-        d4 = f32.view(1, 1, 1, 1)
 
         def run_state(pf):
             st[pf](q, k, w, u, gc, d4, outs[pf], d4, cu, cuc, d4, K**-0.5, T, NT, group, B, i64)
