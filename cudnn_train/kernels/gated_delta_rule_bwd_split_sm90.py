@@ -438,9 +438,9 @@ def dchain_tma() -> bool:
     """``CUDNN_TRAIN_GDN_DCHAIN_TMA`` (on unless 0): ``dchain`` loads each chunk's k, q, w and do by TMA (one
     elected thread of warp 0 on the buffer's mbarrier; gc stays on cp.async) instead of 128 threads issuing about
     26 ``cp.async`` each a chunk on the one warpgroup that also runs the chain (the forward's state pass stalled
-    half its chain's cycles issuing them). The first chunk taken, a sequence's last, has its rows past the end zeroed once landed,
-    as cp.async zero-fills them: the same bits. On unless 0 (sixteenth session: the split sweep 0.939 against
-    0.959 ms at B1 T16384 H16 HV32)."""
+    half its chain's cycles issuing them). The first chunk taken, a sequence's last, has its rows past the end
+    zeroed once landed, as cp.async zero-fills them: the same bits. Measured (sixteenth session): the split sweep
+    0.939 against 0.959 ms at B1 T16384 H16 HV32."""
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHAIN_TMA", True)
 
 

@@ -517,13 +517,13 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
 
 
 def chain_tma() -> bool:
-    """``CUDNN_TRAIN_GDN_CHAIN_TMA`` (on unless 0): ``chain`` loads each chunk's w, k and u's columns by TMA (one elected
-    thread of warp 0 on the buffer's mbarrier; gc stays on cp.async; u then in a swizzled tile, TMA writes no
+    """``CUDNN_TRAIN_GDN_CHAIN_TMA`` (on unless 0): ``chain`` loads each chunk's w, k and u's columns by TMA (one
+    elected thread of warp 0 on the buffer's mbarrier; gc stays on cp.async; u then in a swizzled tile, TMA writes no
     padding) instead of its one warpgroup's 128 threads issuing about 20 ``cp.async`` each a chunk on the chain
     (B1 T16384's training forward: the chain 0.43 ms). The sequence's last chunk has its rows past the end
-    zeroed once landed, as cp.async zero-fills them: the same bits. On unless 0 (sixteenth session, bitwise:
+    zeroed once landed, as cp.async zero-fills them: the same bits. Measured (sixteenth session, bitwise):
     VB 64 0.238 against 0.271 ms at B4 T4096 H16 HV32, 0.646 against 0.742 at B1 T16384; VB 32 0.300 against
-    0.374 and 0.410 against 0.426)."""
+    0.374 and 0.410 against 0.426."""
     return cm.env_switch("CUDNN_TRAIN_GDN_CHAIN_TMA", True)
 
 
