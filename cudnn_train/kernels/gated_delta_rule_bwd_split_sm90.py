@@ -52,20 +52,25 @@ from . import gated_delta_rule_fwd_split_sm90 as FS
 
 CHUNK = cm.CHUNK
 THREADS = cm.THREADS
-VBLOCKS = (16, 32, 64)  # 16: only by CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB=16 (prepared, not yet GPU-run)
+VBLOCKS = (16, 32, 64)
 _SOURCES = (__file__, F.__file__, FS.__file__, cm.__file__)
 
 
 def vblock(nseq: int, HV: int, V: int, device: torch.device) -> int:
-    """V columns per ``dchain`` CTA: 64 when N x HV x V/64 CTAs already give every SM one, else 32.
-    ``CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB`` overrides (16, 32 or 64; a bad value is a ValueError naming it; 16 prepared
-    in the sixteenth session, not yet GPU-run, only when asked)."""
+    """V columns per ``dchain`` CTA: 64 when N x HV x V/64 CTAs already give every SM one, else 32 when
+    N x HV x V/32 do, else 16. ``CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB`` overrides (16, 32 or 64; a bad value is a
+    ValueError naming it).
+
+    Measured (H200, K = V = 128, ``tools/time_gdn_sweep.py --split-only``, seventeenth session): B1 T16384 HV32
+    (64 / 128 / 256 CTAs at VB 64 / 32 / 16) 1.442 / 0.931 / **0.886** ms; B4 T4096 HV32 **0.804** / 0.920 /
+    1.157."""
     env = os.environ.get("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", "").strip()
     if env:
         if env not in tuple(str(vb) for vb in VBLOCKS) or V % int(env):
             raise ValueError(f"CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB={env!r}: expected one of {VBLOCKS} dividing V={V}")
         return int(env)
-    return 64 if nseq * HV * (V // 64) >= kc.num_sms(device) else 32
+    sms = kc.num_sms(device)
+    return 64 if nseq * HV * (V // 64) >= sms else 32 if nseq * HV * (V // 32) >= sms else 16
 
 
 def _static_checks(dtype, K: int, V: int, VB: int) -> None:

@@ -68,8 +68,8 @@ states in the input dtype (the precision the backward reads them in) as 16-byte 
 shared state tile, cheaper than kernel 2's element-wise stores from its accumulators. Where the inference
 forward would take kernel 2, it runs its warp-specialized variant instead (``gated_delta_rule_fwd_ws_sm90``:
 the chain on one warpgroup, the outputs on another; ``STATE_WS``; its loads by TMA where K == V), with a
-GPU-checked, not yet timed switch for w, u formed in the chain after kernel 1's gate-free inverse variant
-(``ONFLY``, off). Not
+switch for w, u formed in the chain after kernel 1's gate-free inverse variant (``ONFLY``; on by default where
+one CTA holds all 128 columns of V). Not
 yet: splitting one sequence across CTAs. The backward lives in
 ``gated_delta_rule_bwd_sm90.py`` / ``gated_delta_rule_bwd_chunk_sm90.py`` and the
 training path in ``gated_delta_rule_train_sm90.py``.
@@ -134,9 +134,18 @@ STATE_WS = None if not _ws_env else env_flag("CUDNN_TRAIN_GDN_FWD_WS")
 # Where the inference forward takes the specialized warpgroups: w and u never materialized
 # (CUDNN_TRAIN_GDN_FWD_ONFLY=1): the wy kernel's INV variant writes only the gate-free chunk inverses, gc and the
 # effective beta, and the state pass's chain forms vn = T diag(beta) (v - diag(exp(gc) rk) k S) itself
-# (FlashQLA's structure). Prepared in the thirteenth session; its GPU cases passed in the sixteenth, not yet timed
-# (that session's timing rows ran the fused state kernel, where onfly does not apply): off.
-ONFLY = env_flag("CUDNN_TRAIN_GDN_FWD_ONFLY", False)
+# (FlashQLA's structure). Prepared in the thirteenth session; its GPU cases passed in the sixteenth; timed in the
+# seventeenth (tools/time_gdn_fwd.py --onfly, H200): whole forward at B4 T4096 H16 HV32, 128 columns a CTA, 0.550
+# against 0.574 ms; with 64 columns a CTA (B1 T16384 forced onto these warpgroups) slower, 1.195 against 1.076 (two
+# CTAs a (sequence, value head) each form the whole vn product again). None (unset): on where one CTA holds all of
+# V at K == V == 128 (onfly_default); 1: wherever the specialized warpgroups serve the inference forward; 0: never.
+ONFLY = cm.env_switch("CUDNN_TRAIN_GDN_FWD_ONFLY", None)
+
+
+def onfly_default(K: int, V: int, vb: int) -> bool:
+    """Whether w and u are formed in the chain when ``CUDNN_TRAIN_GDN_FWD_ONFLY`` is unset: only in the measured
+    configuration where it is faster, one CTA holding all 128 columns of V (no CTA repeats another's vn work)."""
+    return K == V == vb == 128
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.
@@ -1224,7 +1233,11 @@ def forward(
     elif split:
         split = SPLIT
     ws = not split and (not store_states if STATE_WS is None else STATE_WS)
-    onfly = ws and ONFLY and not store_states and not return_intermediates
+    onfly = ws and not store_states and not return_intermediates and ONFLY is not False
+    if onfly and ONFLY is None:
+        from . import gated_delta_rule_fwd_ws_sm90 as WS
+
+        onfly = onfly_default(K, V, WS.v_block(V, nseq, HV, dev))
     # kernel 1: w, u, gc (with onfly its variant writing only the gate-free chunk inverses, gc and beta)
     wy = get_wy_kernel(
         q.dtype, g.dtype, beta.dtype, A_log.dtype if use_gate_in_kernel else None,

@@ -26,11 +26,10 @@ Kernel ``out`` (grid: chunk x HV, one warpgroup; every chunk independent)::
 
 with S the bf16/fp16 chunk-start state and vn from ``chain`` (the same values the fused kernel
 converts to the input dtype before its products), P converted in registers into the A operand
-of the second product. Its loads: q, k, S and vn by ``cp.async``, all waited for before the first product;
-with ``CUDNN_TRAIN_GDN_OUT_TMA=1`` (:func:`out_tma`; prepared in the sixteenth session, compiled, not yet
-GPU-run: off) by TMA in two groups, q, k and S on one mbarrier and vn on another, waited for only before
-``P vn``, so that vn lands while ``q k^T`` and ``q S`` run (rows past a varlen sequence's end zeroed once
-landed, as cp.async zero-fills them: the same bits).
+of the second product. Its loads (:func:`out_tma`, the default since the seventeenth session) by TMA in two
+groups, q, k and S on one mbarrier and vn on another, waited for only before ``P vn``, so that vn lands while
+``q k^T`` and ``q S`` run (rows past a varlen sequence's end zeroed once landed, as cp.async zero-fills them:
+the same bits); with ``CUDNN_TRAIN_GDN_OUT_TMA=0`` all four by ``cp.async``, waited for before the first product.
 
 Cost: ``hs`` (input dtype, ``[chunk rows, HV, K, V]``, K V 2 bytes per chunk and value head) and
 ``vn`` (``[B, T, HV, V]``) round-trip through global memory, as FLA's forward does with its
@@ -50,7 +49,7 @@ from . import gated_delta_rule_fwd_sm90 as F
 
 CHUNK = cm.CHUNK
 THREADS = cm.THREADS
-CHAIN_VBLOCKS = (16, 32, 64)  # 16: only by CUDNN_TRAIN_GDN_CHAIN_VB=16 (prepared, not yet GPU-run)
+CHAIN_VBLOCKS = (16, 32, 64)  # 16: only by CUDNN_TRAIN_GDN_CHAIN_VB=16 (GPU-run, slower at every measured grid)
 _SOURCES = (__file__, F.__file__, cm.__file__)
 
 
@@ -61,17 +60,16 @@ def sm_count(device: torch.device) -> int:
 def chain_vblock(nseq: int, HV: int, V: int, device: torch.device) -> int:
     """V columns per ``chain`` CTA: 64 when N x HV x V/64 CTAs already give every SM one, else 32
     (twice the CTAs on the same sequential chain). ``CUDNN_TRAIN_GDN_CHAIN_VB`` overrides (16, 32 or 64; 16,
-    four times the CTAs of 64, prepared in the sixteenth session and not yet GPU-run, only when asked).
+    four times the CTAs of 64, only when asked: it measured slower everywhere).
 
-    Measured (H200, K = V = 128, ``tools/time_gdn_fwd.py``): 256 CTAs at VB 64 (B4 HV32) run the
-    chain in 0.271 ms against 0.370 at VB 32; 32 sequence-heads (B1 HV32) in 0.743 at VB 64 against
-    0.425 at VB 32."""
+    Measured (H200, K = V = 128, ``tools/time_gdn_fwd.py --chain-tma``, TMA loads, seventeenth session): 256 CTAs
+    at VB 64 (B4 HV32) run the chain in 0.237 ms against 0.299 at VB 32 and 0.713 at VB 16; 32 sequence-heads
+    (B1 HV32) in 0.645 at VB 64, 0.411 at VB 32 and 0.454 at VB 16."""
     env = os.environ.get("CUDNN_TRAIN_GDN_CHAIN_VB", "").strip()
     if env:
-        vb = int(env)
-        if vb not in CHAIN_VBLOCKS or V % vb:
-            raise ValueError(f"CUDNN_TRAIN_GDN_CHAIN_VB={env}: expected one of {CHAIN_VBLOCKS} dividing V={V}")
-        return vb
+        if env not in tuple(str(vb) for vb in CHAIN_VBLOCKS) or V % int(env):
+            raise ValueError(f"CUDNN_TRAIN_GDN_CHAIN_VB={env!r}: expected one of {CHAIN_VBLOCKS} dividing V={V}")
+        return int(env)
     return 64 if nseq * HV * (V // 64) >= sm_count(device) else 32
 
 
@@ -552,8 +550,9 @@ def out_tma() -> bool:
     another, waited for only before ``P vn`` (one elected thread of warp 0 issues both groups; gc stays a plain
     load), instead of 128 threads issuing about 40 ``cp.async`` each and waiting for all of them before the first
     product. A varlen sequence's rows past its end are zeroed once landed, as cp.async zero-fills them: the same
-    bits. Prepared in the sixteenth session, compiled, not yet GPU-run: off."""
-    return cm.env_switch("CUDNN_TRAIN_GDN_OUT_TMA", False)
+    bits. Prepared in the sixteenth session; GPU-run in the seventeenth (bitwise cp.async's in every case; H200,
+    B4 T4096 H16 HV32 and B1 T16384, the out kernel alone 0.236 against 0.248 ms): on unless ``=0``."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_OUT_TMA", True)
 
 
 def get_out_kernel(dtype, K, V, l2norm, varlen, p_select=None, tma=None):

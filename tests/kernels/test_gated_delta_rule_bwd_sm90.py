@@ -81,6 +81,26 @@ def test_split_sweep_kernels_compile_for_sm90a(kernel_cache):
     assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(S.VBLOCKS) + 5
 
 
+def test_split_sweep_v_block_default(monkeypatch):
+    """dchain's V columns a CTA: 64 where N HV V/64 CTAs fill the SMs, else 32 where N HV V/32 do, else 16 (B1
+    T16384 HV32 measured 0.886 ms at 16 against 0.931 at 32); CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB overrides, a bad
+    value a ValueError naming it."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_bwd_split_sm90 as BS
+
+    monkeypatch.setattr(kc, "num_sms", lambda device: 132)
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", raising=False)
+    dev = torch.device("cpu")
+    shapes = ((4, 32, 128), (1, 32, 128), (2, 32, 128), (1, 66, 128), (2, 33, 64), (1, 32, 64), (3, 44, 64))
+    assert [BS.vblock(n, hv, V, dev) for n, hv, V in shapes] == [64, 16, 32, 64, 32, 16, 64]
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", "32")
+    assert BS.vblock(1, 32, 128, dev) == 32
+    for bad in ("8", "abc", "128"):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", bad)
+        with pytest.raises(ValueError, match="CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB"):
+            BS.vblock(1, 32, 128, dev)
+
+
 def test_reverse_sweep_declines_without_gpu_before_touching_memory():
     from cudnn_train.backend import Unsupported
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90

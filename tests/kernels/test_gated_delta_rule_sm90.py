@@ -205,6 +205,31 @@ def test_specialized_warpgroups_v_block_choice(monkeypatch):
     assert WS.VB_MODE == "auto" or os.environ.get("CUDNN_TRAIN_GDN_FWD_WS_VB", "").strip(), "the default is auto"
 
 
+def test_split_chain_v_block_and_onfly_defaults(monkeypatch):
+    """The training forward's chain takes 64 columns a CTA where N HV V/64 CTAs fill the SMs, else 32 (16, slower
+    at every measured grid, only by CUDNN_TRAIN_GDN_CHAIN_VB; a bad value is a ValueError naming it). w and u are
+    formed in the specialized warpgroups' chain (CUDNN_TRAIN_GDN_FWD_ONFLY unset) only where one CTA holds all
+    128 columns of V at K == V; =1 / =0 force either way."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+    monkeypatch.setattr(kc, "num_sms", lambda device: 132)
+    monkeypatch.setattr(SP, "sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_CHAIN_VB", raising=False)
+    assert [SP.chain_vblock(n, hv, 128, dev) for n, hv in ((4, 32), (1, 32), (2, 33), (2, 32))] == [64, 32, 64, 32]
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", "16")
+    assert SP.chain_vblock(4, 32, 128, dev) == 16
+    for bad in ("48", "x", "128"):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", bad)
+        with pytest.raises(ValueError, match="CUDNN_TRAIN_GDN_CHAIN_VB"):
+            SP.chain_vblock(4, 32, 128, dev)
+    assert [F90.onfly_default(K, V, vb) for K, V, vb in ((128, 128, 128), (128, 128, 64), (64, 64, 64),
+                                                         (64, 128, 128))] == [True, False, False, False]
+    assert os.environ.get("CUDNN_TRAIN_GDN_FWD_ONFLY", "").strip() or F90.ONFLY is None, "the default is unset"
+
+
 def test_specialized_warpgroups_load_and_output_defaults(monkeypatch):
     """CUDNN_TRAIN_GDN_FWD_WS_TMA / _WG3 unset: TMA loads where K == V (the configurations their GPU cases ran),
     two output warpgroups with them at 64 columns a CTA, never for the training forward's call or the profile
@@ -770,6 +795,7 @@ def test_specialized_warpgroups_match_oracle_and_fused_kernel(case, monkeypatch,
         V, H, HV = 64, 1, 4
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(F90, "ONFLY", False)  # w, u from the wy kernel (the onfly test covers the other)
     if case == "varlen":
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
@@ -812,6 +838,7 @@ def test_specialized_warpgroups_training_forward(case, monkeypatch, poisoned):
     rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(F90, "ONFLY", False)  # w, u from the wy kernel (the onfly test covers the other)
     o, ht, (_, _, _, hs, vn, _) = F90.forward(q, k, v, g, beta, **args).value
     ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=l2)
     _check("o", o.float(), ref_o, None)
@@ -857,6 +884,7 @@ def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, mo
     q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False)
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(F90, "ONFLY", False)  # w, u from the wy kernel (the onfly test covers the other)
     monkeypatch.setattr(WS, "WG3", False)  # one output warpgroup both times, 64 columns a CTA
     monkeypatch.setattr(WS, "VB_MODE", "64")
     args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
@@ -898,6 +926,7 @@ def test_specialized_warpgroups_v_block_128_is_bitwise_64(case, monkeypatch, poi
     q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False, state_v_first=True)
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(F90, "ONFLY", False)  # w, u from the wy kernel (the onfly test covers the other)
     if case == "dense":
         monkeypatch.setattr(WS, "VB_MODE", "128")
         _run_and_compare(q, k, v, g, beta, h0, cu, l2norm=l2, state_v_first=vk)
