@@ -54,6 +54,8 @@
 #                                   # split sweep's dchain, the training forward's chain): their bitwise cases, then
 #                                   # stage 3's timings (per tile, persistent, four warpgroups) and profiles
 #   bash tools/gpu_next.sh s28      # then the other TMA variants' timings and the persistent stage 3's profile
+#   bash tools/gpu_next.sh s29|s30|s31  # the sixteenth session's prepared variants (see each stage below)
+#   bash tools/gpu_next.sh s32      # the fused sweep with both V halves in one CTA: bitwise cases, timing
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -375,6 +377,11 @@ s31)
     -k "split_state_pass_matches_oracle or split_chain_tma or split_sweep_matches_reference or split_sweep_dchain_tma"
   timed chain_vb ${TIME_S:-120} python3 tools/time_gdn_fwd.py --shapes 2 --chain-tma
   timed dchain_vb 150 python3 tools/time_gdn_sweep.py --shapes 2 --split-only ;;
+s32)
+  # the seventeenth session's prepared fused sweep with both V halves in one CTA (CUDNN_TRAIN_GDN_SWEEP_VH2): its
+  # bitwise cases, then its timing against a CTA a half (flip the default only if faster at B4)
+  tier s32 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "two_v_halves"
+  timed vh2 ${TIME_S:-150} python3 tools/time_gdn_sweep.py --shapes 2 --vh2 ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py

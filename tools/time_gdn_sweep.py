@@ -4,7 +4,7 @@ with synchronous loads, on the same inputs, as the training path calls it (bf16 
 l2norm in kernel, no final-state gradient).
 
     python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2 | --ws | --tma |
-                                     --dchain-tma]
+                                     --dchain-tma | --vh2]
 
 Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 32 and
 64; opt-in ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1``) against the default; ``--split-only``: the default and the
@@ -16,7 +16,8 @@ alternating, then the early variant's profile. ``--p2``: the split sweep with it
 passes (``CUDNN_TRAIN_GDN_DVL_P2=1``) against the one pass: bitwise check, timed twice each, alternating.
 ``--dchain-tma``: the same for the split sweep's ``dchain`` with its loads by TMA (``CUDNN_TRAIN_GDN_DCHAIN_TMA=1``);
 ``--tma``: the same for the fused kernel's prefetch by TMA (``tma=True``, ``CUDNN_TRAIN_GDN_SWEEP_TMA``), then the
-TMA variant's profile.
+TMA variant's profile. ``--vh2``: the same for the fused kernel on one warpgroup with both V halves in one CTA
+(``vh2=True``, ``CUDNN_TRAIN_GDN_SWEEP_VH2``) against a CTA a half (no profile: its grid has half the CTAs).
 ``--ws``: the fused kernel (its defaults) against its variant on two specialized warpgroups
 (``gated_delta_rule_bwd_ws_sm90``, ``CUDNN_TRAIN_GDN_SWEEP_WS``) and that variant with its loads by TMA
 (``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``): relative L2 of the outputs (TMA: bitwise), timed twice each, alternating.
@@ -55,6 +56,8 @@ def main():
                     help="the fused kernel with its prefetch by TMA against cp.async: bitwise check, time, profile")
     ap.add_argument("--dchain-tma", action="store_true",
                     help="the split sweep with dchain's loads by TMA against cp.async: bitwise check, time")
+    ap.add_argument("--vh2", action="store_true",
+                    help="the fused kernel with both V halves in one CTA against a CTA a half: bitwise check, time")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         K = V = 128
@@ -109,8 +112,11 @@ def main():
                 for ws, tma, name in rows:
                     print(f"  {name:28s} {bench(lambda: sweep_ws(ws, tma), warmup=10, rep=50):.3f} ms")
             continue
-        if args.early_qk or args.p2 or args.dchain_tma or args.tma:
-            if args.early_qk:
+        if args.early_qk or args.p2 or args.dchain_tma or args.tma or args.vh2:
+            if args.vh2:  # one warpgroup a half at the defaults' loads, a CTA each or both in one
+                base, alt, label = dict(wgs=1, vh2=False), dict(wgs=1, vh2=True), ("fused, a CTA a V half",
+                                                                                   "fused, both V halves a CTA")
+            elif args.early_qk:
                 base, alt, label = dict(early_qk=False), dict(early_qk=True), ("q, k after P", "early q, k")
             elif args.tma:  # the fused kernel at its defaults (split=False), its prefetch by cp.async or TMA
                 base, alt, label = dict(tma=False), dict(tma=True), ("fused, cp.async prefetch", "fused, TMA prefetch")

@@ -69,14 +69,16 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None,
                   WGS: int = 1, PREFETCH: bool = False, PROFILE: bool = False, EARLY_QK: bool = False,
-                  TMA: bool = False):
+                  TMA: bool = False, VH: int = 1):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
 
     C = CHUNK
-    VB = VBLOCK
-    THREADS = 128 * WGS  # two warpgroups: 16 warps an SM where two CTAs fit (without the prefetch, ~96 KB each)
+    # VH = 2 (two V halves a CTA): 128 columns, one warpgroup a 64-column half stacked along M of every product
+    # but q k^T (split by N between them), sharing the loads of q, k, w, the l2norm rows and P
+    VB = VBLOCK * VH  # V columns a CTA
+    THREADS = 128 * WGS * VH  # two warpgroups: 16 warps an SM where two CTAs fit (without the prefetch, ~96 KB each)
     LOG2E = cm.LOG2E
     load_chunk = fwd._make_load_chunk(K, VB, THREADS)
     issue_qk, issue_wdg = fwd.make_issue_parts(dtype, K, VB, THREADS)
@@ -147,14 +149,15 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         # products whose A is an accumulator of the previous step (dH^T, then -dvn^T) then take it
         # from shared memory, since a warpgroup holds only its columns of it
         regs_a = WGS == 1
-        mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False, wgs=WGS)  # q k^T        [i, j]
-        mma_x = cm.make_mma(dtype, C, a_regs=regs_a, b_mn_major=False, wgs=WGS)  # dH^T k^T     [v, i]
-        mma_t = cm.make_mma(dtype, C, a_regs=False, b_mn_major=True, a_mn_major=True, wgs=WGS)  # do^T P  [v, j]
-        mma_q = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True, a_mn_major=True, wgs=WGS)  # do_s^T q [v, d]
-        mma_s = cm.make_mma(dtype, K, a_regs=regs_a, b_mn_major=True, wgs=WGS)  # dvn^T w      [v, d]
+        mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False, wgs=WGS * VH)  # q k^T        [i, j]
+        mma_x = cm.make_mma(dtype, C, a_regs=regs_a, b_mn_major=False, wgs=WGS, wgm=VH)  # dH^T k^T     [v, i]
+        mma_t = cm.make_mma(dtype, C, a_regs=False, b_mn_major=True, a_mn_major=True, wgs=WGS, wgm=VH)  # do^T P
+        mma_q = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True, a_mn_major=True, wgs=WGS, wgm=VH)  # do_s^T q
+        mma_s = cm.make_mma(dtype, K, a_regs=regs_a, b_mn_major=True, wgs=WGS, wgm=VH)  # dvn^T w      [v, d]
         if cutlass.const_expr(regs_a):
-            map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
-            map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
+            th = cm.sample_threads(VH)
+            map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K), th)
+            map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C), th)
 
         smem = cutlass.utils.SmemAllocator()
         lqk = cm.smem_tile_layout(dtype, C, K)
@@ -337,9 +340,9 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
         scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, mProf: cute.Tensor, stream,
     ):
-        _static_checks(dtype, K, WGS)
+        _static_checks(dtype, K, WGS, VH)
         HV = mW.shape[2]
-        atoms, tmas = cm.make_tma_rows_atoms(TMA, dtype, ((mQ, C, K), (mK, C, K), (mW, C, K), (mDO, C, VBLOCK)))
+        atoms, tmas = cm.make_tma_rows_atoms(TMA, dtype, ((mQ, C, K), (mK, C, K), (mW, C, K), (mDO, C, VB)))
         kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, mProf, *atoms,
                *tmas).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
@@ -354,19 +357,22 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
 
-def _static_checks(dtype, K: int, wgs: int = 1) -> None:
+def _static_checks(dtype, K: int, wgs: int = 1, vh: int = 1) -> None:
     """Layout facts the kernel relies on, asserted while tracing (no GPU needed)."""
     cm.check_mn_major_view(dtype, CHUNK, K)
     cm.check_mn_major_view(dtype, CHUNK, CHUNK, 128 if wgs == 1 else 64)
-    cm.check_mn_major_view(dtype, CHUNK, VBLOCK)
+    cm.check_mn_major_view(dtype, CHUNK, VBLOCK * vh)  # do and do_s: MN-major A operands, a 64-row half each
     if wgs != 1 and K // wgs < 64:
         raise AssertionError("a warpgroup's share of an MN-major q^T / w^T must span whole 128-byte atoms")
+    if vh != 1 and wgs != 1:
+        raise AssertionError("two V halves a CTA take one warpgroup each")
     regs = wgs == 1
-    th = cm.sample_threads(wgs)
-    cm.check_same_acc_layout(cm.make_mma(dtype, CHUNK, regs, False, wgs=wgs),
-                             cm.make_mma(dtype, CHUNK, False, True, True, wgs), (64, CHUNK), th)
-    cm.check_same_acc_layout(cm.make_mma(dtype, K, regs, True, wgs=wgs), cm.make_mma(dtype, K, False, True, True, wgs),
-                             (64, K), th)
+    th = cm.sample_threads(wgs * vh)
+    m = 64 * vh
+    cm.check_same_acc_layout(cm.make_mma(dtype, CHUNK, regs, False, wgs=wgs, wgm=vh),
+                             cm.make_mma(dtype, CHUNK, False, True, True, wgs, vh), (m, CHUNK), th)
+    cm.check_same_acc_layout(cm.make_mma(dtype, K, regs, True, wgs=wgs, wgm=vh),
+                             cm.make_mma(dtype, K, False, True, True, wgs, vh), (m, K), th)
 
 
 def prefetch_default() -> bool:
@@ -395,19 +401,32 @@ def tma_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_TMA", True)
 
 
+def vh2_default() -> bool:
+    """``CUDNN_TRAIN_GDN_SWEEP_VH2=1``: where the fused kernel runs on one warpgroup at V = 128, its CTA takes both
+    64-column halves of V on two warpgroups (``reverse_sweep(vh2=True)``), so that the two halves of a (sequence,
+    value head) load q, k, w and gc once, form the l2norm rows and do_s once and split ``q k^T`` and P between
+    them, where two CTAs each did all of it. Every product of a half is the one-warpgroup kernel's instruction
+    for instruction (stacked along M; ``q k^T`` split by N), so the results should be bitwise its own. At B4
+    T4096 HV32 the grid goes from 256 CTAs (two an SM) to 128 (one an SM, the same 8 warps). Prepared in the
+    seventeenth session, compiled, not yet GPU-run: off."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_VH2", False)
+
+
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
-                      prefetch=None, profile=False, early_qk=None, tma=None):
+                      prefetch=None, profile=False, early_qk=None, tma=None, vh=1):
     prefetch = prefetch_default() if prefetch is None else bool(prefetch)
     early_qk = prefetch and (early_qk_default(wgs) if early_qk is None else bool(early_qk))
     tma = prefetch and (tma_default() if tma is None else bool(tma))
     key = ("dstate", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk)) + (
         () if out_dtype == torch.float32 else (str(out_dtype),)) + (() if wgs == 1 else (("wgs", wgs),)) + (
         ("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (("early_qk",) if early_qk else ()) + (
-        ("tma",) if tma else ())
+        ("tma",) if tma else ()) + (() if vh == 1 else (("vh", vh),))
+    if vh not in (1, 2) or (vh == 2 and (wgs != 1 or V != 2 * VBLOCK)):
+        raise ValueError(f"vh={vh} with wgs={wgs} at V={V}: two V halves a CTA take one warpgroup each at V = 128")
 
     def build():
         return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs,
-                             prefetch, bool(profile), early_qk, tma)
+                             prefetch, bool(profile), early_qk, tma, vh)
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 
@@ -437,7 +456,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
                   cu_seqlens=None, state_v_first: bool = False, out_dtype=torch.float32, wgs: int | None = None,
                   prefetch: bool | None = None, split: bool | None = None, profile: torch.Tensor | None = None,
                   early_qk: bool | None = None, ws: bool | None = None, ws_tma: bool | None = None,
-                  tma: bool | None = None):
+                  tma: bool | None = None, vh2: bool | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
@@ -455,7 +474,9 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     default ``CUDNN_TRAIN_GDN_SWEEP_WS``, off); ``ws_tma``: that variant's loads by TMA (default
     ``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``, off; the same bits); ``tma``: the fused kernel's prefetch by TMA (default
     :func:`tma_default`, off; the same bits; nothing without the prefetch; the split sweep's chain follows
-    ``CUDNN_TRAIN_GDN_DCHAIN_TMA`` instead)."""
+    ``CUDNN_TRAIN_GDN_DCHAIN_TMA`` instead); ``vh2``: the fused kernel's CTA on both V halves, one warpgroup each
+    (default :func:`vh2_default`, off; True where it cannot serve, two warpgroups a half or V = 64, is
+    Unsupported)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -496,8 +517,12 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         fn = WS.get_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first, out_dtype,
                            ws_tma)
     elif not split:
+        vh_ok = wgs == 1 and V == 2 * VBLOCK
+        if vh2 and not vh_ok:
+            raise Unsupported(f"vh2 with wgs={wgs} at V={V} (one warpgroup a 64-column half, V = 128)")
+        vh = 2 if vh_ok and (vh2_default() if vh2 is None else vh2) else 1
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
-                               out_dtype, wgs, prefetch, profile is not None, early_qk, tma)
+                               out_dtype, wgs, prefetch, profile is not None, early_qk, tma, vh)
     if T == 0 or nseq == 0:
         if dht is None:
             dh0.zero_()

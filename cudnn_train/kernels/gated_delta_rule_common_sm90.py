@@ -189,11 +189,14 @@ def acc_to_frag_map(mma_c, shape_mn, mma_a, shape_mk, threads=SAMPLE_THREADS):
     return tuple(ref)
 
 
-def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool, a_mn_major: bool = False, wgs: int = 1):
+def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool, a_mn_major: bool = False, wgs: int = 1,
+             wgm: int = 1):
     """WGMMA tiled MMA, M = 64, N = ``n``, fp32 accumulators; A K-major (MN-major with
     ``a_mn_major``, only from shared memory: the transposed view of a row-major tile). With
     ``wgs`` warpgroups they split N: warpgroup w computes columns ``[w n / wgs, (w + 1) n / wgs)``
-    from the whole A and its slice of B (a thread's slice of the MMA follows from its index)."""
+    from the whole A and its slice of B (a thread's slice of the MMA follows from its index). With
+    ``wgm`` warpgroups they stack along M instead (M = 64 wgm): warpgroup w computes rows ``[64 w, 64 w + 64)``
+    from its rows of A and the whole B."""
     _, cute = kc.import_cute()
     from cutlass import Float32
     from cutlass.cute.nvgpu import warpgroup
@@ -209,8 +212,8 @@ def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool, a_mn_major: bool 
         MN if a_mn_major else K,
         MN if b_mn_major else K,
         Float32,
-        (1, wgs, 1),
-        tiler_mn=(64, n // wgs),
+        (wgm, wgs, 1),
+        tiler_mn=(64, n // wgs),  # one warpgroup's instruction; the atom layout tiles them
         a_source=warpgroup.OperandSource.RMEM if a_regs else warpgroup.OperandSource.SMEM,
     )
 

@@ -44,6 +44,23 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(kernel_cache):
 
 
 @pytest.mark.compile
+def test_reverse_sweep_two_v_halves_compile_for_sm90a(kernel_cache):
+    """Both V halves in one CTA, one warpgroup each (CUDNN_TRAIN_GDN_SWEEP_VH2): TMA and cp.async prefetch, K = 64
+    varlen fp16 with [V, K] states and float32 outputs, the profile variant; not with two warpgroups a half or at
+    V = 64 (a ValueError naming vh)."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    k64 = (torch.float16, 64, 128, False, True, False, True)
+    for v, kw in ((VARIANTS[2], dict(tma=True)), (VARIANTS[2], dict(tma=False)), (k64, dict(tma=True)),
+                  (VARIANTS[2], dict(tma=True, profile=True))):
+        assert callable(B90.get_dstate_kernel(*v, prefetch=True, vh=2, **kw))
+    assert len(list(kernel_cache.rglob("*.o"))) == 4
+    for v, wgs in ((VARIANTS[2], 2), (VARIANTS[1], 1)):
+        with pytest.raises(ValueError, match="vh"):
+            B90.get_dstate_kernel(*v, wgs=wgs, vh=2)
+
+
+@pytest.mark.compile
 def test_specialized_warpgroup_sweep_compiles_for_sm90a(kernel_cache):
     """The reverse sweep on two specialized warpgroups (CUDNN_TRAIN_GDN_SWEEP_WS), the training path's call and a
     varlen K = 64 one."""
@@ -363,6 +380,56 @@ def test_reverse_sweep_tma_prefetch_is_bitwise_cp_async(case, wgs, early_qk):
             a, b = a[:, :T], b[:, :T]
         assert torch.isfinite(b).all(), f"{case}: {name} is not finite"
         assert torch.equal(a, b), f"{case}, wgs {wgs}, early q, k {early_qk}: {name} differs with the TMA loads"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, tma", [("dense", True), ("dense", False), ("T65_fp16_f32out", True),
+                                       ("varlen_gva_k64_vk", True), ("varlen_nan_tail", True), ("no_dht", True)])
+def test_reverse_sweep_two_v_halves_is_bitwise_one_warpgroup(case, tma):
+    """Both 64-column halves of V in one CTA, one warpgroup each (CUDNN_TRAIN_GDN_SWEEP_VH2), sharing q, k, w, the
+    l2norm rows, do_s and P: every product of a half is the one-warpgroup kernel's instruction for instruction, so
+    dvn, every written dH row and dh0 are bitwise its results; by TMA and by cp.async, rows past the tensor's end
+    (T 65, fp16, float32 outputs), varlen GVA 4 at K = 64 with [V, K] states and empty, one-token and odd
+    sequences, NaN past the last sequence, no final state's gradient; and against the float32 reference."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    V, vk, odt = 128, case.endswith("_vk"), None
+    if case.startswith("varlen"):
+        lens, Bn, H, HV, K, dt = [1, 63, 130, 64, 0, 7, 200], 1, 1, 4, 64, torch.float16
+        T = sum(lens)
+    else:
+        lens, Bn, H, HV, K = None, 2, 2, 4, 128
+        T, dt = (65, torch.float16) if case.startswith("T65") else (300, torch.bfloat16)
+    odt = torch.float32 if case.endswith("f32out") else dt
+    q, k, g, beta, w, gc, cu, scale = _case(Bn, T, H, HV, K, V, dt, l2norm=True, lens=lens)
+    do = torch.randn(Bn, T, HV, V, device="cuda", dtype=dt)
+    dht = None if case == "no_dht" else torch.randn(Bn if lens is None else len(lens), HV, K, V, device="cuda")
+    dht_in = dht.transpose(-1, -2).contiguous() if (vk and dht is not None) else dht
+    rows = None if lens is None else int(F90.chunk_map(cu, 1, T, q.device)[1][-1])
+    if case == "varlen_nan_tail":  # 37 more rows past the last sequence, NaN
+        q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
+                                                    dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
+    outs = [B90.reverse_sweep(q, k, w, gc, do, dht_in, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                              state_v_first=vk, out_dtype=odt, wgs=1, prefetch=True, split=False, ws=False, tma=tma,
+                              vh2=vh2)
+            for vh2 in (False, True)]
+    for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
+        if name == "dH" and rows is not None:  # rows past the varlen chunk count are never written
+            a, b = a[:rows], b[:rows]
+        if name == "dvn" and lens is not None:
+            a, b = a[:, :T], b[:, :T]
+        assert torch.isfinite(b).all(), f"{case}: {name} is not finite"
+        assert torch.equal(a, b), f"{case}, TMA {tma}: {name} differs with both V halves in one CTA"
+    if lens is None:
+        ref_dvn, _, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
+        assert rel_l2(outs[1][0].float(), ref_dvn) <= 2e-2
+        assert rel_l2(outs[1][2], ref_dh0) <= 2e-2
+    from cudnn_train.backend import Unsupported
+
+    with pytest.raises(Unsupported):  # two warpgroups a half: not served, before any launch
+        B90.reverse_sweep(q, k, w, gc, do, dht_in, scale=scale, cu_seqlens=cu, state_v_first=vk, wgs=2, split=False,
+                          ws=False, vh2=True)
 
 
 @pytest.mark.gpu
