@@ -344,6 +344,42 @@ def test_reverse_sweep_prefetch_is_bitwise_the_synchronous_loads(case, wgs):
         assert rel_l2(outs[0][2], ref_dh0) <= 2e-2
 
 
+def _bitwise_case(case, V=None):
+    """Inputs of the fused sweep's bitwise cases: ``(q, k, g, beta, w, gc, cu, scale, do, dht, T, lens, rows)``.
+    ``varlen...``: GVA 4 at K = 64, fp16, with empty, one-token and odd sequences (``varlen_nan_tail``: 37 NaN
+    rows past the last sequence); ``T65...``: fp16, rows past the tensor's end; else dense T 300 bf16 at K = 128.
+    V defaults to K; ``no_dht``: no final state's gradient. ``rows``: the varlen chunk count (None if dense)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    if case.startswith("varlen"):
+        lens, Bn, H, HV, K, dt = [1, 63, 130, 64, 0, 7, 200], 1, 1, 4, 64, torch.float16
+        T = sum(lens)
+    else:
+        lens, Bn, H, HV, K = None, 2, 2, 4, 128
+        T, dt = (65, torch.float16) if case.startswith("T65") else (300, torch.bfloat16)
+    V = K if V is None else V
+    q, k, g, beta, w, gc, cu, scale = _case(Bn, T, H, HV, K, V, dt, l2norm=True, lens=lens)
+    do = torch.randn(Bn, T, HV, V, device="cuda", dtype=dt)
+    dht = None if case == "no_dht" else torch.randn(Bn if lens is None else len(lens), HV, K, V, device="cuda")
+    rows = None if lens is None else int(F90.chunk_map(cu, 1, T, q.device)[1][-1])
+    if case == "varlen_nan_tail":  # 37 more rows past the last sequence, NaN
+        q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
+                                                    dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
+    return q, k, g, beta, w, gc, cu, scale, do, dht, T, lens, rows
+
+
+def _assert_written_bitwise(outs, T, lens, rows, what):
+    """dvn, dH and dh0 of two sweeps bitwise equal where the kernels write them (not the dH rows past the varlen
+    chunk count, nor dvn's rows past the last sequence), and finite."""
+    for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
+        if name == "dH" and rows is not None:
+            a, b = a[:rows], b[:rows]
+        if name == "dvn" and lens is not None:
+            a, b = a[:, :T], b[:, :T]
+        assert torch.isfinite(b).all(), f"{what}: {name} is not finite"
+        assert torch.equal(a, b), f"{what}: {name} differs"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, wgs, early_qk", [("dense", 1, True), ("dense", 2, False), ("dense", 1, False),
                                                  ("T65_fp16", 1, True), ("T65_fp16", 2, False),
@@ -355,31 +391,13 @@ def test_reverse_sweep_tma_prefetch_is_bitwise_cp_async(case, wgs, early_qk):
     early or after P, rows past the tensor's end (T 65), varlen GVA 4 at K = 64 with empty, one-token and odd
     sequences, NaN past the last sequence."""
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
-    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    if case.startswith("varlen"):
-        lens, Bn, H, HV, K, dt = [1, 63, 130, 64, 0, 7, 200], 1, 1, 4, 64, torch.float16
-        T = sum(lens)
-    else:
-        lens, Bn, H, HV, K = None, 2, 2, 4, 128
-        T, dt = (65, torch.float16) if case.startswith("T65") else (300, torch.bfloat16)
-    q, k, _g, _beta, w, gc, cu, scale = _case(Bn, T, H, HV, K, K, dt, l2norm=True, lens=lens)
-    do = torch.randn(Bn, T, HV, K, device="cuda", dtype=dt)
-    dht = torch.randn(Bn if lens is None else len(lens), HV, K, K, device="cuda")
-    rows = None if lens is None else int(F90.chunk_map(cu, 1, T, q.device)[1][-1])
-    if case == "varlen_nan_tail":  # 37 more rows past the last sequence, NaN
-        q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
-                                                    dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
+    q, k, _g, _beta, w, gc, cu, scale, do, dht, T, lens, rows = _bitwise_case(case)
     outs = [B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                              out_dtype=dt, wgs=wgs, prefetch=True, split=False, ws=False, early_qk=early_qk, tma=t)
+                              out_dtype=do.dtype, wgs=wgs, prefetch=True, split=False, ws=False, early_qk=early_qk,
+                              tma=t)
             for t in (False, True)]
-    for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
-        if name == "dH" and rows is not None:  # rows past the varlen chunk count are never written
-            a, b = a[:rows], b[:rows]
-        if name == "dvn" and lens is not None:
-            a, b = a[:, :T], b[:, :T]
-        assert torch.isfinite(b).all(), f"{case}: {name} is not finite"
-        assert torch.equal(a, b), f"{case}, wgs {wgs}, early q, k {early_qk}: {name} differs with the TMA loads"
+    _assert_written_bitwise(outs, T, lens, rows, f"{case}, wgs {wgs}, early q, k {early_qk}, the TMA loads")
 
 
 @pytest.mark.gpu
@@ -391,42 +409,22 @@ def test_reverse_sweep_two_v_halves_is_bitwise_one_warpgroup(case, tma):
     dvn, every written dH row and dh0 are bitwise its results; by TMA and by cp.async, rows past the tensor's end
     (T 65, fp16, float32 outputs), varlen GVA 4 at K = 64 with [V, K] states and empty, one-token and odd
     sequences, NaN past the last sequence, no final state's gradient; and against the float32 reference."""
+    from cudnn_train.backend import Unsupported
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
-    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    V, vk, odt = 128, case.endswith("_vk"), None
-    if case.startswith("varlen"):
-        lens, Bn, H, HV, K, dt = [1, 63, 130, 64, 0, 7, 200], 1, 1, 4, 64, torch.float16
-        T = sum(lens)
-    else:
-        lens, Bn, H, HV, K = None, 2, 2, 4, 128
-        T, dt = (65, torch.float16) if case.startswith("T65") else (300, torch.bfloat16)
-    odt = torch.float32 if case.endswith("f32out") else dt
-    q, k, g, beta, w, gc, cu, scale = _case(Bn, T, H, HV, K, V, dt, l2norm=True, lens=lens)
-    do = torch.randn(Bn, T, HV, V, device="cuda", dtype=dt)
-    dht = None if case == "no_dht" else torch.randn(Bn if lens is None else len(lens), HV, K, V, device="cuda")
+    q, k, g, beta, w, gc, cu, scale, do, dht, T, lens, rows = _bitwise_case(case, V=128)
+    vk = case.endswith("_vk")
+    odt = torch.float32 if case.endswith("f32out") else do.dtype
     dht_in = dht.transpose(-1, -2).contiguous() if (vk and dht is not None) else dht
-    rows = None if lens is None else int(F90.chunk_map(cu, 1, T, q.device)[1][-1])
-    if case == "varlen_nan_tail":  # 37 more rows past the last sequence, NaN
-        q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
-                                                    dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
     outs = [B90.reverse_sweep(q, k, w, gc, do, dht_in, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                               state_v_first=vk, out_dtype=odt, wgs=1, prefetch=True, split=False, ws=False, tma=tma,
                               vh2=vh2)
             for vh2 in (False, True)]
-    for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
-        if name == "dH" and rows is not None:  # rows past the varlen chunk count are never written
-            a, b = a[:rows], b[:rows]
-        if name == "dvn" and lens is not None:
-            a, b = a[:, :T], b[:, :T]
-        assert torch.isfinite(b).all(), f"{case}: {name} is not finite"
-        assert torch.equal(a, b), f"{case}, TMA {tma}: {name} differs with both V halves in one CTA"
+    _assert_written_bitwise(outs, T, lens, rows, f"{case}, TMA {tma}, both V halves in one CTA")
     if lens is None:
-        ref_dvn, _, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
+        ref_dvn, _, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, w.shape[2], True)
         assert rel_l2(outs[1][0].float(), ref_dvn) <= 2e-2
         assert rel_l2(outs[1][2], ref_dh0) <= 2e-2
-    from cudnn_train.backend import Unsupported
-
     with pytest.raises(Unsupported):  # two warpgroups a half: not served, before any launch
         B90.reverse_sweep(q, k, w, gc, do, dht_in, scale=scale, cu_seqlens=cu, state_v_first=vk, wgs=2, split=False,
                           ws=False, vh2=True)
