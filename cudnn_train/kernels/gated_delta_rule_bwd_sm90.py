@@ -2,7 +2,8 @@
 
 Stage 2 of ``fused/delta_rule_bwd.py`` (its ``reverse_sweep_ref`` is this kernel's oracle).
 Kernel ``dstate`` (grid: N x HV x V/64, one warpgroup; or two splitting the N of every
-product, ``wgs=2`` at K = 128, see below) walks the chunks of one sequence
+product, ``wgs=2`` at K = 128, see below; or, opt-in, N x HV with both 64-column halves of V = 128 in one CTA,
+one warpgroup each: :func:`vh2_default`) walks the chunks of one sequence
 from the last to the first with ``dH^T`` [64 (V block), K] in float32 WGMMA accumulators,
 dH being the gradient of the state leaving the chunk (at the start: the final state's
 gradient, or zero). Per chunk, with q, k the (row-factor normalized) inputs, w and gc the
@@ -407,8 +408,10 @@ def vh2_default() -> bool:
     value head) load q, k, w and gc once, form the l2norm rows and do_s once and split ``q k^T`` and P between
     them, where two CTAs each did all of it. Every product of a half is the one-warpgroup kernel's instruction
     for instruction (stacked along M; ``q k^T`` split by N), so the results should be bitwise its own. At B4
-    T4096 HV32 the grid goes from 256 CTAs (two an SM) to 128 (one an SM, the same 8 warps). Prepared in the
-    seventeenth session, compiled, not yet GPU-run: off."""
+    T4096 HV32 the grid goes from 256 CTAs (two an SM) to 128 (one an SM, the same 8 warps). The grid choices
+    (:func:`warpgroups`, :func:`split_default`) still count 64-column CTAs: with the switch on, grids of 66 to 131
+    two-half CTAs stay on the fused kernel with SMs idle. Prepared in the seventeenth session, compiled, not yet
+    GPU-run: off."""
     return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_VH2", False)
 
 
@@ -474,9 +477,10 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     default ``CUDNN_TRAIN_GDN_SWEEP_WS``, off); ``ws_tma``: that variant's loads by TMA (default
     ``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``, off; the same bits); ``tma``: the fused kernel's prefetch by TMA (default
     :func:`tma_default`, off; the same bits; nothing without the prefetch; the split sweep's chain follows
-    ``CUDNN_TRAIN_GDN_DCHAIN_TMA`` instead); ``vh2``: the fused kernel's CTA on both V halves, one warpgroup each
-    (default :func:`vh2_default`, off; True where it cannot serve, two warpgroups a half or V = 64, is
-    Unsupported)."""
+    ``CUDNN_TRAIN_GDN_DCHAIN_TMA`` instead); ``vh2``: where the fused kernel runs (not the split pair nor the
+    specialized warpgroups, which ignore it), its CTA on both V halves, one warpgroup each (default
+    :func:`vh2_default`, off, and never for ``profile``; True takes one warpgroup a half where ``wgs`` is unset,
+    and is Unsupported at ``wgs=2`` or V = 64)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -492,6 +496,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     if out_dtype not in (torch.float32, q.dtype):
         raise Unsupported(f"out_dtype {out_dtype} (float32 or q's dtype)")
+    if wgs is None and vh2:  # both V halves in one CTA asked for: one warpgroup a half
+        wgs = 1
     if wgs is None:  # the env knob (a bad value is a ValueError naming it), else by the grid
         env = "CUDNN_TRAIN_GDN_SWEEP_WGS"
         wgs = fwd._wgs_choice(env, os.environ.get(env, "").strip() or str(warpgroups(nseq, HV, V, dev)), None, K,
@@ -520,7 +526,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         vh_ok = wgs == 1 and V == 2 * VBLOCK
         if vh2 and not vh_ok:
             raise Unsupported(f"vh2 with wgs={wgs} at V={V} (one warpgroup a 64-column half, V = 128)")
-        vh = 2 if vh_ok and (vh2_default() if vh2 is None else vh2) else 1
+        # the env switch never takes the profile variant (its phases are read per 64-column CTA)
+        vh = 2 if vh_ok and (vh2 if vh2 is not None else vh2_default() and profile is None) else 1
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
                                out_dtype, wgs, prefetch, profile is not None, early_qk, tma, vh)
     if T == 0 or nseq == 0:
