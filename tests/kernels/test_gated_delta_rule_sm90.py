@@ -838,7 +838,6 @@ def test_specialized_warpgroups_training_forward(case, monkeypatch, poisoned):
     rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
-    monkeypatch.setattr(F90, "ONFLY", False)  # w, u from the wy kernel (the onfly test covers the other)
     o, ht, (_, _, _, hs, vn, _) = F90.forward(q, k, v, g, beta, **args).value
     ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=l2)
     _check("o", o.float(), ref_o, None)
@@ -884,7 +883,6 @@ def test_specialized_warpgroups_tma_loads_are_bitwise_the_cp_async_ones(case, mo
     q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False)
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
-    monkeypatch.setattr(F90, "ONFLY", False)  # w, u from the wy kernel (the onfly test covers the other)
     monkeypatch.setattr(WS, "WG3", False)  # one output warpgroup both times, 64 columns a CTA
     monkeypatch.setattr(WS, "VB_MODE", "64")
     args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
@@ -926,7 +924,6 @@ def test_specialized_warpgroups_v_block_128_is_bitwise_64(case, monkeypatch, poi
     q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False, state_v_first=True)
     monkeypatch.setattr(F90, "SPLIT", False)
     monkeypatch.setattr(F90, "STATE_WS", True)
-    monkeypatch.setattr(F90, "ONFLY", False)  # w, u from the wy kernel (the onfly test covers the other)
     if case == "dense":
         monkeypatch.setattr(WS, "VB_MODE", "128")
         _run_and_compare(q, k, v, g, beta, h0, cu, l2norm=l2, state_v_first=vk)
