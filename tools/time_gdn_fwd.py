@@ -10,8 +10,9 @@ kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 ``--out-tma``: only the split pass's out kernel with its loads by TMA (``CUDNN_TRAIN_GDN_OUT_TMA``) against
 cp.async, on one chain's hs and vn: o bitwise, then timed twice each, alternating.
 
-``--onfly``: only the whole forward with w and u formed in the chain (``CUDNN_TRAIN_GDN_FWD_ONFLY``) against the
-default, as called and with the specialized warpgroups forced: o compared, then timed twice each, alternating.
+``--onfly``: only the whole forward with w and u formed in the chain (``CUDNN_TRAIN_GDN_FWD_ONFLY=1``) against w,
+u from the wy kernel (``=0``), as called and with the specialized warpgroups forced: o compared, then timed twice
+each, alternating.
 
 ``--chain-tma``: only the split pass's chain at both V blocks with its loads by TMA
 (``CUDNN_TRAIN_GDN_CHAIN_TMA``) against cp.async: hs and vn bitwise, then timed twice each, alternating.
@@ -223,7 +224,10 @@ def main():
             F90.SPLIT, F90.STATE_WS = False, False
             print(f"  whole forward, fused state kernel    "
                   f"{bench(lambda: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), 10, 40):.3f} ms")
+            onfly_was = F90.ONFLY
+            F90.ONFLY = False  # like for like with the fused kernel's row: w, u from the wy kernel
             print(f"  whole forward, specialized warpgroups {whole_forward_ws(q, k, v, g, beta):.3f} ms")
+            F90.ONFLY = onfly_was
             # w and u formed in the chain (CUDNN_TRAIN_GDN_FWD_ONFLY): the wy kernel's INV variant alone, the
             # whole forward against the default's, o compared
             inv = F90.get_wy_kernel(torch.bfloat16, torch.float32, torch.bfloat16, None, None, K, V, True, False,

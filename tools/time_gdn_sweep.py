@@ -6,8 +6,8 @@ l2norm in kernel, no final-state gradient).
     python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2 | --ws | --tma |
                                      --dchain-tma | --vh2]
 
-Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 32 and
-64; opt-in ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1``) against the default; ``--split-only``: the default and the
+Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 16, 32 and
+64; ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1`` forces it) against the fused kernel's defaults; ``--split-only``: the default and the
 split rows only. ``--profile``: only the fused kernel's profile variant (``clock64`` sums per phase,
 ``SWEEP_PHASES`` of the kernel module, thread 0 of every CTA), its outputs checked against the plain
 kernel's, printed as mean cycles a CTA and chunk. ``--early-qk``: the default kernel against the same with

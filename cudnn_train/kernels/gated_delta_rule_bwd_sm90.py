@@ -444,9 +444,10 @@ def warpgroups(nseq: int, HV: int, V: int, device) -> int:
 
 def split_default(nseq: int, HV: int, V: int, device) -> bool:
     """Whether the sweep runs as the split pair of kernels of ``gated_delta_rule_bwd_split_sm90``
-    (``dvl`` in parallel, then the ``dchain`` over V blocks of 32 or 64) where it serves (dvn and dH in
-    the input dtype): ``CUDNN_TRAIN_GDN_SWEEP_SPLIT`` = 1 / 0 always / never; unset, where the fused
-    kernel's N x HV x V/64 CTAs leave SMs idle (the chain then takes V blocks of 32, twice the CTAs).
+    (``dvl`` in parallel, then the ``dchain`` over V blocks of 16, 32 or 64: ``split_sm90.vblock``) where it
+    serves (dvn and dH in the input dtype): ``CUDNN_TRAIN_GDN_SWEEP_SPLIT`` = 1 / 0 always / never; unset, where
+    the fused kernel's N x HV x V/64 CTAs leave SMs idle (the chain then takes V blocks of 32 or 16, two or four
+    times the CTAs).
     Measured (H200, K = V = 128, bf16, ``tools/time_gdn_sweep.py --split-only``): B1 T16384 HV32 (64
     fused CTAs) split 0.967 ms (VB 32) against 1.606 fused; B4 T4096 HV32 (256) 0.855 (VB 64) against 0.626."""
     env = os.environ.get("CUDNN_TRAIN_GDN_SWEEP_SPLIT", "").strip()

@@ -9,7 +9,7 @@ Kernel ``dvl`` (grid: chunk x HV, one warpgroup; every chunk independent)::
 
 (P as in the forward, in the input dtype in shared memory; A = P^T as an MN-major view of it.)
 
-Kernel ``dchain`` (grid: N x HV x V/VB, one warpgroup, VB = 32 or 64 columns of V): walks the
+Kernel ``dchain`` (grid: N x HV x V/VB, one warpgroup, VB = 16, 32 or 64 columns of V: :func:`vblock`): walks the
 chunks of one sequence from the last to the first with the block ``dH [K, VB]`` in float32
 accumulators (M = the K rows, two M = 64 halves at K = 128), the transpose of the fused kernel's
 ``dH^T`` (whose M is the 64 columns of a V block, so that its grid is N x HV x V/64), and per chunk::
@@ -56,10 +56,10 @@ VBLOCKS = (16, 32, 64)
 _SOURCES = (__file__, F.__file__, FS.__file__, cm.__file__)
 
 
-def vblock(nseq: int, HV: int, V: int, device: torch.device) -> int:
+def vblock(nseq: int, HV: int, V: int, device: torch.device, K: int = 128) -> int:
     """V columns per ``dchain`` CTA: 64 when N x HV x V/64 CTAs already give every SM one, else 32 when
-    N x HV x V/32 do, else 16. ``CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB`` overrides (16, 32 or 64; a bad value is a
-    ValueError naming it).
+    N x HV x V/32 do or K = 64, else 16 (at K = 128, where it was measured; K = 64 at 16 has run on no GPU).
+    ``CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB`` overrides (16, 32 or 64; a bad value is a ValueError naming it).
 
     Measured (H200, K = V = 128, ``tools/time_gdn_sweep.py --split-only``, seventeenth session): B1 T16384 HV32
     (64 / 128 / 256 CTAs at VB 64 / 32 / 16) 1.442 / 0.931 / **0.886** ms; B4 T4096 HV32 **0.804** / 0.920 /
@@ -70,7 +70,9 @@ def vblock(nseq: int, HV: int, V: int, device: torch.device) -> int:
             raise ValueError(f"CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB={env!r}: expected one of {VBLOCKS} dividing V={V}")
         return int(env)
     sms = kc.num_sms(device)
-    return 64 if nseq * HV * (V // 64) >= sms else 32 if nseq * HV * (V // 32) >= sms else 16
+    if nseq * HV * (V // 64) >= sms:
+        return 64
+    return 32 if K != 128 or nseq * HV * (V // 32) >= sms else 16
 
 
 def _static_checks(dtype, K: int, V: int, VB: int) -> None:
@@ -474,7 +476,7 @@ def sweep(q, k, w, gc, do, dht, dvn, dH, dh0, cu, cu_chunks, rows, NT, scale, l2
     B, T, HV, V = do.shape
     K = q.shape[-1]
     varlen = NT == 0
-    vb = vblock(nseq, HV, V, q.device) if vb is None else vb
+    vb = vblock(nseq, HV, V, q.device, K) if vb is None else vb
     dvl_k = get_dvl_kernel(q.dtype, K, V, l2norm, varlen)
     chain = get_dchain_kernel(q.dtype, K, V, vb, l2norm, varlen, dht is not None, state_vk, tma)
     dvl = F._empty(B, T, HV, V, dtype=torch.float32, device=q.device)  # rows the chain reads are all written

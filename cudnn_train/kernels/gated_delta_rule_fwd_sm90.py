@@ -1233,11 +1233,13 @@ def forward(
     elif split:
         split = SPLIT
     ws = not split and (not store_states if STATE_WS is None else STATE_WS)
-    onfly = ws and not store_states and not return_intermediates and ONFLY is not False
-    if onfly and ONFLY is None:
+    onfly = ws and not store_states and not return_intermediates
+    if onfly and ONFLY is None:  # the measured default: where one CTA holds all of V (the vb state_pass_onfly takes)
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
         onfly = onfly_default(K, V, WS.v_block(V, nseq, HV, dev))
+    elif onfly:
+        onfly = bool(ONFLY)
     # kernel 1: w, u, gc (with onfly its variant writing only the gate-free chunk inverses, gc and beta)
     wy = get_wy_kernel(
         q.dtype, g.dtype, beta.dtype, A_log.dtype if use_gate_in_kernel else None,

@@ -62,8 +62,9 @@ thirteenth session: B4 T4096 0.432 ms against 0.474); ``CUDNN_TRAIN_GDN_FWD_WS=1
 forward (``store_states``, with ``keep_vn``) where the grid fills the GPU: then warpgroup 1 also writes the
 chunk-start states (the rows of sS) and vn (the rows of sVo) as 16-byte vectors while its products run. The
 TMA loads (on where K == V), the two output warpgroups (on at 64 columns where K == V), the 128-column CTAs
-(auto) and w and u formed in the chain (``onfly``: its cases passed, not yet timed, off) ran on the GPU in the
-sixteenth session; every case bitwise. A review (fourteenth session) found and fixed, before any run: the
+(auto) and w and u formed in the chain (``onfly``; timed in the seventeenth session, on by default where one CTA
+holds all 128 columns of V: ``gated_delta_rule_fwd_sm90.onfly_default``) ran on the GPU in the sixteenth
+session; every case bitwise. A review (fourteenth session) found and fixed, before any run: the
 onfly chain's beta never loaded with TMA; the two output warpgroups' setmaxnreg asking more registers than
 the CTA holds (240 + 2 x 136 = 512 a lane against 3 x 168: a hang); k's tail rows past the last sequence
 reaching the state update with TMA.

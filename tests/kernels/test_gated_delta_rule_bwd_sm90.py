@@ -100,8 +100,8 @@ def test_split_sweep_kernels_compile_for_sm90a(kernel_cache):
 
 def test_split_sweep_v_block_default(monkeypatch):
     """dchain's V columns a CTA: 64 where N HV V/64 CTAs fill the SMs, else 32 where N HV V/32 do, else 16 (B1
-    T16384 HV32 measured 0.886 ms at 16 against 0.931 at 32); CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB overrides, a bad
-    value a ValueError naming it."""
+    T16384 HV32 measured 0.886 ms at 16 against 0.931 at 32), but 32 at K = 64 (16 not GPU-run there);
+    CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB overrides, a bad value a ValueError naming it."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_bwd_split_sm90 as BS
 
@@ -110,6 +110,7 @@ def test_split_sweep_v_block_default(monkeypatch):
     dev = torch.device("cpu")
     shapes = ((4, 32, 128), (1, 32, 128), (2, 32, 128), (1, 66, 128), (2, 33, 64), (1, 32, 64), (3, 44, 64))
     assert [BS.vblock(n, hv, V, dev) for n, hv, V in shapes] == [64, 16, 32, 64, 32, 16, 64]
+    assert [BS.vblock(n, hv, V, dev, K=64) for n, hv, V in shapes] == [64, 32, 32, 64, 32, 32, 64]
     monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", "32")
     assert BS.vblock(1, 32, 128, dev) == 32
     for bad in ("8", "abc", "128"):

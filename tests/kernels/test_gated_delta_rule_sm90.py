@@ -178,7 +178,9 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(kernel_cache):
     k64 = (torch.bfloat16, 64, 128) + WS_VARIANTS[2][3:]
     assert callable(WS.get_kernel(*k64, onfly=True, tma=True, wg3=False, vb=128))
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True, vb=128))
-    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 11 + n_onfly
+    # the inference forward's state pass at B4 T4096 HV32 by default (w, u formed in the chain: onfly_default)
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=False, onfly=True, vb=128))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(WS_VARIANTS) + 12 + n_onfly
     with pytest.raises(ValueError, match="vb=128"):
         WS.get_kernel(*WS_VARIANTS[2], vb=128)  # V = 64
     with pytest.raises(ValueError, match="vb=128"):
@@ -209,7 +211,7 @@ def test_split_chain_v_block_and_onfly_defaults(monkeypatch):
     """The training forward's chain takes 64 columns a CTA where N HV V/64 CTAs fill the SMs, else 32 (16, slower
     at every measured grid, only by CUDNN_TRAIN_GDN_CHAIN_VB; a bad value is a ValueError naming it). w and u are
     formed in the specialized warpgroups' chain (CUDNN_TRAIN_GDN_FWD_ONFLY unset) only where one CTA holds all
-    128 columns of V at K == V; =1 / =0 force either way."""
+    128 columns of V at K == V (onfly_default; forward() asks it only when the switch is unset)."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
