@@ -1,5 +1,6 @@
 """Helpers shared by the tests."""
 
+import pytest
 import torch
 
 
@@ -21,3 +22,13 @@ def fla_compat_ok(ours: float, peer: float, slack: float = 3.0, floor: float = 3
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN so that any element a kernel forgets to write shows up."""
     return t.fill_(float("nan"))
+
+
+def assert_env_override(monkeypatch, name: str, pick, good: str, want, bads) -> None:
+    """``name=good`` makes ``pick()`` return ``want``; each value of ``bads`` is a ValueError naming ``name``."""
+    monkeypatch.setenv(name, good)
+    assert pick() == want, f"{name}={good}"
+    for bad in bads:
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            pick()

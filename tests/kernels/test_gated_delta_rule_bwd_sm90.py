@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import rel_l2
+from tests.utils import assert_env_override, rel_l2
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -111,12 +111,8 @@ def test_split_sweep_v_block_default(monkeypatch):
     shapes = ((4, 32, 128), (1, 32, 128), (2, 32, 128), (1, 66, 128), (2, 33, 64), (1, 32, 64), (3, 44, 64))
     assert [BS.vblock(n, hv, V, dev) for n, hv, V in shapes] == [64, 16, 32, 64, 32, 16, 64]
     assert [BS.vblock(n, hv, V, dev, K=64) for n, hv, V in shapes] == [64, 32, 32, 64, 32, 32, 64]
-    monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", "32")
-    assert BS.vblock(1, 32, 128, dev) == 32
-    for bad in ("8", "abc", "128"):
-        monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", bad)
-        with pytest.raises(ValueError, match="CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB"):
-            BS.vblock(1, 32, 128, dev)
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", lambda: BS.vblock(1, 32, 128, dev), "32", 32,
+                        ("8", "abc", "128"))
 
 
 def test_reverse_sweep_declines_without_gpu_before_touching_memory():

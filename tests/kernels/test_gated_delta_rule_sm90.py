@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import fla_compat_ok, rel_l2
+from tests.utils import assert_env_override, fla_compat_ok, rel_l2
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -221,12 +221,8 @@ def test_split_chain_v_block_and_onfly_defaults(monkeypatch):
     dev = torch.device("cpu")
     monkeypatch.delenv("CUDNN_TRAIN_GDN_CHAIN_VB", raising=False)
     assert [SP.chain_vblock(n, hv, 128, dev) for n, hv in ((4, 32), (1, 32), (2, 33), (2, 32))] == [64, 32, 64, 32]
-    monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", "16")
-    assert SP.chain_vblock(4, 32, 128, dev) == 16
-    for bad in ("48", "x", "128"):
-        monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", bad)
-        with pytest.raises(ValueError, match="CUDNN_TRAIN_GDN_CHAIN_VB"):
-            SP.chain_vblock(4, 32, 128, dev)
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_CHAIN_VB", lambda: SP.chain_vblock(4, 32, 128, dev), "16", 16,
+                        ("48", "x", "128"))
     assert [F90.onfly_default(K, V, vb) for K, V, vb in ((128, 128, 128), (128, 128, 64), (64, 64, 64),
                                                          (64, 128, 128))] == [True, False, False, False]
     assert os.environ.get("CUDNN_TRAIN_GDN_FWD_ONFLY", "").strip() or F90.ONFLY is None, "the default is unset"
