@@ -186,7 +186,7 @@ def persist_profiles(x, B, T, H, HV, kw):
     persistent one writes a row per CTA (its sums over its tiles), so its means are divided by the tiles a CTA."""
     from time_gdn_fwd import _report
 
-    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as fs
+    from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels.gemm_sm90 import _max_clusters
 
     tiles = B * (-(-T // 64)) * HV
@@ -197,7 +197,7 @@ def persist_profiles(x, B, T, H, HV, kw):
     _report("stage-3 kernel per tile, vn and Tm read", buf, B3.DCHUNK_PHASES, tiles)
     pw = 2 if kw.get("sum_groups") and HV == 2 * H else 1
     dev = torch.device("cuda")
-    sms = fs.sm_count(dev)
+    sms = kc.num_sms(dev)
     clusters = min(tiles // pw, _max_clusters(dev, pw, sms) if pw > 1 else sms)  # as chunk_grads launches them
     ctas = clusters * pw
     buf.zero_()

@@ -78,7 +78,6 @@ from ..backend import Unsupported
 from . import compile as kc
 from . import gated_delta_rule_common_sm90 as cm
 from . import gated_delta_rule_fwd_sm90 as fwd
-from . import gated_delta_rule_fwd_split_sm90 as fwd_split
 
 CHUNK = cm.CHUNK
 _SOURCES = (__file__, cm.__file__, fwd.__file__)
@@ -1149,7 +1148,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     if persist and not persist_ctas:  # a CTA per SM; with the pair sum as many two-CTA clusters as fit at once
         from .gemm_sm90 import _max_clusters
 
-        sms = fwd_split.sm_count(dev)
+        sms = kc.num_sms(dev)
         persist_ctas = _max_clusters(dev, pw, sms) if pw > 1 else sms
     nctas = min(grid * (HV // pw), persist_ctas) if persist else 1
     fn(q, k, v, gc, beta, do, dvn, hs, dH, dvn if vn is None else vn, dvn[..., :CHUNK] if tm is None else tm, cu,

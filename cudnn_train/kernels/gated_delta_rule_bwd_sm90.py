@@ -477,7 +477,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     fused kernel would run, its variant on two specialized warpgroups instead (``gated_delta_rule_bwd_ws_sm90``;
     default ``CUDNN_TRAIN_GDN_SWEEP_WS``, off); ``ws_tma``: that variant's loads by TMA (default
     ``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``, off; the same bits); ``tma``: the fused kernel's prefetch by TMA (default
-    :func:`tma_default`, off; the same bits; nothing without the prefetch; the split sweep's chain follows
+    :func:`tma_default`, on; the same bits; nothing without the prefetch; the split sweep's chain follows
     ``CUDNN_TRAIN_GDN_DCHAIN_TMA`` instead); ``vh2``: where the fused kernel runs (not the split pair nor the
     specialized warpgroups, which ignore it), its CTA on both V halves, one warpgroup each (default
     :func:`vh2_default`, off, and never for ``profile``; True takes one warpgroup a half where ``wgs`` is unset,

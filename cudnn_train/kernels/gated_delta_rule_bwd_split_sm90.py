@@ -41,8 +41,6 @@ HV32 0.967 ms (VB 32) / 1.522 (VB 64) against 1.606 for the fused kernel; B4 T40
 against 0.626 (the fused kernel's 256 CTAs already fill the GPU).
 """
 
-import os
-
 import torch
 
 from . import compile as kc
@@ -64,11 +62,9 @@ def vblock(nseq: int, HV: int, V: int, device: torch.device, K: int = 128) -> in
     Measured (H200, K = V = 128, ``tools/time_gdn_sweep.py --split-only``, seventeenth session): B1 T16384 HV32
     (64 / 128 / 256 CTAs at VB 64 / 32 / 16) 1.442 / 0.931 / **0.886** ms; B4 T4096 HV32 **0.804** / 0.920 /
     1.157."""
-    env = os.environ.get("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", "").strip()
-    if env:
-        if env not in tuple(str(vb) for vb in VBLOCKS) or V % int(env):
-            raise ValueError(f"CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB={env!r}: expected one of {VBLOCKS} dividing V={V}")
-        return int(env)
+    vb = cm.env_vblock("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", VBLOCKS, V)
+    if vb is not None:
+        return vb
     sms = kc.num_sms(device)
     if nseq * HV * (V // 64) >= sms:
         return 64

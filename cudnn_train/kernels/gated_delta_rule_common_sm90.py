@@ -229,6 +229,17 @@ def env_switch(name: str, default: bool) -> bool:
     return env == "1"
 
 
+def env_vblock(name: str, choices: tuple, V: int):
+    """A V-block override: the int in ``name`` when set (one of ``choices`` dividing V, else a ValueError naming
+    ``name``), None when unset or empty."""
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return None
+    if env not in tuple(str(c) for c in choices) or V % int(env):
+        raise ValueError(f"{name}={env!r}: expected one of {choices} dividing V={V}")
+    return int(env)
+
+
 def two_ctas_an_sm(on: bool) -> dict:
     """Launch options of the two-warpgroup kernels that fit two CTAs an SM: ``min_blocks_per_mp=2``
     (ptxas then keeps a 256-thread CTA to 128 registers a thread) and the whole shared-memory

@@ -146,6 +146,8 @@ def onfly_default(K: int, V: int, vb: int) -> bool:
     """Whether w and u are formed in the chain when ``CUDNN_TRAIN_GDN_FWD_ONFLY`` is unset: only in the measured
     configuration where it is faster, one CTA holding all 128 columns of V (no CTA repeats another's vn work)."""
     return K == V == vb == 128
+
+
 # The inference forward's state pass as two kernels (a sequential chain that stores the chunk-start
 # states and vn, then the outputs in parallel; gated_delta_rule_fwd_split_sm90): None picks by the grid
 # (split_sm90.preferred), True / False (CUDNN_TRAIN_GDN_FWD_SPLIT=1 / 0) always / never.

@@ -39,8 +39,6 @@ state tile (H200, B4 T4096 H16 HV32: 0.85 ms whole training forward against 1.06
 kernel's element-wise stores).
 """
 
-import os
-
 import torch
 
 from . import compile as kc
@@ -53,10 +51,6 @@ CHAIN_VBLOCKS = (16, 32, 64)  # 16: only by CUDNN_TRAIN_GDN_CHAIN_VB=16 (GPU-run
 _SOURCES = (__file__, F.__file__, cm.__file__)
 
 
-def sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def chain_vblock(nseq: int, HV: int, V: int, device: torch.device) -> int:
     """V columns per ``chain`` CTA: 64 when N x HV x V/64 CTAs already give every SM one, else 32
     (twice the CTAs on the same sequential chain). ``CUDNN_TRAIN_GDN_CHAIN_VB`` overrides (16, 32 or 64; 16,
@@ -65,12 +59,10 @@ def chain_vblock(nseq: int, HV: int, V: int, device: torch.device) -> int:
     Measured (H200, K = V = 128, ``tools/time_gdn_fwd.py --chain-tma``, TMA loads, seventeenth session): 256 CTAs
     at VB 64 (B4 HV32) run the chain in 0.237 ms against 0.299 at VB 32 and 0.713 at VB 16; 32 sequence-heads
     (B1 HV32) in 0.645 at VB 64, 0.411 at VB 32 and 0.454 at VB 16."""
-    env = os.environ.get("CUDNN_TRAIN_GDN_CHAIN_VB", "").strip()
-    if env:
-        if env not in tuple(str(vb) for vb in CHAIN_VBLOCKS) or V % int(env):
-            raise ValueError(f"CUDNN_TRAIN_GDN_CHAIN_VB={env!r}: expected one of {CHAIN_VBLOCKS} dividing V={V}")
-        return int(env)
-    return 64 if nseq * HV * (V // 64) >= sm_count(device) else 32
+    vb = cm.env_vblock("CUDNN_TRAIN_GDN_CHAIN_VB", CHAIN_VBLOCKS, V)
+    if vb is not None:
+        return vb
+    return 64 if nseq * HV * (V // 64) >= kc.num_sms(device) else 32
 
 
 def preferred(nseq: int, HV: int, V: int, device: torch.device) -> bool:
@@ -78,7 +70,7 @@ def preferred(nseq: int, HV: int, V: int, device: torch.device) -> bool:
     leave SMs idle. With one per SM or more the fused kernel moves less memory and wins (H200,
     K = V = 128: 0.94 vs 0.99 ms whole forward at B4 T4096 HV32; at B1 T16384 HV32 the split is
     1.13 ms against 1.98)."""
-    return nseq * HV * (V // 64) < sm_count(device)
+    return nseq * HV * (V // 64) < kc.num_sms(device)
 
 
 def _static_checks(dtype, K: int, V: int, VB: int) -> None:

@@ -217,7 +217,6 @@ def test_split_chain_v_block_and_onfly_defaults(monkeypatch):
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
 
     monkeypatch.setattr(kc, "num_sms", lambda device: 132)
-    monkeypatch.setattr(SP, "sm_count", lambda device: 132)
     dev = torch.device("cpu")
     monkeypatch.delenv("CUDNN_TRAIN_GDN_CHAIN_VB", raising=False)
     assert [SP.chain_vblock(n, hv, 128, dev) for n, hv in ((4, 32), (1, 32), (2, 33), (2, 32))] == [64, 32, 64, 32]
