@@ -4,7 +4,7 @@ two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs 
 the default call plus the training path's sum pass, on the same inputs.
 
     python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn] [--persist] [--k64]
-                                     [--tma]
+                                     [--tma] [--chains]
 
 ``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
@@ -17,7 +17,9 @@ against recomputing it, and with the chunk inverses read too (``tm=``), then the
 vn and Tm read) on one warpgroup against two (the default since the twelfth session; outputs compared,
 relative L2), then the two timings. ``--tma``: only the training path's call with its loads by TMA against
 cp.async (``tma=``; per tile, persistent, on four warpgroups; outputs checked bitwise), then both loads'
-profiles.
+profiles. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=True``:
+a warpgroup for the q side and dk, one for the w side; outputs compared, relative L2, since its row sums run in
+another order), then the two timings, alternating.
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -69,6 +71,8 @@ def main():
     ap.add_argument("--tma", action="store_true",
                     help="only the training path's call with the TMA loads against cp.async: per tile, persistent, "
                          "four warpgroups; then the TMA variant's profile")
+    ap.add_argument("--chains", action="store_true",
+                    help="only the training path's call per tile against the two-chain kernel")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         if args.k64:
@@ -94,6 +98,9 @@ def main():
             continue
         if args.tma:
             tma_rows(x, B, T, H, HV, scale)
+            continue
+        if args.chains:
+            chains_rows(x, B, T, H, HV, scale)
             continue
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))
@@ -228,6 +235,23 @@ def tma_rows(x, B, T, H, HV, scale):
         torch.cuda.synchronize()
         _report(f"stage-3 kernel, vn and Tm read, {name} loads" + (", pair sum" if HV == 2 * H else ""), buf,
                 B3.DCHUNK_PHASES, ctas)
+
+
+def chains_rows(x, B, T, H, HV, scale):
+    """The training path's call (vn and Tm read, random: the timing does not depend on their values; TMA loads) per
+    tile against the two-chain kernel: the outputs' relative L2 (its row sums run in another order), then both timed
+    twice, alternating."""
+    kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
+              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+    base, two = (B3.chunk_grads(*x, **kw, chains=c) for c in (False, True))
+    torch.cuda.synchronize()
+    diffs = ", ".join(f"{n} {rel_l2(b.float(), a.float()):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"),
+                                                                                   base, two))
+    print(f"B{B} T{T} H{H} HV{HV}: two chains vs per tile: {diffs}")
+    fl = bwd_flops(B, T, HV)
+    for c in (False, True, False, True):
+        ms = bench(lambda: B3.chunk_grads(*x, **kw, chains=c), warmup=10, rep=50)
+        print(f"  {'two chains' if c else 'per tile (default)':18s} {ms:.3f} ms  {fl / ms / 1e9:.1f} TFLOP/s")
 
 
 def k64_rows(B, T, H, HV):

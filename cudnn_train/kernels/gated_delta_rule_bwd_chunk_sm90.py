@@ -112,10 +112,12 @@ DCHUNK_PHASES = ("loads (issued; q, k (cp.async: + Sc) landed)", "l2norm rows, q
 
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
-                  VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False, TMA: bool = False):
+                  VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False, TMA: bool = False,
+                  CHAINS: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
+    from cutlass._mlir.dialects import nvvm
 
     C = CHUNK
     THREADS = 128 * WGS
@@ -135,15 +137,20 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         raise ValueError("the persistent variant loads by cp.async or TMA")
     if TMA and not (ASYNC and VNIN and TMIN):
         raise ValueError("the TMA loads replace the cp.async ones of the training path's call (vn and Tm read)")
+    if CHAINS and not (TMA and not PERSIST and not PROFILE and WGS == 2 and K == 128 and V == 128):
+        raise ValueError("the two-chain stage 3 serves the training path's call per tile with the TMA loads, "
+                         "two warpgroups, K = V = 128")
     # TMA: a tile's inputs by bulk tensor copies, issued by one elected thread of warp 0, one mbarrier a group of
     # them. Per tile, each group waited for where first read: q, k (the l2norm rows, k k^T); Sc, Tm, vn, do (the
     # products in flight during the solve phase; with cp.async Sc is in the first group, so the l2norm waits for
     # 64 KB instead of 32); v, dvn (dw). Persistent: the cp.async parts, each issued once its tiles are no longer
     # read, all waited for at the next tile's top.
+    # CHAINS: dH by TMA too (its own tile, "h"), a fourth group, waited for only where read (vn dH^T, sum(Sc * dH))
     TMA_GROUPS = (("q", "s", "vn"), ("v", "do", "dvn", "tm"), ("k",)) if PERSIST else (
-        ("q", "k"), ("s", "tm", "vn", "do"), ("v", "dvn"))
+        ("q", "k"), ("s", "tm", "vn", "do"), ("v", "dvn")) + ((("h",),) if CHAINS else ())
     TMA_COLS = {"q": K, "k": K, "v": V, "do": V, "dvn": V, "vn": V, "tm": C}  # the [C, cols] token tiles (and Sc)
-    TMA_BYTES = tuple(sum(K * V if x == "s" else C * TMA_COLS[x] for x in g) * dtype.width // 8 for g in TMA_GROUPS)
+    STATES = ("s", "h")  # the [K, V] chunk-row tiles: Sc, dH
+    TMA_BYTES = tuple(sum(K * V if x in STATES else C * TMA_COLS[x] for x in g) * dtype.width // 8 for g in TMA_GROUPS)
 
     def tile_of(u, by, ngrid, group):
         # PERSIST: tile unit u (chunk fastest) of CTA column by -> chunk, value head, q/k head
@@ -177,7 +184,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 issue_tiles(((cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),), length, tidx)
         cute.arch.cp_async_commit_group()
 
-    TMA_NAMES = ("q", "k", "v", "do", "dvn", "vn", "tm", "s")  # the order of the kernel's atoms, tensors, tiles
+    TMA_NAMES = ("q", "k", "v", "do", "dvn", "vn", "tm", "s") + (("h",) if CHAINS else ())  # the kernel's atoms, tensors, tiles
     zero_all = cm.make_zero_rows(dtype, THREADS)
     init_barriers = cm.make_tma_init()
 
@@ -189,7 +196,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         for name in TMA_GROUPS[g]:
             i = TMA_NAMES.index(name)
             tT = ta[len(TMA_NAMES) + i]
-            if name == "s":  # the chunk-start state, [K, V] of chunk row cid
+            if name in STATES:  # the chunk-start state (or dH), [K, V] of chunk row cid
                 gT = cute.local_tile(tT[None, None, cid, hv], (K, V), (0, 0))
             else:
                 gT = cm.token_box(tT, b, h if name in ("q", "k") else hv, t0, 0, C, TMA_COLS[name])
@@ -220,7 +227,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     def zero_tails(g, tiles, length, tidx):
         # (TMA, while tracing) zero_rows on group g's token tiles; the caller fences and syncs
         for name in TMA_GROUPS[g]:
-            if name != "s":
+            if name not in STATES:
                 zero_rows(tiles[TMA_NAMES.index(name)], TMA_COLS[name], length, tidx)
 
     @cute.jit
@@ -301,7 +308,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     @cute.jit
     def pair_send(acc: cute.Tensor, sXch: cute.Tensor, mbar, keep: cutlass.Constexpr, tidx: Int32):
         # pairs p = 2 s + 1 - keep (the peer's rows) into slot s of the peer CTA's (rank 1 - keep) tile
-        for sl in cutlass.range_constexpr(PSLOTS):
+        # (sXch [slots, threads, 2]: the slots of thread tidx of those that hold the accumulator)
+        for sl in cutlass.range_constexpr(cute.size(sXch, mode=[0])):
             e = 2 * (2 * sl + 1 - keep)
             cute.arch.store_async_dsmem(sXch[sl, tidx, None].iterator, (acc[e].bitcast(Int32), acc[e + 1].bitcast(Int32)),
                                         mbar, 1 - keep)
@@ -310,7 +318,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     def pair_store(acc: cute.Tensor, cAcc: cute.Tensor, sXch: cute.Tensor, gX: cute.Tensor, nvalid: Int32,
                    keep: cutlass.Constexpr, tidx: Int32):
         # pairs p = 2 s + keep: this CTA's value plus the peer's (slot s), rows < nvalid into gX
-        for sl in cutlass.range_constexpr(PSLOTS):
+        for sl in cutlass.range_constexpr(cute.size(sXch, mode=[0])):
             e = 2 * (2 * sl + keep)
             i, d = cAcc[e]
             if i < nvalid:
@@ -341,19 +349,99 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 pair_store(acc, cAcc, sXch, gX, nvalid, 1, tidx)
 
     @cute.jit
+    def l2norm_rows(sQ: cute.Tensor, sK: cute.Tensor, sRq: cute.Tensor, sRk: cute.Tensor, tidx: Int32):
+        # (every thread) the rows of q and k l2-normalized in place (input dtype), their factors into sRq, sRk
+        if tidx < C:
+            sRq[tidx] = row_inv_norm(sQ, tidx)
+        elif tidx < 2 * C:
+            sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+        cute.arch.sync_threads()
+        TPR = THREADS // C  # threads a row, 1 / TPR of a row each
+        nr = tidx // TPR
+        tiles = ((sQ, sRq), (sK, sRk))
+        for vc in cutlass.range_constexpr(K // 8 // TPR):
+            c = (tidx % TPR) * (K // 8 // TPR) + vc
+            for w_ in cutlass.range_constexpr(2):
+                sX, sR = tiles[w_]
+                frag = cute.make_rmem_tensor((1, 8), dtype)
+                cute.autovec_copy(cute.local_tile(sX, (1, 8), (nr, c)), frag)
+                frag.store((frag.load().to(Float32) * sR[nr]).to(dtype))
+                cute.autovec_copy(frag, cute.local_tile(sX, (1, 8), (nr, c)))
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def pair_sums_dgc(sA: cute.Tensor, sKdt: cute.Tensor, sDgc: cute.Tensor, tidx: Int32):
+        # (every thread) dgc's pair sums over sA (the terms dP * P + dA * A), R adjacent threads a row, each over
+        # C / R columns, then butterfly shuffles: sDgc[0] = the row terms' sum + pair sums - kdt, the row's kdt
+        # into sKdt[0] (for the tail); the caller syncs
+        R = THREADS // C
+        pi = tidx // R
+        ps = Float32(0.0)
+        for jj in cutlass.range_constexpr(C // R):
+            j = (tidx % R) * (C // R) + jj
+            ps = ps + (sA[pi, j] - sA[j, pi])
+        for o in cutlass.range_constexpr(R.bit_length() - 1):
+            ps = ps + cute.arch.shuffle_sync_bfly(ps, offset=1 << o)
+        if tidx % R == 0:
+            kt = wg_sum(sKdt, pi)
+            sKdt[0, pi] = kt  # the row's kdt, for the tail below (only this thread reads row pi of sKdt)
+            sDgc[0, pi] = wg_sum(sDgc, pi) + ps - kt
+
+    @cute.jit
+    def dg_scan_store(sDgc: cute.Tensor, sKdt: cute.Tensor, sRed: cute.Tensor, sDb: cute.Tensor, glast: Float32,
+                      mDg: cute.Tensor, mDb: cute.Tensor, b: Int32, t0: Int32, hv: Int32, length: Int32, tidx: Int32):
+        # (every thread) the tail (sum(kdt) + exp(gc_C) sum(Sc * dH), its parts a warp in sRed) on the last row and
+        # the reverse cumulative sum on warp 0 (lane l holds rows 2l and 2l + 1), then dg and dbeta stored
+        if tidx < 32:
+            x0 = sDgc[0, 2 * tidx]
+            x1 = sDgc[0, 2 * tidx + 1]
+            tail = sKdt[0, 2 * tidx] + sKdt[0, 2 * tidx + 1]
+            sc_dh = Float32(0.0)
+            if tidx < THREADS // 32:
+                sc_dh = sRed[tidx]
+            for o in cutlass.range_constexpr(5):
+                tail = tail + cute.arch.shuffle_sync_bfly(tail, offset=1 << o)
+                sc_dh = sc_dh + cute.arch.shuffle_sync_bfly(sc_dh, offset=1 << o)
+            if tidx == 31:
+                x1 = x1 + tail + sc_dh * cute.math.exp2(glast * LOG2E, fastmath=True)
+            suf = x0 + x1  # -> the sum of the pairs of lanes >= this one
+            for o in cutlass.range_constexpr(5):
+                nxt = cute.arch.shuffle_sync_down(suf, offset=1 << o)
+                if tidx + (1 << o) < 32:
+                    suf = suf + nxt
+            after = cute.arch.shuffle_sync_down(suf, offset=1)  # the pairs of the lanes after this one
+            if tidx == 31:
+                after = Float32(0.0)
+            run1 = x1 + after
+            sDgc[0, 2 * tidx + 1] = run1
+            sDgc[0, 2 * tidx] = x0 + run1
+        cute.arch.sync_threads()
+        if tidx < length:
+            mDg[b, t0 + tidx, hv] = sDgc[0, tidx]
+            mDb[b, t0 + tidx, hv] = wg_sum(sDb, tidx)
+
+    @cute.jit
     def l2norm_bwd(acc: cute.Tensor, cAcc: cute.Tensor, sY: cute.Tensor, sR: cute.Tensor, sRow: cute.Tensor,
-                   tmp: cute.Tensor, groups: cutlass.Constexpr, tidx: Int32):
+                   tmp: cute.Tensor, groups: cutlass.Constexpr, tidx: Int32, one_wg: cutlass.Constexpr = False):
         # acc: the gradient of the normalized rows y (sY); becomes that of the rows before the
-        # l2norm, r (dy - y sum(y * dy)) with r the rows' factors (sR); sRow: row-sum scratch
+        # l2norm, r (dy - y sum(y * dy)) with r the rows' factors (sR); sRow: row-sum scratch.
+        # one_wg (CHAINS): acc is warpgroup 0's alone, whole rows; only its threads take part
         for e in cutlass.range_constexpr(cute.size(acc)):
             i, d = cAcc[e]
             tmp[e] = acc[e] * sY[i, d].to(Float32)
         row_sums(tmp, cAcc, sRow, groups, tidx, False)
-        cute.arch.sync_threads()
+        if cutlass.const_expr(one_wg):
+            cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=128)
+        else:
+            cute.arch.sync_threads()
         for gi in cutlass.range_constexpr(len(groups)):  # row by row: its factors read once
             i, _ = cAcc[groups[gi][0]]
             ri = sR[i]
-            si = wg_sum(sRow, i)
+            if cutlass.const_expr(one_wg):
+                si = sRow[0, i]
+            else:
+                si = wg_sum(sRow, i)
             for e in groups[gi]:
                 _, d = cAcc[e]
                 acc[e] = ri * (acc[e] - sY[i, d].to(Float32) * si)
@@ -551,24 +639,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             pmark(prof, 0)
             glast = sGc[C - 1]
             if cutlass.const_expr(l2norm):  # q, k -> their l2-normalized rows, in place (input dtype)
-                if tidx < C:
-                    sRq[tidx] = row_inv_norm(sQ, tidx)
-                elif tidx < 2 * C:
-                    sRk[tidx - C] = row_inv_norm(sK, tidx - C)
-                cute.arch.sync_threads()
-                TPR = THREADS // C  # threads a row, 1 / TPR of a row each
-                nr = tidx // TPR
-                tiles = ((sQ, sRq), (sK, sRk))
-                for vc in cutlass.range_constexpr(K // 8 // TPR):
-                    c = (tidx % TPR) * (K // 8 // TPR) + vc
-                    for w_ in cutlass.range_constexpr(2):
-                        sX, sR = tiles[w_]
-                        frag = cute.make_rmem_tensor((1, 8), dtype)
-                        cute.autovec_copy(cute.local_tile(sX, (1, 8), (nr, c)), frag)
-                        frag.store((frag.load().to(Float32) * sR[nr]).to(dtype))
-                        cute.autovec_copy(frag, cute.local_tile(sX, (1, 8), (nr, c)))
-                cute.arch.fence_view_async_shared()
-                cute.arch.sync_threads()
+                l2norm_rows(sQ, sK, sRq, sRk, tidx)
 
             pmark(prof, 1)
             # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc (not with VNIN: vn is given)
@@ -851,51 +922,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
 
             pmark(prof, 9)
             # ---- dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
-            # the pair sums: R adjacent threads a row, each over C / R columns, then butterfly shuffles
-            R = THREADS // C
-            pi = tidx // R
-            ps = Float32(0.0)
-            for jj in cutlass.range_constexpr(C // R):
-                j = (tidx % R) * (C // R) + jj
-                ps = ps + (sA[pi, j] - sA[j, pi])
-            for o in cutlass.range_constexpr(R.bit_length() - 1):
-                ps = ps + cute.arch.shuffle_sync_bfly(ps, offset=1 << o)
-            if tidx % R == 0:
-                kt = wg_sum(sKdt, pi)
-                sKdt[0, pi] = kt  # the row's kdt, for the tail below (only this thread reads row pi of sKdt)
-                sDgc[0, pi] = wg_sum(sDgc, pi) + ps - kt
+            pair_sums_dgc(sA, sKdt, sDgc, tidx)
             cute.arch.sync_threads()
             if cutlass.const_expr(PERSIST):  # every thread is done with k: the next tile's
                 next_part(2, ins, smem_in, ta, tma_tiles, tbar, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu,
                           mCuC, T, NT, nseq, tidx)
-            # the tail and the reverse cumulative sum on warp 0: lane l holds rows 2l and 2l + 1
-            if tidx < 32:
-                x0 = sDgc[0, 2 * tidx]
-                x1 = sDgc[0, 2 * tidx + 1]
-                tail = sKdt[0, 2 * tidx] + sKdt[0, 2 * tidx + 1]
-                sc_dh = Float32(0.0)
-                if tidx < THREADS // 32:
-                    sc_dh = sRed[tidx]
-                for o in cutlass.range_constexpr(5):
-                    tail = tail + cute.arch.shuffle_sync_bfly(tail, offset=1 << o)
-                    sc_dh = sc_dh + cute.arch.shuffle_sync_bfly(sc_dh, offset=1 << o)
-                if tidx == 31:
-                    x1 = x1 + tail + sc_dh * cute.math.exp2(glast * LOG2E, fastmath=True)
-                suf = x0 + x1  # -> the sum of the pairs of lanes >= this one
-                for o in cutlass.range_constexpr(5):
-                    nxt = cute.arch.shuffle_sync_down(suf, offset=1 << o)
-                    if tidx + (1 << o) < 32:
-                        suf = suf + nxt
-                after = cute.arch.shuffle_sync_down(suf, offset=1)  # the pairs of the lanes after this one
-                if tidx == 31:
-                    after = Float32(0.0)
-                run1 = x1 + after
-                sDgc[0, 2 * tidx + 1] = run1
-                sDgc[0, 2 * tidx] = x0 + run1
-            cute.arch.sync_threads()
-            if tidx < length:
-                mDg[b, t0 + tidx, hv] = sDgc[0, tidx]
-                mDb[b, t0 + tidx, hv] = wg_sum(sDb, tidx)
+            dg_scan_store(sDgc, sKdt, sRed, sDb, glast, mDg, mDb, b, t0, hv, length, tidx)
             pmark(prof, 10)
             if cutlass.const_expr(not PERSIST):
                 pfinish(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
@@ -903,6 +935,364 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 cute.arch.sync_threads()  # the next tile's top rewrites sGc, sB, sDgc, sDb
         if cutlass.const_expr(PERSIST):  # the profile's sums over this CTA's tiles, a row per CTA (bx, by)
             pfinish(prof, mProf, bx * cute.arch.grid_dim()[1] + by, tidx)
+
+    # ---- CHAINS (chains_default): the two-chain stage 3. Warpgroup 0 runs the q side and dk (q k^T, dP, dQK, dq;
+    # vn dH^T, dQK^T q, Tm^T dw, (dKK + dKK^T) k into one dk accumulator), warpgroup 1 the w side (k k^T, dw, dvb
+    # and dv, dTm, Tm^T dTm Tm^T, dA, dKK), each on whole [64, N] products, so that one's CUDA-core work and
+    # barriers run while the other's products do; they hand tiles over through named barriers (each used once:
+    # one arrives, the other syncs). dH comes by TMA into its own tile (with v, dvn); Sc's tile takes dKK
+    # (float32) once both sides are past Sc, dw goes over do, dKK + dKK^T over dQK. PAIR: warpgroup 0 alone
+    # exchanges dq, then dk, with the peer through a tile of its own: the peer arrives on this CTA's xfree mbarrier
+    # (cluster scope) once it has read dq out of its tile, and dk is sent only after that.
+    BAR_Q, BAR_W = 1, 2  # within warpgroup 0 / 1
+    BAR_DOSC, BAR_DW, BAR_PP, BAR_DQK, BAR_KK = 3, 4, 5, 6, 7  # hand-overs: see kernel_chains
+    QSLOTS = C * K // 128 // 4  # PAIR: the exchange slots of a warpgroup-0 thread
+    QXCH_BYTES = QSLOTS * 128 * 8
+
+    def bar_sync(bid, n=THREADS):
+        cute.arch.barrier(barrier_id=bid, number_of_threads=n)
+
+    def bar_arrive(bid):
+        cute.arch.barrier_arrive(barrier_id=bid, number_of_threads=THREADS)
+
+    @cute.jit
+    def store_dqk_q(acc: cute.Tensor, cAcc: cute.Tensor, mX: cute.Tensor, sXch: cute.Tensor, xbar, xfree, b: Int32,
+                    t0: Int32, h: Int32, hv: Int32, rank: Int32, nvalid: Int32, phase: cutlass.Constexpr, lt: Int32):
+        # (CHAINS, warpgroup 0) dq (phase 0) or dk (1): per value head, or with PAIR summed over the pair
+        if cutlass.const_expr(not PAIR):
+            store_rows(acc, cAcc, cute.domain_offset((t0, 0), mX[b, None, hv, None]), nvalid)
+        else:
+            gX = cute.domain_offset((t0, 0), mX[b, None, h, None])
+            if cutlass.const_expr(phase == 1):
+                cute.arch.mbarrier_wait(xfree, 0)  # the peer has read this CTA's dq out of its exchange tile
+            if rank == 0:
+                pair_send(acc, sXch, xbar, 0, lt)
+            else:
+                pair_send(acc, sXch, xbar, 1, lt)
+            if lt == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(xbar, QXCH_BYTES)
+            cute.arch.mbarrier_wait(xbar, phase)
+            if rank == 0:
+                pair_store(acc, cAcc, sXch, gX, nvalid, 0, lt)
+            else:
+                pair_store(acc, cAcc, sXch, gX, nvalid, 1, lt)
+            if cutlass.const_expr(phase == 0):
+                bar_sync(BAR_Q, 128)  # every warpgroup-0 thread is done reading the exchange tile
+                if lt == 0:
+                    cute.arch.mbarrier_arrive(xfree, peer_cta_rank_in_cluster=1 - rank, scope=nvvm.MemScopeKind.CLUSTER)
+
+    def acc_of(mma_, n, lt):
+        # (CHAINS) a [64, n] float32 accumulator of one warpgroup's product
+        return cute.make_rmem_tensor(mma_.get_slice(lt).partition_shape_C((C, n)), Float32)
+
+    def mm1(acc, n, a_tile, a_mn, b_tile, b_mn, zero, lt):
+        # (CHAINS) acc (+)= A B on this warpgroup alone; A [64, k] / B [n, k] as views of smem tiles
+        m = cm.make_mma(dtype, n, a_regs=False, b_mn_major=b_mn, a_mn_major=a_mn)
+        thr = m.get_slice(lt)
+        gemm(m, acc, m.make_fragment_A(thr.partition_A(a_tile)), m.make_fragment_B(thr.partition_B(b_tile)), zero)
+
+    def mma_done():
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def dot_tiles(sX: cute.Tensor, sY: cute.Tensor, lt: Int32):
+        # (one warpgroup) this thread's part of sum(sX * sY) over two [K, V] tiles, float32, 16-byte vectors
+        VPR = V // 8
+        RPP = 128 // VPR
+        parts = [Float32(0.0), Float32(0.0)]
+        for p in cutlass.range_constexpr(K // RPP):
+            r = p * RPP + lt // VPR
+            x = cute.make_rmem_tensor((1, 8), dtype)
+            y = cute.make_rmem_tensor((1, 8), dtype)
+            cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, lt % VPR)), x)
+            cute.autovec_copy(cute.local_tile(sY, (1, 8), (r, lt % VPR)), y)
+            for e in cutlass.range_constexpr(8):
+                parts[p % 2] = parts[p % 2] + x[e].to(Float32) * y[e].to(Float32)
+        return parts[0] + parts[1]
+
+    @cute.kernel
+    def kernel_chains(
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
+        mDvn: cute.Tensor, mHs: cute.Tensor, mDH: cute.Tensor, mVnI: cute.Tensor, mTmI: cute.Tensor,
+        mCu: cute.Tensor, mCuC: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor,
+        mDg: cute.Tensor, mDb: cute.Tensor, scale: Float32, T: Int32, NT: Int32, nseq: Int32, group: Int32,
+        ngrid: Int32, mProf: cute.Tensor, aQ: cute.CopyAtom, aK: cute.CopyAtom, aV: cute.CopyAtom, aDo: cute.CopyAtom,
+        aDvn: cute.CopyAtom, aVn: cute.CopyAtom, aTm: cute.CopyAtom, aS: cute.CopyAtom, aH: cute.CopyAtom,
+        tQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor, tDo: cute.Tensor, tDvn: cute.Tensor, tVn: cute.Tensor,
+        tTm: cute.Tensor, tS: cute.Tensor, tH: cute.Tensor,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        cid, hv, _ = cute.arch.block_idx()
+        h = hv // group
+        lt = tidx % 128  # the thread within its warpgroup
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        # whole [64, N] products on one warpgroup (wgs = 1)
+        mma_cc = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)
+        mma_ck = cm.make_mma(dtype, K, a_regs=False, b_mn_major=False)
+        mma_cv = cm.make_mma(dtype, V, a_regs=False, b_mn_major=False)
+        threads = cm.sample_threads(1)
+        grp_cc = cm.quad_row_groups(mma_cc, (C, C), threads)
+        grp_ck = cm.quad_row_groups(mma_ck, (C, K), threads)
+        grp_cv = cm.quad_row_groups(mma_cv, (C, V), threads)
+        cm.check_acc_pairs(mma_ck, (C, K), threads)
+        cm.check_acc_pairs(mma_cv, (C, V), threads)
+
+        smem = cutlass.utils.SmemAllocator()
+        sQ = cm.alloc_tile(smem, dtype, C, K, SW)
+        sK = cm.alloc_tile(smem, dtype, C, K, SW)
+        sV = cm.alloc_tile(smem, dtype, C, V, SW)
+        sDo = cm.alloc_tile(smem, dtype, C, V, SW)  # do, then dw
+        sDvn = cm.alloc_tile(smem, dtype, C, V, SW)
+        sVn = cm.alloc_tile(smem, dtype, C, V, SW)
+        sS = cm.alloc_tile(smem, dtype, K, V, SW)  # Sc, then dKK (float32, sT)
+        sH = cm.alloc_tile(smem, dtype, K, V, SW)  # dH
+        sTm = cm.alloc_tile(smem, dtype, C, C)
+        sX1 = cm.alloc_tile(smem, dtype, C, C)  # dQK, then dKK + dKK^T
+        sX2 = cm.alloc_tile(smem, dtype, C, C)  # dTm^T, then Tm^T dTm
+        lf = cute.make_layout((C, C), stride=(cm.A_STRIDE, 1))
+        sA = smem.allocate_tensor(Float32, lf, 16)  # the pair-sum terms dP * P + dA * A
+        sT = cute.make_tensor(cute.recast_ptr(sS.iterator, dtype=Float32), lf)  # dKK, over Sc
+        sGc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sB = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        lw = cute.make_layout((WGS, C), stride=(C, 1))  # a row of C per warpgroup: its part of a row sum
+        sDgc = smem.allocate_tensor(Float32, lw, 16)
+        sDb = smem.allocate_tensor(Float32, lw, 16)
+        sKdt = smem.allocate_tensor(Float32, lw, 16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), 16)
+        sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sRow = smem.allocate_tensor(Float32, lw, 16)
+        sDw = sDo
+        ta = (aQ, aK, aV, aDo, aDvn, aVn, aTm, aS, aH, tQ, tK, tV, tDo, tDvn, tVn, tTm, tS, tH)
+        tma_tiles = (sQ, sK, sV, sDo, sDvn, sVn, sTm, sS, sH)
+        tbar = smem.allocate_array(cutlass.Int64, len(TMA_GROUPS), byte_alignment=8)
+        sXch = None
+        xbar = None
+        xfree = None
+        rank = Int32(0)
+        if cutlass.const_expr(PAIR):
+            sXch = smem.allocate_tensor(Float32, cute.make_layout((QSLOTS, 128, 2), stride=(256, 2, 1)), 16)
+            xbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
+            xfree = xbar + 1
+            rank = cute.arch.block_idx_in_cluster()
+            if tidx == 0:
+                cute.arch.mbarrier_init(xbar, 1)
+                cute.arch.mbarrier_init(xfree, 1)
+        init_barriers(tbar, len(TMA_GROUPS), ta[:len(TMA_NAMES)], 0)  # (its fence and CTA barrier cover xbar's)
+        if cutlass.const_expr(PAIR):  # the peer's mbarriers are initialized before any remote arrive or send
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+        tv = cm.transpose_view
+        cCC = mma_cc.get_slice(lt).partition_C(cute.make_identity_tensor((C, C)))
+        cCK = mma_ck.get_slice(lt).partition_C(cute.make_identity_tensor((C, K)))
+        cCV = mma_cv.get_slice(lt).partition_C(cute.make_identity_tensor((C, V)))
+        b, t0, tend, _ = locate(cid, mCu, mCuC, T, NT, nseq)
+        length = cutlass.max(cutlass.min(tend - t0, C), 0)
+        if warp == 0:
+            for g in cutlass.range_constexpr(len(TMA_GROUPS)):
+                tma_group(g, ta, tma_tiles, tbar + g, b, t0, h, hv, cid)
+        if tidx < C:
+            sGc[tidx] = mGc[b, t0 + cutlass.max(cutlass.min(tidx, length - 1), 0), hv]
+            bval = Float32(0.0)
+            if tidx < length:
+                bval = mB[b, t0 + tidx, hv]
+            sB[tidx] = bval
+            for w_ in cutlass.range_constexpr(WGS):
+                sDgc[w_, tidx] = Float32(0.0)
+                sDb[w_, tidx] = Float32(0.0)
+                sKdt[w_, tidx] = Float32(0.0)
+        if tidx < THREADS // 32:
+            sRed[tidx] = Float32(0.0)  # (the w side's warps write theirs)
+        cute.arch.mbarrier_wait(tbar, 0)  # q, k
+        if length < C:  # a partial chunk: every group in and its rows past the end zeroed before either side starts
+            for g in cutlass.range_constexpr(len(TMA_GROUPS)):
+                cute.arch.mbarrier_wait(tbar + g, 0)
+                zero_tails(g, tma_tiles, length, tidx)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()
+        glast = sGc[C - 1]
+        if cutlass.const_expr(l2norm):
+            l2norm_rows(sQ, sK, sRq, sRk, tidx)
+
+        if warp < 4:
+            # ======== warpgroup 0: q k^T, dP, dQK, dq; then dk
+            accQK = acc_of(mma_cc, C, lt)
+            accDP = acc_of(mma_cc, C, lt)
+            accDq = acc_of(mma_ck, K, lt)
+            mm1(accQK, C, sQ, False, sK, False, True, lt)
+            cute.arch.mbarrier_wait(tbar + 1, 0)  # Sc, Tm, vn, do
+            mm1(accDP, C, sDo, False, sVn, False, True, lt)  # dP = do vn^T
+            mm1(accDq, K, sDo, False, sS, False, True, lt)  # dqg = do Sc^T; B [N = d, K = v]: Sc [d, v] K-major
+            mma_done()
+            bar_arrive(BAR_DOSC)  # do and Sc read: the w side may write dw over do, dKK over Sc
+            # dQK = scale dP E -> sX1 ; the pair terms dP * P -> sA
+            for e in cutlass.range_constexpr(cute.size(accDP)):
+                i, j = cCC[e]
+                dqk = Float32(0.0)
+                if j <= i:
+                    dqk = scale * accDP[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+                sX1[i, j] = dqk.to(dtype)
+                sA[i, j] = dqk * accQK[e]
+            bar_arrive(BAR_PP)  # dP * P in sA: the w side adds dA * A
+            # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
+            tmp = acc_of(mma_ck, K, lt)
+            for gi in cutlass.range_constexpr(len(grp_ck)):
+                i, _ = cCK[grp_ck[gi][0]]
+                f = scale * cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+                for e in grp_ck[gi]:
+                    _, d = cCK[e]
+                    accDq[e] = accDq[e] * f
+                    tmp[e] = accDq[e] * sQ[i, d].to(Float32)
+                row_sums(tmp, cCK, sDgc, (grp_ck[gi],), tidx, True)
+            cute.arch.fence_view_async_shared()
+            bar_sync(BAR_Q, 128)  # dQK in sX1
+            mm1(accDq, K, sX1, False, tv(sK), True, False, lt)  # B [N = d, K = j]: k [j, d] MN-major
+            mma_done()
+            if cutlass.const_expr(l2norm):
+                l2norm_bwd(accDq, cCK, sQ, sRq, sRow, tmp, grp_ck, tidx, True)
+            store_dqk_q(accDq, cCK, mDq, sXch, xbar, xfree, b, t0, h, hv, rank, length, 0, lt)
+            # dk = diag(kdec) vn dH^T (kdt = rowsum(kd * vn dH^T)) + dQK^T q + beta eg Tm^T dw + (dKK + dKK^T) k
+            cute.arch.mbarrier_wait(tbar + 3, 0)  # dH
+            accDk = acc_of(mma_ck, K, lt)
+            mm1(accDk, K, sVn, False, sH, False, True, lt)  # B [N = d, K = v]: dH [d, v] K-major
+            mma_done()
+            for gi in cutlass.range_constexpr(len(grp_ck)):
+                i, _ = cCK[grp_ck[gi][0]]
+                f = cute.math.exp2((glast - sGc[i]) * LOG2E, fastmath=True)
+                for e in grp_ck[gi]:
+                    _, d = cCK[e]
+                    accDk[e] = accDk[e] * f
+                    tmp[e] = accDk[e] * sK[i, d].to(Float32)
+                row_sums(tmp, cCK, sKdt, (grp_ck[gi],), tidx, True)
+            mm1(accDk, K, tv(sX1), True, tv(sQ), True, False, lt)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
+            mma_done()
+            bar_arrive(BAR_DQK)  # dQK read: the w side may write dKK + dKK^T over it
+            bar_sync(BAR_DW)  # dw in its tile
+            accDkb = acc_of(mma_ck, K, lt)
+            mm1(accDkb, K, tv(sTm), True, tv(sDw), True, True, lt)  # dkb = Tm^T dw
+            mma_done()
+            # dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
+            for gi in cutlass.range_constexpr(len(grp_ck)):
+                i, _ = cCK[grp_ck[gi][0]]
+                eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+                beg = sB[i] * eg
+                for e in grp_ck[gi]:
+                    _, d = cCK[e]
+                    accDk[e] = accDk[e] + beg * accDkb[e]
+                    accDkb[e] = accDkb[e] * sK[i, d].to(Float32) * eg
+            row_sums(accDkb, cCK, sDb, grp_ck, tidx, True)
+            for gi in cutlass.range_constexpr(len(grp_ck)):
+                i, _ = cCK[grp_ck[gi][0]]
+                bi = sB[i]
+                for e in grp_ck[gi]:
+                    accDkb[e] = accDkb[e] * bi
+            row_sums(accDkb, cCK, sDgc, grp_ck, tidx, True)
+            bar_sync(BAR_KK)  # dKK + dKK^T in sX1
+            mm1(accDk, K, sX1, False, tv(sK), True, False, lt)  # dk += (dKK + dKK^T) k
+            mma_done()
+            if cutlass.const_expr(l2norm):
+                l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx, True)
+            store_dqk_q(accDk, cCK, mDk, sXch, xbar, xfree, b, t0, h, hv, rank, length, 1, lt)
+        else:
+            # ======== warpgroup 1: dw, dvb and dv, dTm, k k^T (Ae), Tm^T dTm Tm^T, dA, dKK
+            cute.arch.mbarrier_wait(tbar + 1, 0)  # Sc, Tm
+            cute.arch.mbarrier_wait(tbar + 2, 0)  # v, dvn
+            accDw = acc_of(mma_ck, K, lt)
+            mm1(accDw, K, sDvn, False, sS, False, True, lt)  # dvn Sc^T
+            warpgroup.commit_group()
+            accDvb = acc_of(mma_cv, V, lt)
+            mm1(accDvb, V, tv(sTm), True, tv(sDvn), True, True, lt)  # dvb = Tm^T dvn
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)  # dvn Sc^T
+            bar_sync(BAR_DOSC)  # the q side is done with do and Sc
+            acc_to_tile(accDw, cCK, sDw, True)  # dw = -dvn Sc^T over do
+            cute.arch.fence_view_async_shared()
+            bar_arrive(BAR_DW)
+            warpgroup.wait_group(0)  # Tm^T dvn
+            # dv = beta dvb ; dbeta += rowsum(v dvb)
+            tmpv = acc_of(mma_cv, V, lt)
+            for gi in cutlass.range_constexpr(len(grp_cv)):  # a row at a time: few temporaries live
+                i, _ = cCV[grp_cv[gi][0]]
+                bi = sB[i]
+                for e in grp_cv[gi]:
+                    _, n = cCV[e]
+                    tmpv[e] = accDvb[e] * sV[i, n].to(Float32)
+                    accDvb[e] = accDvb[e] * bi
+                row_sums(tmpv, cCV, sDb, (grp_cv[gi],), tidx, True)
+            store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
+            # dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2 as dTm^T
+            bar_sync(BAR_W, 128)  # every warpgroup-1 thread's dw is in its tile
+            accX1 = acc_of(mma_cc, C, lt)
+            accX2 = acc_of(mma_cc, C, lt)
+            mm1(accX1, C, sDw, False, sK, False, True, lt)
+            mm1(accX2, C, sDvn, False, sV, False, True, lt)
+            # k k^T (for Ae, read in the dA loop) issued here rather than first: its accumulator then lives through
+            # the last products only, not through dw and dvb's (ptxas spilled with it held from the start)
+            accKK = acc_of(mma_cc, C, lt)
+            mm1(accKK, C, sK, False, sK, False, True, lt)
+            warpgroup.commit_group()
+            # while they run: the tail's sum(Sc * dH), a part a warp (Sc and dH as stage 3 reads them, in the input
+            # dtype; here, where few accumulators are in flight, so its loads do not raise the register count)
+            cute.arch.mbarrier_wait(tbar + 3, 0)  # dH
+            part = dot_tiles(sS, sH, lt)
+            for off in cutlass.range_constexpr(5):
+                part = part + cute.arch.shuffle_sync_bfly(part, offset=1 << off)
+            if tidx % 32 == 0:
+                sRed[tidx // 32] = part
+            warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(accX1)):
+                i, j = cCC[e]
+                bj = sB[j]
+                sX2[j, i] = (accX1[e] * bj * cute.math.exp2(sGc[j] * LOG2E, fastmath=True) + accX2[e] * bj).to(dtype)
+            cute.arch.fence_view_async_shared()
+            bar_sync(BAR_W, 128)
+            # M1 = Tm^T dTm -> sX2 ; dA = -strictly_lower(M1 Tm^T)
+            accM1 = acc_of(mma_cc, C, lt)
+            mm1(accM1, C, tv(sTm), True, sX2, False, True, lt)  # B [N = c, K = j]: dTm^T [c, j] K-major
+            mma_done()
+            bar_sync(BAR_W, 128)  # every warpgroup-1 warp is done reading dTm^T
+            acc_to_tile(accM1, cCC, sX2, False)
+            cute.arch.fence_view_async_shared()
+            bar_sync(BAR_W, 128)
+            accDA = acc_of(mma_cc, C, lt)
+            mm1(accDA, C, sX2, False, sTm, False, True, lt)  # B [N = n, K = c]: Tm [n, c] K-major
+            mma_done()
+            bar_sync(BAR_PP)  # dP * P in sA
+            tdb = acc_of(mma_cc, C, lt)
+            for gi in cutlass.range_constexpr(len(grp_cc)):
+                i, _ = cCC[grp_cc[gi][0]]
+                gi_ = sGc[i]
+                bi = sB[i]
+                for e in grp_cc[gi]:
+                    _, j = cCC[e]
+                    da = Float32(0.0)
+                    ae = Float32(0.0)
+                    es = Float32(0.0)
+                    if i > j:
+                        da = -accDA[e]
+                        es = cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
+                        ae = accKK[e] * es
+                    tdb[e] = da * ae
+                    sA[i, j] = sA[i, j] + bi * da * ae  # + dA * A
+                    sT[i, j] = bi * da * es  # dKK
+                row_sums(tdb, cCC, sDb, (grp_cc[gi],), tidx, True)  # dbeta += rowsum(dA * Ae), a row at a time
+            bar_sync(BAR_W, 128)  # dKK whole in sT
+            bar_sync(BAR_DQK)  # the q side is done with dQK
+            for q in cutlass.range_constexpr(C * C // 128):  # dKK + dKK^T -> sX1
+                idx = q * 128 + lt
+                i = idx // C
+                j = idx % C
+                sX1[i, j] = (sT[i, j] + sT[j, i]).to(dtype)
+            cute.arch.fence_view_async_shared()
+            bar_arrive(BAR_KK)
+        cute.arch.sync_threads()
+        # dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
+        pair_sums_dgc(sA, sKdt, sDgc, tidx)
+        cute.arch.sync_threads()
+        dg_scan_store(sDgc, sKdt, sRed, sDb, glast, mDg, mDb, b, t0, hv, length, tidx)
 
     @cute.jit
     def host(
@@ -914,13 +1304,15 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         mProf: cute.Tensor, stream,
     ):
         _static_checks(dtype, K, V, WGS)
+        if cutlass.const_expr(CHAINS):  # its products on one warpgroup each
+            _static_checks(dtype, K, V, 1)
         HV = mV.shape[2]
         grid = [nctas, PW, 1] if PERSIST else [nchunks_grid, HV, 1]  # PERSIST: nctas CTAs (clusters) walk the tiles
-        srcs = (mQ, mK, mV, mDo, mDvn, mVnI, mTmI, mHs)  # in TMA_NAMES order
+        srcs = (mQ, mK, mV, mDo, mDvn, mVnI, mTmI, mHs, mDH)[:len(TMA_NAMES)]  # in TMA_NAMES order
         if cutlass.const_expr(TMA):
             atoms, tmas = [], []
             for name, m in zip(TMA_NAMES, srcs):
-                if cutlass.const_expr(name == "s"):  # [rows, HV, K, V] -> (K, V, rows, HV): the box is a chunk row's state
+                if cutlass.const_expr(name in STATES):  # [rows, HV, K, V] -> (K, V, rows, HV): a chunk row's state
                     view = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[2, 3, 0, 1]))
                     a, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view,
                                                        cm.smem_tile_layout(dtype, K, V, SW), (K, V))
@@ -931,9 +1323,10 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         else:  # placeholders, never used
             atoms = [cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)] * len(TMA_NAMES)
             tmas = list(srcs)
-        kernel(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mVnI, mTmI, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T,
-               NT, nseq, group, nchunks_grid, mProf, *atoms, *tmas).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
-                                                            **({"cluster": [1, 2, 1]} if PAIR else {}))
+        body = kernel_chains if CHAINS else kernel
+        body(mQ, mK, mV, mGc, mB, mDo, mDvn, mHs, mDH, mVnI, mTmI, mCu, mCuC, mDq, mDk, mDv, mDg, mDb, scale, T,
+             NT, nseq, group, nchunks_grid, mProf, *atoms, *tmas).launch(grid=grid, block=[THREADS, 1, 1], stream=stream,
+                                                          **({"cluster": [1, 2, 1]} if PAIR else {}))
 
     f = fwd._fakes()
     args = (
@@ -1016,8 +1409,24 @@ def tma_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_TMA", True)
 
 
+def chains_default() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_CHAINS=1``: the two-chain stage 3 (prepared, not yet GPU-run, off). The per-tile
+    kernel splits the N of every product between its two warpgroups, so both walk one chain of some twenty
+    dependent steps a chunk (products, CUDA-core loops, CTA barriers): latency-bound at one CTA an SM (its 204 KB).
+    The variant gives each warpgroup whole [64, N] products of its own chain: warpgroup 0 the q side and dk
+    (q k^T, dP, dQK, dq; then vn dH^T, dQK^T q, Tm^T dw and (dKK + dKK^T) k into one dk accumulator), warpgroup 1
+    the w side (k k^T, dw, dvb and dv, dTm, Tm^T dTm Tm^T, dA, dKK), handing tiles over by named barriers, so that
+    one side's CUDA-core work runs while the other's products do. The same products and rounding points as the
+    per-tile kernel (dw, dQK, dTm^T, Tm^T dTm, dKK + dKK^T rounded to the input dtype where it rounds them), only
+    the row sums' order differs (one warpgroup sums a whole row). It is the first step of the fused backward's plan
+    (docs/PERFORMANCE.md): a chain warpgroup carrying dH across the chunks would join these two. Only the training
+    path's call per tile (vn and Tm read, TMA loads, two warpgroups) at K = V = 128."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_CHAINS", False)
+
+
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
-                      profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False, tma=False):
+                      profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False, tma=False,
+                      chains=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     async_loads = async_loads_default() if async_loads is None else bool(async_loads)
@@ -1026,12 +1435,13 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
     key = ("dchunk", str(dtype), K, V, bool(varlen), bool(l2norm), wgs) + (("overlap",) if overlap else ()) + (
         () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ()) + (
         ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ()) + (
-        ("tm_in",) if tm_in else ()) + (("persist",) if persist else ()) + (("tma",) if tma else ())
+        ("tm_in",) if tm_in else ()) + (("persist",) if persist else ()) + (("tma",) if tma else ()) + (
+        ("chains",) if chains else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
-                             async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma))
+                             async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma), bool(chains))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
@@ -1039,7 +1449,8 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
                 sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
-                tm=None, persist: bool | None = None, persist_ctas: int | None = None, tma: bool | None = None):
+                tm=None, persist: bool | None = None, persist_ctas: int | None = None, tma: bool | None = None,
+                chains: bool | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -1067,7 +1478,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     that many CTAs (clusters with the pair sum) instead of one an SM, for tests (several tiles a CTA). ``tma``: the
     loads by TMA instead of ``cp.async`` (default :func:`tma_default`; only with ``vn`` and ``tm`` given and the
     cp.async loads asked for, per tile or persistent, with or without the profile variant); the results are the
-    same bits."""
+    same bits. ``chains``: the two-chain kernel (default :func:`chains_default` where it can serve: the TMA loads
+    per tile on two warpgroups at K = V = 128, no profile); True where it cannot is a ValueError."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -1139,8 +1551,14 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         tma = tma_default() and can_tma
     elif tma and not can_tma:
         raise ValueError("tma: the TMA loads need vn and tm given and the cp.async loads (async_loads)")
+    can_chains = bool(tma) and not persist and profile is None and wgs in (None, 2) and K == V == 128
+    if chains is None:
+        chains = chains_default() and can_chains
+    elif chains and not can_chains:
+        raise ValueError("chains: the two-chain kernel serves the TMA loads per tile (vn and tm given), two "
+                         "warpgroups, K = V = 128, no profile")
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
-                           vn is not None, tm is not None, persist, bool(tma))
+                           vn is not None, tm is not None, persist, bool(tma), bool(chains))
     prof = fwd._dummies(dev)[2] if profile is None else profile
     pw = 2 if pair else 1
     if persist_ctas is not None and (not persist or persist_ctas < 1):

@@ -56,7 +56,28 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(kernel_cache):
     # the persistent variant's profile (sums over each CTA's tiles), with cp.async and with TMA
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **{**train, "tma": False}, persist=True, profile=True))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, persist=True, profile=True))
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 21
+    # the two-chain kernel (CUDNN_TRAIN_GDN_DCHUNK_CHAINS): the training path's call with the pair sum, and fp16
+    # varlen without the l2norm, dq and dk per value head
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, chains=True))
+    assert callable(B3.get_dchunk_kernel(torch.float16, 128, 128, True, False, vn_in=True, tm_in=True, tma=True,
+                                         chains=True))
+    for bad in (dict(train, chains=True, persist=True), dict(train, tma=False, chains=True)):
+        with pytest.raises(ValueError, match="two-chain"):
+            B3.get_dchunk_kernel(*VARIANTS[0], **bad)
+    with pytest.raises(ValueError, match="two-chain"):
+        B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True, tm_in=True, tma=True, chains=True)  # K = 64
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 23
+
+
+def test_two_chain_switch_is_off_by_default_and_parses(monkeypatch):
+    """CUDNN_TRAIN_GDN_DCHUNK_CHAINS is off by default (prepared, not yet timed), 1 turns it on, a typo is a
+    ValueError naming it."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+    from tests.utils import assert_env_override
+
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_CHAINS", raising=False)
+    assert B3.chains_default() is False
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_CHAINS", B3.chains_default, "1", True, ("2", "yes"))
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -317,6 +338,52 @@ def test_tma_chunk_gradients_are_bitwise_the_cp_async_loads(case):
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
         assert torch.equal(a, b), f"{case}: {name} differs with the TMA loads"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["pair", "pair_T65", "gva4_f32", "fp16_T1", "no_l2norm", "varlen_nan_tail"])
+def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
+    """The two-chain kernel (CUDNN_TRAIN_GDN_DCHUNK_CHAINS: a warpgroup for the q side and dk, one for the w side,
+    whole products each) on the training path's call (vn and Tm read, TMA loads) against the per-tile kernel: the
+    same products and rounding points, only the row sums' order (and the products' N per instruction) differ, so
+    every output within 2e-3 relative L2 of it, and within the usual 2e-2 of the float32 torch stage; two calls give
+    the same bits; asked for without vn and Tm (no TMA loads) it is a ValueError. Cases: the pair sum (dq, dk exchanged between the cluster's
+    warpgroups 0), a partial last chunk (T 65), GVA 4 with float32 dq, dk per value head, fp16 T 1, no l2norm,
+    varlen fp16 with empty, one-token and odd sequences and NaN past the last sequence."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
+    pair = case.startswith("pair")
+    dt = torch.float16 if lens or case.startswith("fp16") else torch.bfloat16
+    T = sum(lens) if lens else {"pair_T65": 65, "fp16_T1": 1}.get(case, 300)
+    H = {"gva4_f32": 1}.get(case, 2 if pair or lens else None)
+    l2norm = case != "no_l2norm" and lens is None
+    args, want, vn, tm = _case(1 if lens else 2, T, 4, 128, 128, dt, lens=lens, H=H, l2norm=l2norm, with_vn=True)
+    if case == "varlen_nan_tail":
+        args, vn, tm = _pad_rows(args, vn, tm, 37)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, vn=vn, tm=tm, tma=True)
+    if pair:
+        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+    base = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, chains=False, **kw)
+    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, chains=True, **kw)
+    again = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, chains=True, **kw)
+    names = ("dq", "dk", "dv", "dg", "dbeta")
+    for name, a, b, c in zip(names, got, base, again):
+        assert torch.isfinite(a).all(), f"{case}: {name} has unwritten elements"
+        assert torch.equal(a, c), f"{case}: {name} differs between two calls"
+        assert rel_l2(a.float(), b.float()) <= 2e-3, (case, name, rel_l2(a.float(), b.float()))
+    if case != "varlen_nan_tail":  # (there the tensors are longer than the torch stage's)
+        got = list(got)
+        got[3] = got[3].unsqueeze(-1)
+        for name, a, b in zip(names, got, want):
+            if pair and name in ("dq", "dk"):
+                continue  # summed over the pair: compared with the per-tile kernel above
+            assert a.shape == b.shape, (case, name, a.shape, b.shape)
+            assert rel_l2(a.float(), b.float()) <= 2e-2, (case, name, rel_l2(a.float(), b.float()))
+    if case == "no_l2norm":
+        with pytest.raises(ValueError, match="chains"):
+            B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, cu_seqlens=cu, l2norm=l2, chains=True)
 
 
 @pytest.mark.gpu
