@@ -19,7 +19,7 @@ relative L2), then the two timings. ``--tma``: only the training path's call wit
 cp.async (``tma=``; per tile, persistent, on four warpgroups; outputs checked bitwise), then both loads'
 profiles. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=True``:
 a warpgroup for the q side and dk, one for the w side; outputs compared, relative L2, since its row sums run in
-another order), then the two timings, alternating.
+another order), then the two timings, alternating, then its profile (each side's phases).
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -252,6 +252,15 @@ def chains_rows(x, B, T, H, HV, scale):
     for c in (False, True, False, True):
         ms = bench(lambda: B3.chunk_grads(*x, **kw, chains=c), warmup=10, rep=50)
         print(f"  {'two chains' if c else 'per tile (default)':18s} {ms:.3f} ms  {fl / ms / 1e9:.1f} TFLOP/s")
+    # its profile variant: thread 0's phases (the q side's, "q:") and thread 128's (the w side's, "w:") of each CTA
+    from time_gdn_fwd import _report
+
+    ctas = B * (-(-T // 64)) * HV
+    buf = torch.zeros(ctas * (len(B3.CHAIN_PHASES) + 1), dtype=torch.int64, device="cuda")
+    prof = B3.chunk_grads(*x, **kw, chains=True, profile=buf)
+    torch.cuda.synchronize()
+    same = all(torch.equal(u, w) for u, w in zip(two, prof))
+    _report(f"two-chain kernel (profile variant bitwise the plain one: {same})", buf, B3.CHAIN_PHASES, ctas)
 
 
 def k64_rows(B, T, H, HV):

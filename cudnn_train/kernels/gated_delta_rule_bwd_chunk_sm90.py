@@ -65,6 +65,14 @@ default since the sixteenth session (:func:`tma_default`; ``CUDNN_TRAIN_GDN_DCHU
 bitwise the cp.async loads, H200 B4 T4096 H16 HV32 1.228 ms against 1.263 (per tile), 1.295 against 1.358
 (persistent, still off: slower than per tile).
 
+With ``chains`` (``chunk_grads(chains=True)``, CHAINS compiled in; :func:`chains_default`, off: prepared in the
+eighteenth session, compiled, not yet GPU-run) the training path's call runs on the two-chain kernel
+(``kernel_chains``): warpgroup 0 takes the q side and dk, warpgroup 1 the w side, each on whole [64, N] products
+(one-warpgroup tiled MMAs), handing tiles over by named barriers (each used once: one side arrives, the other
+syncs); dH comes by TMA into a tile of its own; with the pair sum, warpgroup 0 alone exchanges dq and dk with the
+peer CTA through a tile of its own, an ``xfree`` mbarrier (the peer's remote arrive) ordering dk's sends after the
+peer has read dq. Its profile variant writes each side's phases (``CHAIN_PHASES``). ptxas: 247 registers, no spill.
+
 Status: compiles for sm_90a (compile tier); its GPU test
 (``tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py``, against the float32 torch stage) and the
 training path's tier run it; the training path's default stage 3.
@@ -110,6 +118,18 @@ DCHUNK_PHASES = ("loads (issued; q, k (cp.async: + Sc) landed)", "l2norm rows, q
                  "dg pair sums, tail, dg / dbeta")
 
 
+# the two-chain kernel's profile phases: thread 0 (warpgroup 0, "q:") and thread 128 (warpgroup 1, "w:") each mark
+# their own side's; the loads and l2norm rows, the join and the tail are thread 0's
+CHAIN_PHASES = ("loads q, k landed", "l2norm rows",
+                "q: q k^T, dP, dqg (Sc, vn, do landed)", "q: dQK, dP P, dq row sums", "q: dQK k, dq out",
+                "q: vn dH^T (dH landed), kdt, dQK^T q", "q: wait for dw", "q: Tm^T dw, row sums",
+                "q: wait for dKK + dKK^T", "q: dKK k, dk out",
+                "w: dw, dvb issued, dw done", "w: wait for do, Sc read", "w: dw tile, dvb, dv",
+                "w: dw k^T, dvn v^T, k k^T, Sc.dH", "w: dTm^T, Tm^T dTm", "w: dA = M1 Tm^T",
+                "w: wait for dP P", "w: dA loop, dKK", "w: wait for dQK read, dKK + dKK^T",
+                "join (the other side)", "pair sums, dg scan, stores")
+
+
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
                   VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False, TMA: bool = False,
@@ -137,7 +157,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         raise ValueError("the persistent variant loads by cp.async or TMA")
     if TMA and not (ASYNC and VNIN and TMIN):
         raise ValueError("the TMA loads replace the cp.async ones of the training path's call (vn and Tm read)")
-    if CHAINS and not (TMA and not PERSIST and not PROFILE and WGS == 2 and K == 128 and V == 128):
+    if CHAINS and not (TMA and not PERSIST and WGS == 2 and K == 128 and V == 128):
         raise ValueError("the two-chain stage 3 serves the training path's call per tile with the TMA loads, "
                          "two warpgroups, K = V = 128")
     # TMA: a tile's inputs by bulk tensor copies, issued by one elected thread of warp 0, one mbarrier a group of
@@ -940,7 +960,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     # vn dH^T, dQK^T q, Tm^T dw, (dKK + dKK^T) k into one dk accumulator), warpgroup 1 the w side (k k^T, dw, dvb
     # and dv, dTm, Tm^T dTm Tm^T, dA, dKK), each on whole [64, N] products, so that one's CUDA-core work and
     # barriers run while the other's products do; they hand tiles over through named barriers (each used once:
-    # one arrives, the other syncs). dH comes by TMA into its own tile (with v, dvn); Sc's tile takes dKK
+    # one arrives, the other syncs). dH comes by TMA into its own tile (a load group of its own); Sc's tile takes dKK
     # (float32) once both sides are past Sc, dw goes over do, dKK + dKK^T over dQK. PAIR: warpgroup 0 alone
     # exchanges dq, then dk, with the peer through a tile of its own: the peer arrives on this CTA's xfree mbarrier
     # (cluster scope) once it has read dq out of its tile, and dk is sent only after that.
@@ -965,6 +985,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             gX = cute.domain_offset((t0, 0), mX[b, None, h, None])
             if cutlass.const_expr(phase == 1):
                 cute.arch.mbarrier_wait(xfree, 0)  # the peer has read this CTA's dq out of its exchange tile
+                cute.arch.fence_acq_rel_cluster()  # (the wait acquires at CTA scope; the peer released at cluster)
             if rank == 0:
                 pair_send(acc, sXch, xbar, 0, lt)
             else:
@@ -1011,6 +1032,21 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 parts[p % 2] = parts[p % 2] + x[e].to(Float32) * y[e].to(Float32)
         return parts[0] + parts[1]
 
+    @cute.jit
+    def profile_out(acc: cute.Tensor, mProf: cute.Tensor, cta: Int32, tidx: Int32):
+        # (CHAINS, PROFILE) the CTA's row: thread 0's phases (the common ones, the q side's, the end) and its total,
+        # thread 128's (the w side's)
+        NP = len(CHAIN_PHASES)
+        W_SIDE = tuple(n.startswith("w:") for n in CHAIN_PHASES) + (False,)  # (the total is thread 0's)
+        acc[NP] = cute.arch.clock64() - acc[NP]
+        for p in cutlass.range_constexpr(NP + 1):
+            if cutlass.const_expr(W_SIDE[p]):
+                if tidx == 128:
+                    mProf[cta * (NP + 1) + p] = acc[p]
+            else:
+                if tidx == 0:
+                    mProf[cta * (NP + 1) + p] = acc[p]
+
     @cute.kernel
     def kernel_chains(
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
@@ -1027,6 +1063,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         h = hv // group
         lt = tidx % 128  # the thread within its warpgroup
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        pstart, pmark, _ = fwd.make_profile(PROFILE, len(CHAIN_PHASES))
+        prof = pstart()
 
         # whole [64, N] products on one warpgroup (wgs = 1)
         mma_cc = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)
@@ -1107,15 +1145,21 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         if tidx < THREADS // 32:
             sRed[tidx] = Float32(0.0)  # (the w side's warps write theirs)
         cute.arch.mbarrier_wait(tbar, 0)  # q, k
-        if length < C:  # a partial chunk: every group in and its rows past the end zeroed before either side starts
+        # a partial chunk: every group in and its rows past the end zeroed before either side starts. (Tm's rows
+        # past the end stay zero, where the per-tile kernel puts ones on the diagonal: they only meet rows and
+        # columns of dw, dvn, dTm past the end, which are zero (zeroed tails, beta = 0 there), and reach no stored
+        # output.)
+        if length < C:
             for g in cutlass.range_constexpr(len(TMA_GROUPS)):
                 cute.arch.mbarrier_wait(tbar + g, 0)
                 zero_tails(g, tma_tiles, length, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
+        pmark(prof, 0)
         glast = sGc[C - 1]
         if cutlass.const_expr(l2norm):
             l2norm_rows(sQ, sK, sRq, sRk, tidx)
+        pmark(prof, 1)
 
         if warp < 4:
             # ======== warpgroup 0: q k^T, dP, dQK, dq; then dk
@@ -1128,6 +1172,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             mm1(accDq, K, sDo, False, sS, False, True, lt)  # dqg = do Sc^T; B [N = d, K = v]: Sc [d, v] K-major
             mma_done()
             bar_arrive(BAR_DOSC)  # do and Sc read: the w side may write dw over do, dKK over Sc
+            pmark(prof, 2)
             # dQK = scale dP E -> sX1 ; the pair terms dP * P -> sA
             for e in cutlass.range_constexpr(cute.size(accDP)):
                 i, j = cCC[e]
@@ -1149,11 +1194,13 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 row_sums(tmp, cCK, sDgc, (grp_ck[gi],), tidx, True)
             cute.arch.fence_view_async_shared()
             bar_sync(BAR_Q, 128)  # dQK in sX1
+            pmark(prof, 3)
             mm1(accDq, K, sX1, False, tv(sK), True, False, lt)  # B [N = d, K = j]: k [j, d] MN-major
             mma_done()
             if cutlass.const_expr(l2norm):
                 l2norm_bwd(accDq, cCK, sQ, sRq, sRow, tmp, grp_ck, tidx, True)
             store_dqk_q(accDq, cCK, mDq, sXch, xbar, xfree, b, t0, h, hv, rank, length, 0, lt)
+            pmark(prof, 4)
             # dk = diag(kdec) vn dH^T (kdt = rowsum(kd * vn dH^T)) + dQK^T q + beta eg Tm^T dw + (dKK + dKK^T) k
             cute.arch.mbarrier_wait(tbar + 3, 0)  # dH
             accDk = acc_of(mma_ck, K, lt)
@@ -1170,7 +1217,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             mm1(accDk, K, tv(sX1), True, tv(sQ), True, False, lt)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
             mma_done()
             bar_arrive(BAR_DQK)  # dQK read: the w side may write dKK + dKK^T over it
+            pmark(prof, 5)
             bar_sync(BAR_DW)  # dw in its tile
+            pmark(prof, 6)
             accDkb = acc_of(mma_ck, K, lt)
             mm1(accDkb, K, tv(sTm), True, tv(sDw), True, True, lt)  # dkb = Tm^T dw
             mma_done()
@@ -1190,12 +1239,15 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 for e in grp_ck[gi]:
                     accDkb[e] = accDkb[e] * bi
             row_sums(accDkb, cCK, sDgc, grp_ck, tidx, True)
+            pmark(prof, 7)
             bar_sync(BAR_KK)  # dKK + dKK^T in sX1
+            pmark(prof, 8)
             mm1(accDk, K, sX1, False, tv(sK), True, False, lt)  # dk += (dKK + dKK^T) k
             mma_done()
             if cutlass.const_expr(l2norm):
                 l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx, True)
             store_dqk_q(accDk, cCK, mDk, sXch, xbar, xfree, b, t0, h, hv, rank, length, 1, lt)
+            pmark(prof, 9)
         else:
             # ======== warpgroup 1: dw, dvb and dv, dTm, k k^T (Ae), Tm^T dTm Tm^T, dA, dKK
             cute.arch.mbarrier_wait(tbar + 1, 0)  # Sc, Tm
@@ -1207,7 +1259,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             mm1(accDvb, V, tv(sTm), True, tv(sDvn), True, True, lt)  # dvb = Tm^T dvn
             warpgroup.commit_group()
             warpgroup.wait_group(1)  # dvn Sc^T
+            pmark(prof, 10)
             bar_sync(BAR_DOSC)  # the q side is done with do and Sc
+            pmark(prof, 11)
             acc_to_tile(accDw, cCK, sDw, True)  # dw = -dvn Sc^T over do
             cute.arch.fence_view_async_shared()
             bar_arrive(BAR_DW)
@@ -1223,6 +1277,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     accDvb[e] = accDvb[e] * bi
                 row_sums(tmpv, cCV, sDb, (grp_cv[gi],), tidx, True)
             store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
+            pmark(prof, 12)
             # dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2 as dTm^T
             bar_sync(BAR_W, 128)  # every warpgroup-1 thread's dw is in its tile
             accX1 = acc_of(mma_cc, C, lt)
@@ -1243,6 +1298,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if tidx % 32 == 0:
                 sRed[tidx // 32] = part
             warpgroup.wait_group(0)
+            pmark(prof, 13)
             for e in cutlass.range_constexpr(cute.size(accX1)):
                 i, j = cCC[e]
                 bj = sB[j]
@@ -1257,10 +1313,13 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             acc_to_tile(accM1, cCC, sX2, False)
             cute.arch.fence_view_async_shared()
             bar_sync(BAR_W, 128)
+            pmark(prof, 14)
             accDA = acc_of(mma_cc, C, lt)
             mm1(accDA, C, sX2, False, sTm, False, True, lt)  # B [N = n, K = c]: Tm [n, c] K-major
             mma_done()
+            pmark(prof, 15)
             bar_sync(BAR_PP)  # dP * P in sA
+            pmark(prof, 16)
             tdb = acc_of(mma_cc, C, lt)
             for gi in cutlass.range_constexpr(len(grp_cc)):
                 i, _ = cCC[grp_cc[gi][0]]
@@ -1280,6 +1339,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     sT[i, j] = bi * da * es  # dKK
                 row_sums(tdb, cCC, sDb, (grp_cc[gi],), tidx, True)  # dbeta += rowsum(dA * Ae), a row at a time
             bar_sync(BAR_W, 128)  # dKK whole in sT
+            pmark(prof, 17)
             bar_sync(BAR_DQK)  # the q side is done with dQK
             for q in cutlass.range_constexpr(C * C // 128):  # dKK + dKK^T -> sX1
                 idx = q * 128 + lt
@@ -1288,11 +1348,16 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 sX1[i, j] = (sT[i, j] + sT[j, i]).to(dtype)
             cute.arch.fence_view_async_shared()
             bar_arrive(BAR_KK)
+            pmark(prof, 18)
         cute.arch.sync_threads()
+        pmark(prof, 19)
         # dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
         pair_sums_dgc(sA, sKdt, sDgc, tidx)
         cute.arch.sync_threads()
         dg_scan_store(sDgc, sKdt, sRed, sDb, glast, mDg, mDb, b, t0, hv, length, tidx)
+        pmark(prof, 20)
+        if cutlass.const_expr(PROFILE):
+            profile_out(prof, mProf, cid * cute.arch.grid_dim()[1] + hv, tidx)
 
     @cute.jit
     def host(
@@ -1429,6 +1494,7 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
                       chains=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
+    overlap = overlap and not chains  # (the two-chain kernel has no such variant: one cache entry)
     async_loads = async_loads_default() if async_loads is None else bool(async_loads)
     if dqk_dtype not in (torch.float32, dtype):
         raise ValueError(f"dqk_dtype {dqk_dtype}: float32 or the input dtype {dtype}")
@@ -1479,7 +1545,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     loads by TMA instead of ``cp.async`` (default :func:`tma_default`; only with ``vn`` and ``tm`` given and the
     cp.async loads asked for, per tile or persistent, with or without the profile variant); the results are the
     same bits. ``chains``: the two-chain kernel (default :func:`chains_default` where it can serve: the TMA loads
-    per tile on two warpgroups at K = V = 128, no profile); True where it cannot is a ValueError."""
+    per tile on two warpgroups at K = V = 128); True where it cannot is a ValueError; its profile variant writes
+    ``len(CHAIN_PHASES) + 1`` elements a CTA (thread 0's phases and total, thread 128's "w:" phases)."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -1547,16 +1614,19 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     elif persist and not async_loads:
         raise ValueError("persist: the persistent variant loads by cp.async or TMA (async_loads)")
     can_tma = async_loads and vn is not None and tm is not None
-    if tma is None:
-        tma = tma_default() and can_tma
+    if tma is None:  # (the two-chain kernel, asked for, takes the TMA loads whatever their switch says)
+        tma = (tma_default() or bool(chains)) and can_tma
     elif tma and not can_tma:
         raise ValueError("tma: the TMA loads need vn and tm given and the cp.async loads (async_loads)")
-    can_chains = bool(tma) and not persist and profile is None and wgs in (None, 2) and K == V == 128
+    can_chains = bool(tma) and not persist and (warpgroups(K) if wgs is None else wgs) == 2 and K == V == 128
     if chains is None:
         chains = chains_default() and can_chains
     elif chains and not can_chains:
         raise ValueError("chains: the two-chain kernel serves the TMA loads per tile (vn and tm given), two "
-                         "warpgroups, K = V = 128, no profile")
+                         "warpgroups, K = V = 128")
+    phases = CHAIN_PHASES if chains else DCHUNK_PHASES
+    if profile is not None and profile.numel() < grid * HV * (len(phases) + 1):
+        raise ValueError(f"profile: at least {grid * HV * (len(phases) + 1)} elements for these phases")
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
                            vn is not None, tm is not None, persist, bool(tma), bool(chains))
     prof = fwd._dummies(dev)[2] if profile is None else profile
