@@ -57,6 +57,7 @@
 #   bash tools/gpu_next.sh s29|s30|s31  # the sixteenth session's prepared variants (see each stage below)
 #   bash tools/gpu_next.sh s32      # the fused sweep with both V halves in one CTA: bitwise cases, timing
 #   bash tools/gpu_next.sh s33      # the two-chain stage 3: its cases against the per-tile kernel, timing
+#                                   # (CHAINS_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -387,7 +388,11 @@ s33)
   # the eighteenth session's prepared two-chain stage 3 (CUDNN_TRAIN_GDN_DCHUNK_CHAINS): its cases against the
   # per-tile kernel and the torch stage, then its timing against the per-tile kernel (the default only if faster)
   tier s33 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "two_chain"
-  timed chains ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes 2 --chains ;;
+  timed chains ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes 2 --chains
+  if [ -n "$CHAINS_TRAIN" ]; then  # then the training tier's kernel half with it on (the training path's call)
+    CUDNN_TRAIN_GDN_DCHUNK_CHAINS=1 tier s33_train ${TRAIN_S:-300} tests/kernels/test_gated_delta_rule_train_sm90.py \
+      -k "not torch"
+  fi ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py
