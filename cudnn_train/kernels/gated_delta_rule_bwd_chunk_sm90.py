@@ -348,6 +348,23 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 cute.autovec_copy(frag, cute.local_tile(gX, (1, 2), (i, d // 2)))
 
     @cute.jit
+    def pair_exchange(acc: cute.Tensor, cAcc: cute.Tensor, sXch: cute.Tensor, mbar, gX: cute.Tensor, nvalid: Int32,
+                      rank: Int32, nbytes: cutlass.Constexpr, phase: cutlass.Constexpr, tidx: Int32):
+        # PAIR: half of acc's pairs into the peer's exchange tile, then (once the peer's nbytes have landed, phase
+        # `phase` of mbar) the other half plus the peer's into gX
+        if rank == 0:
+            pair_send(acc, sXch, mbar, 0, tidx)
+        else:
+            pair_send(acc, sXch, mbar, 1, tidx)
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
+        cute.arch.mbarrier_wait(mbar, phase)
+        if rank == 0:
+            pair_store(acc, cAcc, sXch, gX, nvalid, 0, tidx)
+        else:
+            pair_store(acc, cAcc, sXch, gX, nvalid, 1, tidx)
+
+    @cute.jit
     def store_dqk(acc: cute.Tensor, cAcc: cute.Tensor, mX: cute.Tensor, sXch: cute.Tensor, mbar, b: Int32, t0: Int32,
                   h: Int32, hv: Int32, rank: Int32, nvalid: Int32, phase: cutlass.Constexpr, tidx: Int32):
         # dq or dk: per value head into mX [B, T, HV, K]; with PAIR summed over the pair into mX [B, T, H, K]
@@ -356,17 +373,129 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         else:
             gX = cute.domain_offset((t0, 0), mX[b, None, h, None])
             cute.arch.cluster_wait()  # the peer is done with its exchange tile (see the arrives)
-            if rank == 0:
-                pair_send(acc, sXch, mbar, 0, tidx)
-            else:
-                pair_send(acc, sXch, mbar, 1, tidx)
-            if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar, XCH_BYTES)
-            cute.arch.mbarrier_wait(mbar, phase)
-            if rank == 0:
-                pair_store(acc, cAcc, sXch, gX, nvalid, 0, tidx)
-            else:
-                pair_store(acc, cAcc, sXch, gX, nvalid, 1, tidx)
+            pair_exchange(acc, cAcc, sXch, mbar, gX, nvalid, rank, XCH_BYTES, phase, tidx)
+
+    # ---- elementwise phases shared by both kernels (an accumulator's elements at its coordinates cAcc; row sums
+    # into a warpgroup's row of the sum buffers; by_row: one row_sums call a row, so that few temporaries are live)
+    @cute.jit
+    def dqk_tiles(accDP: cute.Tensor, accQK: cute.Tensor, cCC: cute.Tensor, sX1: cute.Tensor, sA: cute.Tensor,
+                  sGc: cute.Tensor, scale: Float32):
+        # dQK = scale dP E -> sX1 (input dtype) ; the pair terms dP * P -> sA
+        for e in cutlass.range_constexpr(cute.size(accDP)):
+            i, j = cCC[e]
+            dqk = Float32(0.0)
+            if j <= i:
+                dqk = scale * accDP[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
+            sX1[i, j] = dqk.to(dtype)
+            sA[i, j] = dqk * accQK[e]  # dP * P
+
+    @cute.jit
+    def dq_rows(accDq: cute.Tensor, tmp: cute.Tensor, cCK: cute.Tensor, groups: cutlass.Constexpr, sQ: cute.Tensor,
+                sGc: cute.Tensor, scale: Float32, sDgc: cute.Tensor, tidx: Int32, by_row: cutlass.Constexpr):
+        # dqg -> scale eg dqg ; dgc += rowsum(scale eg q * dqg)
+        for gi in cutlass.range_constexpr(len(groups)):
+            i, _ = cCK[groups[gi][0]]
+            f = scale * cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+            for e in groups[gi]:
+                _, d = cCK[e]
+                accDq[e] = accDq[e] * f
+                tmp[e] = accDq[e] * sQ[i, d].to(Float32)
+            if cutlass.const_expr(by_row):
+                row_sums(tmp, cCK, sDgc, (groups[gi],), tidx, True)
+        if cutlass.const_expr(not by_row):
+            row_sums(tmp, cCK, sDgc, groups, tidx, True)
+
+    @cute.jit
+    def dk_kdecay(accDk: cute.Tensor, tmp: cute.Tensor, cCK: cute.Tensor, groups: cutlass.Constexpr, sK: cute.Tensor,
+                  sGc: cute.Tensor, glast: Float32, sKdt: cute.Tensor, tidx: Int32, by_row: cutlass.Constexpr):
+        # vn dH^T -> diag(kdec) vn dH^T ; kdt = rowsum(kd * vn dH^T) (by_row: added to sKdt, else written)
+        for gi in cutlass.range_constexpr(len(groups)):
+            i, _ = cCK[groups[gi][0]]
+            f = cute.math.exp2((glast - sGc[i]) * LOG2E, fastmath=True)
+            for e in groups[gi]:
+                _, d = cCK[e]
+                accDk[e] = accDk[e] * f
+                tmp[e] = accDk[e] * sK[i, d].to(Float32)
+            if cutlass.const_expr(by_row):
+                row_sums(tmp, cCK, sKdt, (groups[gi],), tidx, True)
+        if cutlass.const_expr(not by_row):
+            row_sums(tmp, cCK, sKdt, groups, tidx, False)
+
+    @cute.jit
+    def dk_add_dkb(accDk: cute.Tensor, accDkb: cute.Tensor, cCK: cute.Tensor, groups: cutlass.Constexpr,
+                   sK: cute.Tensor, sGc: cute.Tensor, sB: cute.Tensor, sDb: cute.Tensor, sDgc: cute.Tensor, tidx: Int32):
+        # dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
+        for gi in cutlass.range_constexpr(len(groups)):
+            i, _ = cCK[groups[gi][0]]
+            eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+            beg = sB[i] * eg
+            for e in groups[gi]:
+                _, d = cCK[e]
+                accDk[e] = accDk[e] + beg * accDkb[e]
+                accDkb[e] = accDkb[e] * sK[i, d].to(Float32) * eg
+        row_sums(accDkb, cCK, sDb, groups, tidx, True)
+        for gi in cutlass.range_constexpr(len(groups)):
+            i, _ = cCK[groups[gi][0]]
+            bi = sB[i]
+            for e in groups[gi]:
+                accDkb[e] = accDkb[e] * bi
+        row_sums(accDkb, cCK, sDgc, groups, tidx, True)
+
+    @cute.jit
+    def dv_rows(accDvb: cute.Tensor, tmp: cute.Tensor, cCV: cute.Tensor, groups: cutlass.Constexpr, sV: cute.Tensor,
+                sB: cute.Tensor, sDb: cute.Tensor, tidx: Int32, by_row: cutlass.Constexpr):
+        # dvb -> dv = beta dvb ; dbeta += rowsum(v dvb)
+        for gi in cutlass.range_constexpr(len(groups)):
+            i, _ = cCV[groups[gi][0]]
+            bi = sB[i]
+            for e in groups[gi]:
+                _, n = cCV[e]
+                tmp[e] = accDvb[e] * sV[i, n].to(Float32)
+                accDvb[e] = accDvb[e] * bi
+            if cutlass.const_expr(by_row):
+                row_sums(tmp, cCV, sDb, (groups[gi],), tidx, True)
+        if cutlass.const_expr(not by_row):
+            row_sums(tmp, cCV, sDb, groups, tidx, True)
+
+    @cute.jit
+    def dtm_tile(accX1: cute.Tensor, accX2: cute.Tensor, cCC: cute.Tensor, sX2: cute.Tensor, sB: cute.Tensor,
+                 sGc: cute.Tensor):
+        # dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2 as dTm^T (input dtype)
+        for e in cutlass.range_constexpr(cute.size(accX1)):
+            i, j = cCC[e]
+            bj = sB[j]
+            sX2[j, i] = (accX1[e] * bj * cute.math.exp2(sGc[j] * LOG2E, fastmath=True) + accX2[e] * bj).to(dtype)
+
+    @cute.jit
+    def da_terms(accDA: cute.Tensor, accKK: cute.Tensor, tdb: cute.Tensor, cCC: cute.Tensor, groups: cutlass.Constexpr,
+                 sM: cute.Tensor, sA: cute.Tensor, sT: cute.Tensor, sGc: cute.Tensor, sB: cute.Tensor, sDb: cute.Tensor,
+                 tidx: Int32, kk_regs: cutlass.Constexpr):
+        # accDA = M1 Tm^T -> dA = -strictly_lower(.) ; Ae = KK * Es from sM (kk_regs: from k k^T's accumulator accKK,
+        # whose rows then go a row at a time) ; dbeta += rowsum(dA * Ae), sA += dA * A, dKK = beta dA * Es -> sT
+        for gi in cutlass.range_constexpr(len(groups)):
+            i, _ = cCC[groups[gi][0]]
+            gi_ = sGc[i]
+            bi = sB[i]
+            for e in groups[gi]:
+                _, j = cCC[e]
+                da = Float32(0.0)
+                ae = Float32(0.0)
+                es = Float32(0.0)
+                if i > j:
+                    da = -accDA[e]
+                    if cutlass.const_expr(kk_regs):
+                        es = cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
+                        ae = accKK[e] * es
+                    else:
+                        ae = sM[i, j]
+                        es = cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
+                tdb[e] = da * ae
+                sA[i, j] = sA[i, j] + bi * da * ae  # + dA * A
+                sT[i, j] = bi * da * es  # dKK
+            if cutlass.const_expr(kk_regs):
+                row_sums(tdb, cCC, sDb, (groups[gi],), tidx, True)
+        if cutlass.const_expr(not kk_regs):
+            row_sums(tdb, cCC, sDb, groups, tidx, True)
 
     @cute.jit
     def l2norm_rows(sQ: cute.Tensor, sK: cute.Tensor, sRq: cute.Tensor, sRk: cute.Tensor, tidx: Int32):
@@ -768,23 +897,10 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if cutlass.const_expr(not OVERLAP):
                 mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
             done()
-            for e in cutlass.range_constexpr(cute.size(accDP)):
-                i, j = cCC[e]
-                dqk = Float32(0.0)
-                if j <= i:
-                    dqk = scale * accDP[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
-                sX1[i, j] = dqk.to(dtype)
-                sA[i, j] = dqk * accQK[e]  # dP * P
+            dqk_tiles(accDP, accQK, cCC, sX1, sA, sGc, scale)
             # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
             tmp = acc_ck()  # one scratch array for every row-sum operand below
-            for gi in cutlass.range_constexpr(len(grp_ck)):
-                i, _ = cCK[grp_ck[gi][0]]
-                f = scale * cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-                for e in grp_ck[gi]:
-                    _, d = cCK[e]
-                    accDq[e] = accDq[e] * f
-                    tmp[e] = accDq[e] * sQ[i, d].to(Float32)
-            row_sums(tmp, cCK, sDgc, grp_ck, tidx, True)
+            dq_rows(accDq, tmp, cCK, grp_ck, sQ, sGc, scale, sDgc, tidx, False)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             mm(accDq, K, sX1, False, tv(sK), True, False)  # B [N = d, K = j]: k [j, d] MN-major
@@ -822,14 +938,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             accDk = acc_ck()
             mm(accDk, K, sVn, False, sS, False, True)  # B [N = d, K = v]: dH [d, v] K-major
             done()
-            for gi in cutlass.range_constexpr(len(grp_ck)):
-                i, _ = cCK[grp_ck[gi][0]]
-                f = cute.math.exp2((glast - sGc[i]) * LOG2E, fastmath=True)
-                for e in grp_ck[gi]:
-                    _, d = cCK[e]
-                    accDk[e] = accDk[e] * f
-                    tmp[e] = accDk[e] * sK[i, d].to(Float32)
-            row_sums(tmp, cCK, sKdt, grp_ck, tidx, False)
+            dk_kdecay(accDk, tmp, cCK, grp_ck, sK, sGc, glast, sKdt, tidx, False)
             mm(accDk, K, tv(sX1), True, tv(sQ), True, False)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
             # ---- dkb = Tm^T dw: dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
             accDkb = acc_ck()
@@ -842,35 +951,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 warpgroup.wait_group(1)
             else:
                 done()
-            for gi in cutlass.range_constexpr(len(grp_ck)):
-                i, _ = cCK[grp_ck[gi][0]]
-                eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-                beg = sB[i] * eg
-                for e in grp_ck[gi]:
-                    _, d = cCK[e]
-                    accDk[e] = accDk[e] + beg * accDkb[e]
-                    accDkb[e] = accDkb[e] * sK[i, d].to(Float32) * eg
-            row_sums(accDkb, cCK, sDb, grp_ck, tidx, True)
-            for gi in cutlass.range_constexpr(len(grp_ck)):
-                i, _ = cCK[grp_ck[gi][0]]
-                bi = sB[i]
-                for e in grp_ck[gi]:
-                    accDkb[e] = accDkb[e] * bi
-            row_sums(accDkb, cCK, sDgc, grp_ck, tidx, True)
+            dk_add_dkb(accDk, accDkb, cCK, grp_ck, sK, sGc, sB, sDb, sDgc, tidx)
             # ---- dvb = Tm^T dvn: dv = beta dvb ; dbeta += rowsum(v dvb)
             if cutlass.const_expr(OVERLAP):
                 warpgroup.wait_group(0)
             else:
                 mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
                 done()
-            for gi in cutlass.range_constexpr(len(grp_cv)):
-                i, _ = cCV[grp_cv[gi][0]]
-                bi = sB[i]
-                for e in grp_cv[gi]:
-                    _, n = cCV[e]
-                    tmp[e] = accDvb[e] * sV[i, n].to(Float32)
-                    accDvb[e] = accDvb[e] * bi
-            row_sums(tmp, cCV, sDb, grp_cv, tidx, True)
+            dv_rows(accDvb, tmp, cCV, grp_cv, sV, sB, sDb, tidx, False)
             store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
             if cutlass.const_expr(PERSIST):  # every warp is done with q, Sc / dH and vn: the next tile's
                 cute.arch.sync_threads()
@@ -884,10 +972,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             mm(accX1, C, sDw, False, sK, False, True)
             mm(accX2, C, sDvn, False, sV, False, True)
             done()
-            for e in cutlass.range_constexpr(cute.size(accX1)):
-                i, j = cCC[e]
-                bj = sB[j]
-                sX2[j, i] = (accX1[e] * bj * cute.math.exp2(sGc[j] * LOG2E, fastmath=True) + accX2[e] * bj).to(dtype)
+            dtm_tile(accX1, accX2, cCC, sX2, sB, sGc)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             # ---- M1 = Tm^T dTm -> sX2 ; dA = -strictly_lower(M1 Tm^T)
@@ -902,23 +987,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             mm(accDA, C, sX2, False, sTm, False, True)  # B [N = n, K = c]: Tm [n, c] K-major
             done()
             tdb = acc_cc()
-            for gi in cutlass.range_constexpr(len(grp_cc)):
-                i, _ = cCC[grp_cc[gi][0]]
-                gi_ = sGc[i]
-                bi = sB[i]
-                for e in grp_cc[gi]:
-                    _, j = cCC[e]
-                    da = Float32(0.0)
-                    ae = Float32(0.0)
-                    es = Float32(0.0)
-                    if i > j:
-                        da = -accDA[e]
-                        ae = sM[i, j]
-                        es = cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
-                    tdb[e] = da * ae
-                    sA[i, j] = sA[i, j] + bi * da * ae  # + dA * A
-                    sT[i, j] = bi * da * es  # dKK
-            row_sums(tdb, cCC, sDb, grp_cc, tidx, True)  # dbeta += rowsum(dA * Ae)
+            da_terms(accDA, accDA, tdb, cCC, grp_cc, sM, sA, sT, sGc, sB, sDb, tidx, False)  # (accKK unread)
             cute.arch.sync_threads()
             # dKK + dKK^T -> sX1 (dQK is no longer read)
             for q in cutlass.range_constexpr(C * C // THREADS):
@@ -986,17 +1055,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if cutlass.const_expr(phase == 1):
                 cute.arch.mbarrier_wait(xfree, 0)  # the peer has read this CTA's dq out of its exchange tile
                 cute.arch.fence_acq_rel_cluster()  # (the wait acquires at CTA scope; the peer released at cluster)
-            if rank == 0:
-                pair_send(acc, sXch, xbar, 0, lt)
-            else:
-                pair_send(acc, sXch, xbar, 1, lt)
-            if lt == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(xbar, QXCH_BYTES)
-            cute.arch.mbarrier_wait(xbar, phase)
-            if rank == 0:
-                pair_store(acc, cAcc, sXch, gX, nvalid, 0, lt)
-            else:
-                pair_store(acc, cAcc, sXch, gX, nvalid, 1, lt)
+            pair_exchange(acc, cAcc, sXch, xbar, gX, nvalid, rank, QXCH_BYTES, phase, lt)
             if cutlass.const_expr(phase == 0):
                 bar_sync(BAR_Q, 128)  # every warpgroup-0 thread is done reading the exchange tile
                 if lt == 0:
@@ -1174,24 +1233,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             bar_arrive(BAR_DOSC)  # do and Sc read: the w side may write dw over do, dKK over Sc
             pmark(prof, 2)
             # dQK = scale dP E -> sX1 ; the pair terms dP * P -> sA
-            for e in cutlass.range_constexpr(cute.size(accDP)):
-                i, j = cCC[e]
-                dqk = Float32(0.0)
-                if j <= i:
-                    dqk = scale * accDP[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
-                sX1[i, j] = dqk.to(dtype)
-                sA[i, j] = dqk * accQK[e]
+            dqk_tiles(accDP, accQK, cCC, sX1, sA, sGc, scale)
             bar_arrive(BAR_PP)  # dP * P in sA: the w side adds dA * A
             # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
             tmp = acc_of(mma_ck, K, lt)
-            for gi in cutlass.range_constexpr(len(grp_ck)):
-                i, _ = cCK[grp_ck[gi][0]]
-                f = scale * cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-                for e in grp_ck[gi]:
-                    _, d = cCK[e]
-                    accDq[e] = accDq[e] * f
-                    tmp[e] = accDq[e] * sQ[i, d].to(Float32)
-                row_sums(tmp, cCK, sDgc, (grp_ck[gi],), tidx, True)
+            dq_rows(accDq, tmp, cCK, grp_ck, sQ, sGc, scale, sDgc, tidx, True)
             cute.arch.fence_view_async_shared()
             bar_sync(BAR_Q, 128)  # dQK in sX1
             pmark(prof, 3)
@@ -1206,14 +1252,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             accDk = acc_of(mma_ck, K, lt)
             mm1(accDk, K, sVn, False, sH, False, True, lt)  # B [N = d, K = v]: dH [d, v] K-major
             mma_done()
-            for gi in cutlass.range_constexpr(len(grp_ck)):
-                i, _ = cCK[grp_ck[gi][0]]
-                f = cute.math.exp2((glast - sGc[i]) * LOG2E, fastmath=True)
-                for e in grp_ck[gi]:
-                    _, d = cCK[e]
-                    accDk[e] = accDk[e] * f
-                    tmp[e] = accDk[e] * sK[i, d].to(Float32)
-                row_sums(tmp, cCK, sKdt, (grp_ck[gi],), tidx, True)
+            dk_kdecay(accDk, tmp, cCK, grp_ck, sK, sGc, glast, sKdt, tidx, True)
             mm1(accDk, K, tv(sX1), True, tv(sQ), True, False, lt)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
             mma_done()
             bar_arrive(BAR_DQK)  # dQK read: the w side may write dKK + dKK^T over it
@@ -1223,22 +1262,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             accDkb = acc_of(mma_ck, K, lt)
             mm1(accDkb, K, tv(sTm), True, tv(sDw), True, True, lt)  # dkb = Tm^T dw
             mma_done()
-            # dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
-            for gi in cutlass.range_constexpr(len(grp_ck)):
-                i, _ = cCK[grp_ck[gi][0]]
-                eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-                beg = sB[i] * eg
-                for e in grp_ck[gi]:
-                    _, d = cCK[e]
-                    accDk[e] = accDk[e] + beg * accDkb[e]
-                    accDkb[e] = accDkb[e] * sK[i, d].to(Float32) * eg
-            row_sums(accDkb, cCK, sDb, grp_ck, tidx, True)
-            for gi in cutlass.range_constexpr(len(grp_ck)):
-                i, _ = cCK[grp_ck[gi][0]]
-                bi = sB[i]
-                for e in grp_ck[gi]:
-                    accDkb[e] = accDkb[e] * bi
-            row_sums(accDkb, cCK, sDgc, grp_ck, tidx, True)
+            dk_add_dkb(accDk, accDkb, cCK, grp_ck, sK, sGc, sB, sDb, sDgc, tidx)
             pmark(prof, 7)
             bar_sync(BAR_KK)  # dKK + dKK^T in sX1
             pmark(prof, 8)
@@ -1268,14 +1292,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             warpgroup.wait_group(0)  # Tm^T dvn
             # dv = beta dvb ; dbeta += rowsum(v dvb)
             tmpv = acc_of(mma_cv, V, lt)
-            for gi in cutlass.range_constexpr(len(grp_cv)):  # a row at a time: few temporaries live
-                i, _ = cCV[grp_cv[gi][0]]
-                bi = sB[i]
-                for e in grp_cv[gi]:
-                    _, n = cCV[e]
-                    tmpv[e] = accDvb[e] * sV[i, n].to(Float32)
-                    accDvb[e] = accDvb[e] * bi
-                row_sums(tmpv, cCV, sDb, (grp_cv[gi],), tidx, True)
+            dv_rows(accDvb, tmpv, cCV, grp_cv, sV, sB, sDb, tidx, True)
             store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
             pmark(prof, 12)
             # dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2 as dTm^T
@@ -1299,10 +1316,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 sRed[tidx // 32] = part
             warpgroup.wait_group(0)
             pmark(prof, 13)
-            for e in cutlass.range_constexpr(cute.size(accX1)):
-                i, j = cCC[e]
-                bj = sB[j]
-                sX2[j, i] = (accX1[e] * bj * cute.math.exp2(sGc[j] * LOG2E, fastmath=True) + accX2[e] * bj).to(dtype)
+            dtm_tile(accX1, accX2, cCC, sX2, sB, sGc)
             cute.arch.fence_view_async_shared()
             bar_sync(BAR_W, 128)
             # M1 = Tm^T dTm -> sX2 ; dA = -strictly_lower(M1 Tm^T)
@@ -1321,23 +1335,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             bar_sync(BAR_PP)  # dP * P in sA
             pmark(prof, 16)
             tdb = acc_of(mma_cc, C, lt)
-            for gi in cutlass.range_constexpr(len(grp_cc)):
-                i, _ = cCC[grp_cc[gi][0]]
-                gi_ = sGc[i]
-                bi = sB[i]
-                for e in grp_cc[gi]:
-                    _, j = cCC[e]
-                    da = Float32(0.0)
-                    ae = Float32(0.0)
-                    es = Float32(0.0)
-                    if i > j:
-                        da = -accDA[e]
-                        es = cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
-                        ae = accKK[e] * es
-                    tdb[e] = da * ae
-                    sA[i, j] = sA[i, j] + bi * da * ae  # + dA * A
-                    sT[i, j] = bi * da * es  # dKK
-                row_sums(tdb, cCC, sDb, (grp_cc[gi],), tidx, True)  # dbeta += rowsum(dA * Ae), a row at a time
+            da_terms(accDA, accKK, tdb, cCC, grp_cc, sA, sA, sT, sGc, sB, sDb, tidx, True)  # (sM unread)
             bar_sync(BAR_W, 128)  # dKK whole in sT
             pmark(prof, 17)
             bar_sync(BAR_DQK)  # the q side is done with dQK
