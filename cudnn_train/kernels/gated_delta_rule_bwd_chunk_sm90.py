@@ -204,7 +204,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 issue_tiles(((cute.domain_offset((t0, 0), mK[b, None, h, None]), sK, K, 0),), length, tidx)
         cute.arch.cp_async_commit_group()
 
-    TMA_NAMES = ("q", "k", "v", "do", "dvn", "vn", "tm", "s") + (("h",) if CHAINS else ())  # the kernel's atoms, tensors, tiles
+    # the order of the kernel's atoms, tensors, tiles
+    TMA_NAMES = ("q", "k", "v", "do", "dvn", "vn", "tm", "s") + (("h",) if CHAINS else ())
     zero_all = cm.make_zero_rows(dtype, THREADS)
     init_barriers = cm.make_tma_init()
 

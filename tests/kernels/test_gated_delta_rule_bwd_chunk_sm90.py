@@ -350,11 +350,12 @@ def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
     same products and rounding points, only the row sums' order (and the products' N per instruction) differ, so
     the float32 outputs within 1e-4 relative L2 of it and the half-precision ones (dv, the pair-summed dq, dk) within
     1e-3 (a rounding may flip); every output within the usual 2e-2 of the float32 torch stage (the pair sum's dq,
-    dk against its per-head values summed over the pair); two calls give the same bits, over memory poisoned with
-    NaN, and so does the profile variant (pair case); asked for without vn and Tm (no TMA loads) it is a ValueError. Cases: the pair sum (dq, dk exchanged
-    between the cluster's warpgroups 0) in bf16, at T 65 (a partial last chunk), in fp16, and varlen with empty
-    and one-token sequences (CTAs of length 0 exchanging too); GVA 4 with float32 dq, dk per value head; fp16 T 1;
-    no l2norm; varlen fp16 with empty, one-token and odd sequences and NaN past the last sequence."""
+    dk against its per-head values summed over the pair); two calls give the same bits over memory poisoned with
+    NaN, and so does the profile variant (pair case); asked for without vn and Tm (no TMA loads) it is a
+    ValueError. Cases: the pair sum (dq, dk exchanged between the cluster's warpgroups 0) in bf16, at T 65 (a
+    partial last chunk), in fp16, and varlen with empty and one-token sequences (CTAs of length 0 exchanging too);
+    GVA 4 with float32 dq, dk per value head; fp16 T 1; no l2norm; varlen fp16 with empty, one-token and odd
+    sequences and NaN past the last sequence."""
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
 
     lens = [1, 63, 130, 64, 0, 7] if "varlen" in case else None
