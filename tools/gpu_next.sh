@@ -387,8 +387,8 @@ s32)
 s33)
   # the eighteenth session's prepared two-chain stage 3 (CUDNN_TRAIN_GDN_DCHUNK_CHAINS): its cases against the
   # per-tile kernel and the torch stage, then its timing against the per-tile kernel (the default only if faster)
-  tier s33 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "two_chain"
-  timed chains ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes 2 --chains
+  tier s33 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "two_chain"
+  timed chains ${TIME_S:-270} python3 tools/time_gdn_dchunk.py --shapes 2 --chains
   if [ -n "$CHAINS_TRAIN" ]; then  # then the training tier's kernel half with it on (the training path's call)
     CUDNN_TRAIN_GDN_DCHUNK_CHAINS=1 tier s33_train ${TRAIN_S:-300} tests/kernels/test_gated_delta_rule_train_sm90.py \
       -k "not torch"

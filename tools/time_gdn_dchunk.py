@@ -17,9 +17,10 @@ against recomputing it, and with the chunk inverses read too (``tm=``), then the
 vn and Tm read) on one warpgroup against two (the default since the twelfth session; outputs compared,
 relative L2), then the two timings. ``--tma``: only the training path's call with its loads by TMA against
 cp.async (``tma=``; per tile, persistent, on four warpgroups; outputs checked bitwise), then both loads'
-profiles. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=True``:
-a warpgroup for the q side and dk, one for the w side; outputs compared, relative L2, since its row sums run in
-another order), then the two timings, alternating, then its profile (each side's phases).
+profiles. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
+a warpgroup for the q side and dk, one for the w side) and its variant with dv on the q side (``chains=2``):
+outputs compared (relative L2, since their row sums run in another order), the three timings, alternating, then
+both profiles (each side's phases).
 
 K = V = 128, bf16, l2norm in kernel. The inputs are random but shaped as the training path gives
 them (q, k at their own heads, the in-chunk cumulative log decay, bf16 chunk rows). Before timing,
@@ -239,28 +240,32 @@ def tma_rows(x, B, T, H, HV, scale):
 
 def chains_rows(x, B, T, H, HV, scale):
     """The training path's call (vn and Tm read, random: the timing does not depend on their values; TMA loads) per
-    tile against the two-chain kernel: the outputs' relative L2 (its row sums run in another order), then both timed
-    twice, alternating."""
-    kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
-              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
-    base, two = (B3.chunk_grads(*x, **kw, chains=c) for c in (False, True))
-    torch.cuda.synchronize()
-    diffs = ", ".join(f"{n} {rel_l2(b.float(), a.float()):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"),
-                                                                                   base, two))
-    print(f"B{B} T{T} H{H} HV{HV}: two chains vs per tile: {diffs}")
-    fl = bwd_flops(B, T, HV)
-    for c in (False, True, False, True):
-        ms = bench(lambda: B3.chunk_grads(*x, **kw, chains=c), warmup=10, rep=50)
-        print(f"  {'two chains' if c else 'per tile (default)':18s} {ms:.3f} ms  {fl / ms / 1e9:.1f} TFLOP/s")
-    # its profile variant: thread 0's phases (the q side's, "q:") and thread 128's (the w side's, "w:") of each CTA
+    tile against the two-chain kernel (``chains=1``) and its variant with dvb and dv on the q side (``chains=2``):
+    the outputs' relative L2 against the per-tile kernel (the row sums run in another order), then all three timed
+    twice, alternating, then both two-chain kernels' profiles (each side's phases)."""
     from time_gdn_fwd import _report
 
+    kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
+              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+    outs = [B3.chunk_grads(*x, **kw, chains=c) for c in (0, 1, 2)]
+    torch.cuda.synchronize()
+    for c in (1, 2):
+        diffs = ", ".join(f"{n} {rel_l2(b.float(), a.float()):.1e}"
+                          for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), outs[0], outs[c]))
+        print(f"B{B} T{T} H{H} HV{HV}: chains={c} vs per tile: {diffs}")
+    fl = bwd_flops(B, T, HV)
+    label = {0: "per tile (default)", 1: "two chains", 2: "two chains, dv on q"}
+    for c in (0, 1, 2, 0, 1, 2):
+        ms = bench(lambda: B3.chunk_grads(*x, **kw, chains=c), warmup=10, rep=50)
+        print(f"  {label[c]:20s} {ms:.3f} ms  {fl / ms / 1e9:.1f} TFLOP/s")
     ctas = B * (-(-T // 64)) * HV
     buf = torch.zeros(ctas * (len(B3.CHAIN_PHASES) + 1), dtype=torch.int64, device="cuda")
-    prof = B3.chunk_grads(*x, **kw, chains=True, profile=buf)
-    torch.cuda.synchronize()
-    same = all(torch.equal(u, w) for u, w in zip(two, prof))
-    _report(f"two-chain kernel (profile variant bitwise the plain one: {same})", buf, B3.CHAIN_PHASES, ctas)
+    for c in (1, 2):
+        buf.zero_()
+        prof = B3.chunk_grads(*x, **kw, chains=c, profile=buf)
+        torch.cuda.synchronize()
+        same = all(torch.equal(u, w) for u, w in zip(outs[c], prof))
+        _report(f"{label[c]} (profile variant bitwise the plain one: {same})", buf, B3.CHAIN_PHASES, ctas)
 
 
 def k64_rows(B, T, H, HV):

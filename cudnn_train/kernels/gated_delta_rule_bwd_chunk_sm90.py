@@ -133,7 +133,7 @@ CHAIN_PHASES = ("loads q, k landed", "l2norm rows",
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
                   VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False, TMA: bool = False,
-                  CHAINS: bool = False):
+                  CHAINS: int = 0):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -157,6 +157,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         raise ValueError("the persistent variant loads by cp.async or TMA")
     if TMA and not (ASYNC and VNIN and TMIN):
         raise ValueError("the TMA loads replace the cp.async ones of the training path's call (vn and Tm read)")
+    # CHAINS: 0 the per-tile kernel, 1 the two-chain kernel, 2 that with dvb, dv on the q side (chains_default)
+    if CHAINS not in (0, 1, 2):
+        raise ValueError(f"CHAINS={CHAINS}: 0, 1 or 2")
     if CHAINS and not (TMA and not PERSIST and WGS == 2 and K == 128 and V == 128):
         raise ValueError("the two-chain stage 3 serves the training path's call per tile with the TMA loads, "
                          "two warpgroups, K = V = 128")
@@ -1252,10 +1255,21 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             cute.arch.mbarrier_wait(tbar + 3, 0)  # dH
             accDk = acc_of(mma_ck, K, lt)
             mm1(accDk, K, sVn, False, sH, False, True, lt)  # B [N = d, K = v]: dH [d, v] K-major
+            accDvbQ = None
+            if cutlass.const_expr(CHAINS == 2):  # dvb = Tm^T dvn here, in flight with vn dH^T
+                cute.arch.mbarrier_wait(tbar + 2, 0)  # v, dvn
+                accDvbQ = acc_of(mma_cv, V, lt)
+                mm1(accDvbQ, V, tv(sTm), True, tv(sDvn), True, True, lt)
             mma_done()
             dk_kdecay(accDk, tmp, cCK, grp_ck, sK, sGc, glast, sKdt, tidx, True)
             mm1(accDk, K, tv(sX1), True, tv(sQ), True, False, lt)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
-            mma_done()
+            if cutlass.const_expr(CHAINS == 2):  # dv = beta dvb, dbeta += rowsum(v dvb) while dQK^T q runs
+                warpgroup.commit_group()
+                dv_rows(accDvbQ, tmp, cCV, grp_cv, sV, sB, sDb, tidx, True)
+                store_rows(accDvbQ, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
+                warpgroup.wait_group(0)
+            else:
+                mma_done()
             bar_arrive(BAR_DQK)  # dQK read: the w side may write dKK + dKK^T over it
             pmark(prof, 5)
             bar_sync(BAR_DW)  # dw in its tile
@@ -1280,21 +1294,26 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             accDw = acc_of(mma_ck, K, lt)
             mm1(accDw, K, sDvn, False, sS, False, True, lt)  # dvn Sc^T
             warpgroup.commit_group()
-            accDvb = acc_of(mma_cv, V, lt)
-            mm1(accDvb, V, tv(sTm), True, tv(sDvn), True, True, lt)  # dvb = Tm^T dvn
-            warpgroup.commit_group()
-            warpgroup.wait_group(1)  # dvn Sc^T
+            accDvb = None
+            if cutlass.const_expr(CHAINS == 1):  # (2: on the q side)
+                accDvb = acc_of(mma_cv, V, lt)
+                mm1(accDvb, V, tv(sTm), True, tv(sDvn), True, True, lt)  # dvb = Tm^T dvn
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)  # dvn Sc^T
+            else:
+                warpgroup.wait_group(0)
             pmark(prof, 10)
             bar_sync(BAR_DOSC)  # the q side is done with do and Sc
             pmark(prof, 11)
             acc_to_tile(accDw, cCK, sDw, True)  # dw = -dvn Sc^T over do
             cute.arch.fence_view_async_shared()
             bar_arrive(BAR_DW)
-            warpgroup.wait_group(0)  # Tm^T dvn
-            # dv = beta dvb ; dbeta += rowsum(v dvb)
-            tmpv = acc_of(mma_cv, V, lt)
-            dv_rows(accDvb, tmpv, cCV, grp_cv, sV, sB, sDb, tidx, True)
-            store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
+            if cutlass.const_expr(CHAINS == 1):
+                warpgroup.wait_group(0)  # Tm^T dvn
+                # dv = beta dvb ; dbeta += rowsum(v dvb)
+                tmpv = acc_of(mma_cv, V, lt)
+                dv_rows(accDvb, tmpv, cCV, grp_cv, sV, sB, sDb, tidx, True)
+                store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
             pmark(prof, 12)
             # dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2 as dTm^T
             bar_sync(BAR_W, 128)  # every warpgroup-1 thread's dw is in its tile
@@ -1473,8 +1492,10 @@ def tma_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_TMA", True)
 
 
-def chains_default() -> bool:
-    """``CUDNN_TRAIN_GDN_DCHUNK_CHAINS=1``: the two-chain stage 3 (prepared, not yet GPU-run, off). The per-tile
+def chains_default() -> int:
+    """``CUDNN_TRAIN_GDN_DCHUNK_CHAINS=1``: the two-chain stage 3 (prepared, not yet GPU-run, off; ``=2``: the same
+    with dvb = Tm^T dvn and dv moved to the q side, in flight with its vn dH^T and dQK^T q, so that the w side's chain
+    is shorter by them; 0 or unset: the per-tile kernel). The per-tile
     kernel splits the N of every product between its two warpgroups, so both walk one chain of some twenty
     dependent steps a chunk (products, CUDA-core loops, CTA barriers): latency-bound at one CTA an SM (its 204 KB).
     The variant gives each warpgroup whole [64, N] products of its own chain: warpgroup 0 the q side and dk
@@ -1485,12 +1506,15 @@ def chains_default() -> bool:
     the row sums' order differs (one warpgroup sums a whole row). It is the first step of the fused backward's plan
     (docs/PERFORMANCE.md): a chain warpgroup carrying dH across the chunks would join these two. Only the training
     path's call per tile (vn and Tm read, TMA loads, two warpgroups) at K = V = 128."""
-    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_CHAINS", False)
+    env = os.environ.get("CUDNN_TRAIN_GDN_DCHUNK_CHAINS", "").strip()
+    if env not in ("", "0", "1", "2"):
+        raise ValueError(f"CUDNN_TRAIN_GDN_DCHUNK_CHAINS={env!r}: expected 0, 1 or 2")
+    return int(env or 0)
 
 
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
                       profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False, tma=False,
-                      chains=False):
+                      chains=0):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     overlap = overlap and not chains  # (the two-chain kernel has no such variant: one cache entry)
@@ -1501,12 +1525,12 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
         () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ()) + (
         ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ()) + (
         ("tm_in",) if tm_in else ()) + (("persist",) if persist else ()) + (("tma",) if tma else ()) + (
-        ("chains",) if chains else ())
+        ("chains",) if chains else ()) + (("dvq",) if chains == 2 else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
-                             async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma), bool(chains))
+                             async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma), int(chains))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
@@ -1515,7 +1539,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
                 sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
                 tm=None, persist: bool | None = None, persist_ctas: int | None = None, tma: bool | None = None,
-                chains: bool | None = None):
+                chains: bool | int | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -1543,8 +1567,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     that many CTAs (clusters with the pair sum) instead of one an SM, for tests (several tiles a CTA). ``tma``: the
     loads by TMA instead of ``cp.async`` (default :func:`tma_default`; only with ``vn`` and ``tm`` given and the
     cp.async loads asked for, per tile or persistent, with or without the profile variant); the results are the
-    same bits. ``chains``: the two-chain kernel (default :func:`chains_default` where it can serve: the TMA loads
-    per tile on two warpgroups at K = V = 128); True where it cannot is a ValueError; its profile variant writes
+    same bits. ``chains``: the two-chain kernel (True or 1; 2: with dv on the q side; default :func:`chains_default`
+    where it can serve: the TMA loads per tile on two warpgroups at K = V = 128); asked for where it cannot, a
+    ValueError; its profile variant writes
     ``len(CHAIN_PHASES) + 1`` elements a CTA (thread 0's phases and total, thread 128's "w:" phases)."""
     cm.check_device(q)
     dt = q.dtype
@@ -1619,7 +1644,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         raise ValueError("tma: the TMA loads need vn and tm given and the cp.async loads (async_loads)")
     can_chains = bool(tma) and not persist and (warpgroups(K) if wgs is None else wgs) == 2 and K == V == 128
     if chains is None:
-        chains = chains_default() and can_chains
+        chains = chains_default() if can_chains else 0
+    elif int(chains) not in (0, 1, 2):
+        raise ValueError(f"chains={chains!r}: False / 0, True / 1 or 2")
     elif chains and not can_chains:
         raise ValueError("chains: the two-chain kernel serves the TMA loads per tile (vn and tm given), two "
                          "warpgroups, K = V = 128")
@@ -1627,7 +1654,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     if profile is not None and profile.numel() < grid * HV * (len(phases) + 1):
         raise ValueError(f"profile: at least {grid * HV * (len(phases) + 1)} elements for these phases")
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
-                           vn is not None, tm is not None, persist, bool(tma), bool(chains))
+                           vn is not None, tm is not None, persist, bool(tma), int(chains))
     prof = fwd._dummies(dev)[2] if profile is None else profile
     pw = 2 if pair else 1
     if persist_ctas is not None and (not persist or persist_ctas < 1):

@@ -62,23 +62,25 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(kernel_cache):
     assert callable(B3.get_dchunk_kernel(torch.float16, 128, 128, True, False, vn_in=True, tm_in=True, tma=True,
                                          chains=True))
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, chains=True, profile=True))  # its profile variant
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, chains=2))  # dvb and dv on the q side
     for bad in (dict(train, chains=True, persist=True), dict(train, tma=False, chains=True)):
         with pytest.raises(ValueError, match="two-chain"):
             B3.get_dchunk_kernel(*VARIANTS[0], **bad)
     with pytest.raises(ValueError, match="two-chain"):
         B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True, tm_in=True, tma=True, chains=True)  # K = 64
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 24
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 25
 
 
 def test_two_chain_switch_is_off_by_default_and_parses(monkeypatch):
-    """CUDNN_TRAIN_GDN_DCHUNK_CHAINS is off by default (prepared, not yet timed), 1 turns it on, a typo is a
-    ValueError naming it."""
+    """CUDNN_TRAIN_GDN_DCHUNK_CHAINS is off (0) by default (prepared, not yet timed), 1 turns it on, 2 the variant
+    with dv on the q side, a typo is a ValueError naming it."""
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
     from tests.utils import assert_env_override
 
     monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_CHAINS", raising=False)
-    assert B3.chains_default() is False
-    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_CHAINS", B3.chains_default, "1", True, ("2", "yes"))
+    assert B3.chains_default() == 0
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_CHAINS", B3.chains_default, "1", 1, ("3", "yes"))
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_CHAINS", B3.chains_default, "2", 2, ())
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -351,7 +353,8 @@ def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
     the float32 outputs within 1e-4 relative L2 of it and the half-precision ones (dv, the pair-summed dq, dk) within
     1e-3 (a rounding may flip); every output within the usual 2e-2 of the float32 torch stage (the pair sum's dq,
     dk against its per-head values summed over the pair); two calls give the same bits over memory poisoned with
-    NaN, and so does the profile variant (pair case); asked for without vn and Tm (no TMA loads) it is a
+    NaN, and so does the profile variant (pair case); the variant with dvb and dv on the q side
+    (``chains=2``) the same way; asked for without vn and Tm (no TMA loads) it is a
     ValueError. Cases: the pair sum (dq, dk exchanged between the cluster's warpgroups 0) in bf16, at T 65 (a
     partial last chunk), in fp16, and varlen with empty and one-token sequences (CTAs of length 0 exchanging too);
     GVA 4 with float32 dq, dk per value head; fp16 T 1; no l2norm; varlen fp16 with empty, one-token and odd
@@ -372,21 +375,22 @@ def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
     if pair:
         kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
     base = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, chains=False, **kw)
-    runs = []
-    for _ in range(2):
-        poison = torch.full((8 * v.numel(),), float("nan"), device=v.device)  # the caching allocator reuses it
-        del poison
-        runs.append(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, chains=True, **kw))
-    got, again = runs
     names = ("dq", "dk", "dv", "dg", "dbeta")
-    for name, a, b, c in zip(names, got, base, again):
-        if lens is not None:  # rows past the last sequence: zeros in both (their outputs are zero-filled)
-            a, b, c = a[:, :T], b[:, :T], c[:, :T]
-        assert torch.isfinite(a).all(), f"{case}: {name} has unwritten or non-finite elements"
-        assert torch.equal(a, c), f"{case}: {name} differs between two calls"
-        tol = 1e-4 if a.dtype == torch.float32 else 1e-3
-        assert rel_l2(a.float(), b.float()) <= tol, (case, name, rel_l2(a.float(), b.float()))
-    got = [x[:, :T] for x in got]
+    for chains in (2, 1):  # 2: dvb and dv on the q side
+        runs = []
+        for _ in range(2):
+            poison = torch.full((8 * v.numel(),), float("nan"), device=v.device)  # the caching allocator reuses it
+            del poison
+            runs.append(B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, chains=chains, **kw))
+        got, again = runs
+        for name, a, b, c in zip(names, got, base, again):
+            if lens is not None:  # rows past the last sequence: zeros in both (their outputs are zero-filled)
+                a, b, c = a[:, :T], b[:, :T], c[:, :T]
+            assert torch.isfinite(a).all(), f"{case}, chains={chains}: {name} has unwritten or non-finite elements"
+            assert torch.equal(a, c), f"{case}, chains={chains}: {name} differs between two calls"
+            tol = 1e-4 if a.dtype == torch.float32 else 1e-3
+            assert rel_l2(a.float(), b.float()) <= tol, (case, chains, name, rel_l2(a.float(), b.float()))
+    got = [x[:, :T] for x in got]  # (chains=1's, compared with the torch stage below)
     got[3] = got[3].unsqueeze(-1)
     B, HV = want[2].shape[0], want[2].shape[2]
     for name, a, b in zip(names, got, want):
