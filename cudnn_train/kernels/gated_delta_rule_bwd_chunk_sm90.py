@@ -1289,6 +1289,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             pmark(prof, 9)
         else:
             # ======== warpgroup 1: dw, dvb and dv, dTm, k k^T (Ae), Tm^T dTm Tm^T, dA, dKK
+            accKK = None
+            if cutlass.const_expr(CHAINS == 2):  # k k^T first, while Sc and dvn land (no dvb accumulator here)
+                accKK = acc_of(mma_cc, C, lt)
+                mm1(accKK, C, sK, False, sK, False, True, lt)
+                warpgroup.commit_group()
             cute.arch.mbarrier_wait(tbar + 1, 0)  # Sc, Tm
             cute.arch.mbarrier_wait(tbar + 2, 0)  # v, dvn
             accDw = acc_of(mma_ck, K, lt)
@@ -1321,10 +1326,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             accX2 = acc_of(mma_cc, C, lt)
             mm1(accX1, C, sDw, False, sK, False, True, lt)
             mm1(accX2, C, sDvn, False, sV, False, True, lt)
-            # k k^T (for Ae, read in the dA loop) issued here rather than first: its accumulator then lives through
-            # the last products only, not through dw and dvb's (ptxas spilled with it held from the start)
-            accKK = acc_of(mma_cc, C, lt)
-            mm1(accKK, C, sK, False, sK, False, True, lt)
+            # k k^T (for Ae, read in the dA loop) issued here rather than first with dvb on this side: its
+            # accumulator then lives through the last products only, not through dw and dvb's (ptxas spilled with
+            # it held from the start)
+            if cutlass.const_expr(CHAINS == 1):
+                accKK = acc_of(mma_cc, C, lt)
+                mm1(accKK, C, sK, False, sK, False, True, lt)
             warpgroup.commit_group()
             # while they run: the tail's sum(Sc * dH), a part a warp (Sc and dH as stage 3 reads them, in the input
             # dtype; here, where few accumulators are in flight, so its loads do not raise the register count)
