@@ -65,7 +65,7 @@ default since the sixteenth session (:func:`tma_default`; ``CUDNN_TRAIN_GDN_DCHU
 bitwise the cp.async loads, H200 B4 T4096 H16 HV32 1.228 ms against 1.263 (per tile), 1.295 against 1.358
 (persistent, still off: slower than per tile).
 
-With ``chains`` (``chunk_grads(chains=True)``, CHAINS compiled in; :func:`chains_default`, off: prepared in the
+With ``chains`` (``chunk_grads(chains=True)``, CHAINS = 1 compiled in; ``chains=2``: dvb and dv on warpgroup 0; :func:`chains_default`, off: prepared in the
 eighteenth session, compiled, not yet GPU-run) the training path's call runs on the two-chain kernel
 (``kernel_chains``): warpgroup 0 takes the q side and dk, warpgroup 1 the w side, each on whole [64, N] products
 (one-warpgroup tiled MMAs), handing tiles over by named barriers (each used once: one side arrives, the other
@@ -122,10 +122,10 @@ DCHUNK_PHASES = ("loads (issued; q, k (cp.async: + Sc) landed)", "l2norm rows, q
 # their own side's; the loads and l2norm rows, the join and the tail are thread 0's
 CHAIN_PHASES = ("loads q, k landed", "l2norm rows",
                 "q: q k^T, dP, dqg (Sc, vn, do landed)", "q: dQK, dP P, dq row sums", "q: dQK k, dq out",
-                "q: vn dH^T (dH landed), kdt, dQK^T q", "q: wait for dw", "q: Tm^T dw, row sums",
+                "q: vn dH^T (dH landed), kdt, dQK^T q (2: + dvb, dv)", "q: wait for dw", "q: Tm^T dw, row sums",
                 "q: wait for dKK + dKK^T", "q: dKK k, dk out",
-                "w: dw, dvb issued, dw done", "w: wait for do, Sc read", "w: dw tile, dvb, dv",
-                "w: dw k^T, dvn v^T, k k^T, Sc.dH", "w: dTm^T, Tm^T dTm", "w: dA = M1 Tm^T",
+                "w: dw done (1: dvb issued; 2: k k^T)", "w: wait for do, Sc read", "w: dw tile (1: dvb, dv)",
+                "w: dw k^T, dvn v^T (1: k k^T), Sc.dH", "w: dTm^T, Tm^T dTm", "w: dA = M1 Tm^T",
                 "w: wait for dP P", "w: dA loop, dKK", "w: wait for dQK read, dKK + dKK^T",
                 "join (the other side)", "pair sums, dg scan, stores")
 
@@ -1253,11 +1253,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             pmark(prof, 4)
             # dk = diag(kdec) vn dH^T (kdt = rowsum(kd * vn dH^T)) + dQK^T q + beta eg Tm^T dw + (dKK + dKK^T) k
             cute.arch.mbarrier_wait(tbar + 3, 0)  # dH
+            if cutlass.const_expr(CHAINS == 2):
+                cute.arch.mbarrier_wait(tbar + 2, 0)  # v, dvn (for dvb below)
             accDk = acc_of(mma_ck, K, lt)
             mm1(accDk, K, sVn, False, sH, False, True, lt)  # B [N = d, K = v]: dH [d, v] K-major
             accDvbQ = None
             if cutlass.const_expr(CHAINS == 2):  # dvb = Tm^T dvn here, in flight with vn dH^T
-                cute.arch.mbarrier_wait(tbar + 2, 0)  # v, dvn
                 accDvbQ = acc_of(mma_cv, V, lt)
                 mm1(accDvbQ, V, tv(sTm), True, tv(sDvn), True, True, lt)
             mma_done()
@@ -1651,7 +1652,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
         raise ValueError("tma: the TMA loads need vn and tm given and the cp.async loads (async_loads)")
     can_chains = bool(tma) and not persist and (warpgroups(K) if wgs is None else wgs) == 2 and K == V == 128
     if chains is None:
-        chains = chains_default() if can_chains else 0
+        asked = chains_default()  # (parsed on every call: a typo is an error wherever it is read)
+        chains = asked if can_chains else 0
     elif int(chains) not in (0, 1, 2):
         raise ValueError(f"chains={chains!r}: False / 0, True / 1 or 2")
     elif chains and not can_chains:

@@ -353,8 +353,8 @@ def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
     the float32 outputs within 1e-4 relative L2 of it and the half-precision ones (dv, the pair-summed dq, dk) within
     1e-3 (a rounding may flip); every output within the usual 2e-2 of the float32 torch stage (the pair sum's dq,
     dk against its per-head values summed over the pair); two calls give the same bits over memory poisoned with
-    NaN, and so does the profile variant (pair case); the variant with dvb and dv on the q side
-    (``chains=2``) the same way; asked for without vn and Tm (no TMA loads) it is a
+    NaN, and so does the profile variant (pair case); all of it for both forms (``chains`` 1, and 2: dvb and dv on
+    the q side); asked for without vn and Tm (no TMA loads) it is a
     ValueError. Cases: the pair sum (dq, dk exchanged between the cluster's warpgroups 0) in bf16, at T 65 (a
     partial last chunk), in fp16, and varlen with empty and one-token sequences (CTAs of length 0 exchanging too);
     GVA 4 with float32 dq, dk per value head; fp16 T 1; no l2norm; varlen fp16 with empty, one-token and odd
@@ -376,7 +376,8 @@ def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
         kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
     base = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, chains=False, **kw)
     names = ("dq", "dk", "dv", "dg", "dbeta")
-    for chains in (2, 1):  # 2: dvb and dv on the q side
+    B, HV = want[2].shape[0], want[2].shape[2]
+    for chains in (1, 2):  # 2: dvb and dv on the q side
         runs = []
         for _ in range(2):
             poison = torch.full((8 * v.numel(),), float("nan"), device=v.device)  # the caching allocator reuses it
@@ -390,23 +391,22 @@ def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
             assert torch.equal(a, c), f"{case}, chains={chains}: {name} differs between two calls"
             tol = 1e-4 if a.dtype == torch.float32 else 1e-3
             assert rel_l2(a.float(), b.float()) <= tol, (case, chains, name, rel_l2(a.float(), b.float()))
-    got = [x[:, :T] for x in got]  # (chains=1's, compared with the torch stage below)
-    got[3] = got[3].unsqueeze(-1)
-    B, HV = want[2].shape[0], want[2].shape[2]
-    for name, a, b in zip(names, got, want):
-        if pair and name in ("dq", "dk"):  # the torch stage's per value head, summed over each pair
-            b = b.view(B, T, HV // 2, 2, -1).sum(3)
-        assert a.shape == b.shape, (case, name, a.shape, b.shape)
-        assert rel_l2(a.float(), b.float()) <= 2e-2, (case, name, rel_l2(a.float(), b.float()))
-    if case == "pair":  # the profile variant: the same bits, a positive total and w-side phases in every CTA's row
-        n = len(B3.CHAIN_PHASES) + 1
-        buf = torch.zeros(2 * 5 * 4 * n, dtype=torch.int64, device="cuda")  # chunks x HV rows
-        prof = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, chains=True, profile=buf, **kw)
-        for name, a, b in zip(names, prof, again):
-            assert torch.equal(a, b), f"{name} differs in the two-chain kernel's profile variant"
-        rows = buf.view(-1, n)
-        w = [i for i, p in enumerate(B3.CHAIN_PHASES) if p.startswith("w:")]
-        assert (rows[:, -1] > 0).all() and (rows[:, w].sum(1) > 0).all()
+        got = [x[:, :T] for x in got]
+        got[3] = got[3].unsqueeze(-1)
+        for name, a, b in zip(names, got, want):
+            if pair and name in ("dq", "dk"):  # the torch stage's per value head, summed over each pair
+                b = b.view(B, T, HV // 2, 2, -1).sum(3)
+            assert a.shape == b.shape, (case, chains, name, a.shape, b.shape)
+            assert rel_l2(a.float(), b.float()) <= 2e-2, (case, chains, name, rel_l2(a.float(), b.float()))
+        if case == "pair":  # the profile variant: the same bits, a positive total and w-side phases in every row
+            n = len(B3.CHAIN_PHASES) + 1
+            buf = torch.zeros(2 * 5 * 4 * n, dtype=torch.int64, device="cuda")  # chunks x HV rows
+            prof = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, chains=chains, profile=buf, **kw)
+            for name, a, b in zip(names, prof, again):
+                assert torch.equal(a, b), f"{name} differs in the profile variant (chains={chains})"
+            rows = buf.view(-1, n)
+            w = [i for i, p in enumerate(B3.CHAIN_PHASES) if p.startswith("w:")]
+            assert (rows[:, -1] > 0).all() and (rows[:, w].sum(1) > 0).all()
     if case == "no_l2norm":
         with pytest.raises(ValueError, match="chains"):
             B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, cu_seqlens=cu, l2norm=l2, chains=True)
