@@ -394,36 +394,26 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             sA[i, j] = dqk * accQK[e]  # dP * P
 
     @cute.jit
-    def dq_rows(accDq: cute.Tensor, tmp: cute.Tensor, cCK: cute.Tensor, groups: cutlass.Constexpr, sQ: cute.Tensor,
-                sGc: cute.Tensor, scale: Float32, sDgc: cute.Tensor, tidx: Int32, by_row: cutlass.Constexpr):
-        # dqg -> scale eg dqg ; dgc += rowsum(scale eg q * dqg)
+    def scale_rows(acc: cute.Tensor, tmp: cute.Tensor, cAcc: cute.Tensor, groups: cutlass.Constexpr, sY: cute.Tensor,
+                   sGc: cute.Tensor, x: Float32, decay: cutlass.Constexpr, sOut: cute.Tensor, tidx: Int32,
+                   by_row: cutlass.Constexpr, accumulate: cutlass.Constexpr):
+        # acc's row i times f_i, then sOut (+)= rowsum(y * acc) (y the tile sY): dq's f_i = x eg_i (x = scale:
+        # dqg -> scale eg dqg, dgc += rowsum(scale eg q * dqg)); with `decay` dk's f_i = exp(gc_C - gc_i) (x = gc_C:
+        # vn dH^T -> diag(kdec) vn dH^T, kdt = rowsum(kd * vn dH^T))
         for gi in cutlass.range_constexpr(len(groups)):
-            i, _ = cCK[groups[gi][0]]
-            f = scale * cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
+            i, _ = cAcc[groups[gi][0]]
+            if cutlass.const_expr(decay):
+                f = cute.math.exp2((x - sGc[i]) * LOG2E, fastmath=True)
+            else:
+                f = x * cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
             for e in groups[gi]:
-                _, d = cCK[e]
-                accDq[e] = accDq[e] * f
-                tmp[e] = accDq[e] * sQ[i, d].to(Float32)
+                _, d = cAcc[e]
+                acc[e] = acc[e] * f
+                tmp[e] = acc[e] * sY[i, d].to(Float32)
             if cutlass.const_expr(by_row):
-                row_sums(tmp, cCK, sDgc, (groups[gi],), tidx, True)
+                row_sums(tmp, cAcc, sOut, (groups[gi],), tidx, accumulate)
         if cutlass.const_expr(not by_row):
-            row_sums(tmp, cCK, sDgc, groups, tidx, True)
-
-    @cute.jit
-    def dk_kdecay(accDk: cute.Tensor, tmp: cute.Tensor, cCK: cute.Tensor, groups: cutlass.Constexpr, sK: cute.Tensor,
-                  sGc: cute.Tensor, glast: Float32, sKdt: cute.Tensor, tidx: Int32, by_row: cutlass.Constexpr):
-        # vn dH^T -> diag(kdec) vn dH^T ; kdt = rowsum(kd * vn dH^T) (by_row: added to sKdt, else written)
-        for gi in cutlass.range_constexpr(len(groups)):
-            i, _ = cCK[groups[gi][0]]
-            f = cute.math.exp2((glast - sGc[i]) * LOG2E, fastmath=True)
-            for e in groups[gi]:
-                _, d = cCK[e]
-                accDk[e] = accDk[e] * f
-                tmp[e] = accDk[e] * sK[i, d].to(Float32)
-            if cutlass.const_expr(by_row):
-                row_sums(tmp, cCK, sKdt, (groups[gi],), tidx, True)
-        if cutlass.const_expr(not by_row):
-            row_sums(tmp, cCK, sKdt, groups, tidx, False)
+            row_sums(tmp, cAcc, sOut, groups, tidx, accumulate)
 
     @cute.jit
     def dk_add_dkb(accDk: cute.Tensor, accDkb: cute.Tensor, cCK: cute.Tensor, groups: cutlass.Constexpr,
@@ -904,7 +894,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             dqk_tiles(accDP, accQK, cCC, sX1, sA, sGc, scale)
             # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
             tmp = acc_ck()  # one scratch array for every row-sum operand below
-            dq_rows(accDq, tmp, cCK, grp_ck, sQ, sGc, scale, sDgc, tidx, False)
+            scale_rows(accDq, tmp, cCK, grp_ck, sQ, sGc, scale, False, sDgc, tidx, False, True)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             mm(accDq, K, sX1, False, tv(sK), True, False)  # B [N = d, K = j]: k [j, d] MN-major
@@ -942,7 +932,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             accDk = acc_ck()
             mm(accDk, K, sVn, False, sS, False, True)  # B [N = d, K = v]: dH [d, v] K-major
             done()
-            dk_kdecay(accDk, tmp, cCK, grp_ck, sK, sGc, glast, sKdt, tidx, False)
+            scale_rows(accDk, tmp, cCK, grp_ck, sK, sGc, glast, True, sKdt, tidx, False, False)
             mm(accDk, K, tv(sX1), True, tv(sQ), True, False)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
             # ---- dkb = Tm^T dw: dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
             accDkb = acc_ck()
@@ -1241,7 +1231,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             bar_arrive(BAR_PP)  # dP * P in sA: the w side adds dA * A
             # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
             tmp = acc_of(mma_ck, K, lt)
-            dq_rows(accDq, tmp, cCK, grp_ck, sQ, sGc, scale, sDgc, tidx, True)
+            scale_rows(accDq, tmp, cCK, grp_ck, sQ, sGc, scale, False, sDgc, tidx, True, True)
             cute.arch.fence_view_async_shared()
             bar_sync(BAR_Q, 128)  # dQK in sX1
             pmark(prof, 3)
@@ -1262,7 +1252,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 accDvbQ = acc_of(mma_cv, V, lt)
                 mm1(accDvbQ, V, tv(sTm), True, tv(sDvn), True, True, lt)
             mma_done()
-            dk_kdecay(accDk, tmp, cCK, grp_ck, sK, sGc, glast, sKdt, tidx, True)
+            scale_rows(accDk, tmp, cCK, grp_ck, sK, sGc, glast, True, sKdt, tidx, True, True)
             mm1(accDk, K, tv(sX1), True, tv(sQ), True, False, lt)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
             if cutlass.const_expr(CHAINS == 2):  # dv = beta dvb, dbeta += rowsum(v dvb) while dQK^T q runs
                 warpgroup.commit_group()
