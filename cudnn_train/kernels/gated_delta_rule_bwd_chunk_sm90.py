@@ -492,6 +492,24 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             row_sums(tdb, cCC, sDb, groups, tidx, True)
 
     @cute.jit
+    def chunk_rows(mGc: cute.Tensor, mB: cute.Tensor, sGc: cute.Tensor, sB: cute.Tensor, sDgc: cute.Tensor,
+                   sDb: cute.Tensor, sKdt: cute.Tensor, b: Int32, t0: Int32, hv: Int32, length: Int32, tidx: Int32,
+                   zero_kdt: cutlass.Constexpr):
+        # (threads < C) the chunk's gc (past the end: the last row's) and beta (past the end: 0) into sGc, sB; every
+        # warpgroup's row sums of dgc and dbeta (and with zero_kdt of kdt) zeroed
+        if tidx < C:
+            sGc[tidx] = mGc[b, t0 + cutlass.max(cutlass.min(tidx, length - 1), 0), hv]
+            bval = Float32(0.0)
+            if tidx < length:
+                bval = mB[b, t0 + tidx, hv]
+            sB[tidx] = bval
+            for w_ in cutlass.range_constexpr(WGS):
+                sDgc[w_, tidx] = Float32(0.0)
+                sDb[w_, tidx] = Float32(0.0)
+                if cutlass.const_expr(zero_kdt):
+                    sKdt[w_, tidx] = Float32(0.0)
+
+    @cute.jit
     def l2norm_rows(sQ: cute.Tensor, sK: cute.Tensor, sRq: cute.Tensor, sRk: cute.Tensor, tidx: Int32):
         # (every thread) the rows of q and k l2-normalized in place (input dtype), their factors into sRq, sRk
         if tidx < C:
@@ -757,15 +775,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     load_tiles(((gTmI, sTm, C),), length, tidx)
             if cutlass.const_expr(OVERLAP):  # dH, read halfway through, into L2 now
                 prefetch_l2(mDH[cid, hv, None, None], K, V, K, tidx)
-            if tidx < C:
-                sGc[tidx] = mGc[b, t0 + cutlass.max(cutlass.min(tidx, length - 1), 0), hv]
-                bval = Float32(0.0)
-                if tidx < length:
-                    bval = mB[b, t0 + tidx, hv]
-                sB[tidx] = bval
-                for w_ in cutlass.range_constexpr(WGS):
-                    sDgc[w_, tidx] = Float32(0.0)
-                    sDb[w_, tidx] = Float32(0.0)
+            chunk_rows(mGc, mB, sGc, sB, sDgc, sDb, sKdt, b, t0, hv, length, tidx, False)
             if cutlass.const_expr(PERSIST and TMA):  # every input, loaded during the last tile (or before the loop)
                 for g in cutlass.range_constexpr(len(TMA_GROUPS)):
                     cute.arch.mbarrier_wait(tbar + g, it % 2)
@@ -1185,16 +1195,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         if warp == 0:
             for g in cutlass.range_constexpr(len(TMA_GROUPS)):
                 tma_group(g, ta, tma_tiles, tbar + g, b, t0, h, hv, cid)
-        if tidx < C:
-            sGc[tidx] = mGc[b, t0 + cutlass.max(cutlass.min(tidx, length - 1), 0), hv]
-            bval = Float32(0.0)
-            if tidx < length:
-                bval = mB[b, t0 + tidx, hv]
-            sB[tidx] = bval
-            for w_ in cutlass.range_constexpr(WGS):
-                sDgc[w_, tidx] = Float32(0.0)
-                sDb[w_, tidx] = Float32(0.0)
-                sKdt[w_, tidx] = Float32(0.0)
+        chunk_rows(mGc, mB, sGc, sB, sDgc, sDb, sKdt, b, t0, hv, length, tidx, True)
         if tidx < THREADS // 32:
             sRed[tidx] = Float32(0.0)  # (the w side's warps write theirs)
         cute.arch.mbarrier_wait(tbar, 0)  # q, k
