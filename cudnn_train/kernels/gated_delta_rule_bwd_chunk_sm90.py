@@ -65,8 +65,8 @@ default since the sixteenth session (:func:`tma_default`; ``CUDNN_TRAIN_GDN_DCHU
 bitwise the cp.async loads, H200 B4 T4096 H16 HV32 1.228 ms against 1.263 (per tile), 1.295 against 1.358
 (persistent, still off: slower than per tile).
 
-With ``chains`` (``chunk_grads(chains=True)``, CHAINS = 1 compiled in; ``chains=2``: dvb and dv on warpgroup 0; :func:`chains_default`, off: prepared in the
-eighteenth session, compiled, not yet GPU-run) the training path's call runs on the two-chain kernel
+With ``chains`` (``chunk_grads(chains=True)``, CHAINS = 1 compiled in; ``chains=2``: dvb and dv on warpgroup 0;
+:func:`chains_default`, off: prepared in the eighteenth session, compiled, not yet GPU-run) the training path's call runs on the two-chain kernel
 (``kernel_chains``): warpgroup 0 takes the q side and dk, warpgroup 1 the w side, each on whole [64, N] products
 (one-warpgroup tiled MMAs), handing tiles over by named barriers (each used once: one side arrives, the other
 syncs); dH comes by TMA into a tile of its own; with the pair sum, warpgroup 0 alone exchanges dq and dk with the
@@ -607,6 +607,21 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 _, d = cAcc[e]
                 acc[e] = ri * (acc[e] - sY[i, d].to(Float32) * si)
 
+    def acc_of(mma_, n, t):
+        # a [64, n] float32 accumulator of thread t's slice of the tiled MMA mma_
+        return cute.make_rmem_tensor(mma_.get_slice(t).partition_shape_C((C, n)), Float32)
+
+    def mm1(acc, n, a_tile, a_mn, b_tile, b_mn, zero, t, wgs=1):
+        # acc (+)= A B, A [64, k] / B [n, k] as views of smem tiles: on one warpgroup (t its thread within it), or
+        # with wgs warpgroups each computing its columns (t the CTA's thread)
+        m = cm.make_mma(dtype, n, a_regs=False, b_mn_major=b_mn, a_mn_major=a_mn, wgs=wgs)
+        thr = m.get_slice(t)
+        gemm(m, acc, m.make_fragment_A(thr.partition_A(a_tile)), m.make_fragment_B(thr.partition_B(b_tile)), zero)
+
+    def mma_done():
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
     @cute.kernel
     def kernel(
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDo: cute.Tensor,
@@ -708,25 +723,6 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             cCK = thr_ck.partition_C(cute.make_identity_tensor((C, K)))
             cCV = thr_cv.partition_C(cute.make_identity_tensor((C, V)))
 
-            def acc_cc():
-                return cute.make_rmem_tensor(thr_cc.partition_shape_C((C, C)), Float32)
-
-            def acc_ck():
-                return cute.make_rmem_tensor(thr_ck.partition_shape_C((C, K)), Float32)
-
-            def acc_cv():
-                return cute.make_rmem_tensor(thr_cv.partition_shape_C((C, V)), Float32)
-
-            def mm(acc, n, a_tile, a_mn, b_tile, b_mn, zero):
-                # acc (+)= A B, each warpgroup its columns; A [64, k] / B [n, k] as views of smem tiles
-                m = cm.make_mma(dtype, n, a_regs=False, b_mn_major=b_mn, a_mn_major=a_mn, wgs=WGS)
-                thr = m.get_slice(tidx)
-                gemm(m, acc, m.make_fragment_A(thr.partition_A(a_tile)), m.make_fragment_B(thr.partition_B(b_tile)), zero)
-
-            def done():
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-
             def commit():
                 warpgroup.commit_group()
 
@@ -796,15 +792,15 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
 
             pmark(prof, 1)
             # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc (not with VNIN: vn is given)
-            accKK = acc_cc()
-            accY = acc_cv()
-            mm(accKK, C, sK, False, sK, False, True)
+            accKK = acc_of(mma_cc, C, tidx)
+            accY = acc_of(mma_cv, V, tidx)
+            mm1(accKK, C, sK, False, sK, False, True, tidx, WGS)
             if cutlass.const_expr(VNIN):
-                done()
+                mma_done()
             else:
                 if cutlass.const_expr(OVERLAP):
                     commit()
-                mm(accY, V, sK, False, tv(sS), True, True)  # B [N = v, K = d]: Sc [d, v] MN-major
+                mm1(accY, V, sK, False, tv(sS), True, True, tidx, WGS)  # B [N = v, K = d]: Sc [d, v] MN-major
                 commit()
                 warpgroup.wait_group(1 if OVERLAP else 0)  # with OVERLAP: k Sc still runs during A's loop
             # (the elementwise loops below go row by row of the thread's accumulator elements, so that
@@ -840,14 +836,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                         _, n = cCV[e]
                         sVn[i, n] = (bi * (sV[i, n].to(Float32) - eg * accY[e])).to(dtype)
             cute.arch.sync_threads()
-            accQK = acc_cc()
-            accDq = acc_ck()
-            accDP = acc_cc()
+            accQK = acc_of(mma_cc, C, tidx)
+            accDq = acc_of(mma_ck, K, tidx)
+            accDP = acc_of(mma_cc, C, tidx)
             if cutlass.const_expr(OVERLAP):  # q k^T and dqg = do Sc^T need no solve: in flight during it
-                mm(accQK, C, sQ, False, sK, False, True)
-                mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
+                mm1(accQK, C, sQ, False, sK, False, True, tidx, WGS)
+                mm1(accDq, K, sDo, False, sS, False, True, tidx, WGS)  # B [N = d, K = v]: Sc [d, v] K-major
                 if cutlass.const_expr(VNIN):  # nor does dP = do vn^T with the forward's vn
-                    mm(accDP, C, sDo, False, sVn, False, True)
+                    mm1(accDP, C, sDo, False, sVn, False, True, tidx, WGS)
                 commit()
 
             pmark(prof, 2)
@@ -882,12 +878,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
 
             pmark(prof, 3)
             # ---- vn = Tm Z (not with VNIN) ; q k^T
-            accVn = acc_cv()
+            accVn = acc_of(mma_cv, V, tidx)
             if cutlass.const_expr(not VNIN):
-                mm(accVn, V, sTm, False, tv(sVn), True, True)  # B [N = v, K = j]: Z [j, v] MN-major
+                mm1(accVn, V, sTm, False, tv(sVn), True, True, tidx, WGS)  # B [N = v, K = j]: Z [j, v] MN-major
             if cutlass.const_expr(not OVERLAP):
-                mm(accQK, C, sQ, False, sK, False, True)
-            done()
+                mm1(accQK, C, sQ, False, sK, False, True, tidx, WGS)
+            mma_done()
             if cutlass.const_expr(not VNIN):
                 cute.arch.sync_threads()  # every warp is done reading Z
                 acc_to_tile(accVn, cCV, sVn, False)
@@ -897,25 +893,25 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             pmark(prof, 4)
             # ---- dP = do vn^T -> dQK = scale dP E (-> sX1), pair terms dP * P (-> sA) ; dqg = do Sc^T
             if cutlass.const_expr(not (OVERLAP and VNIN)):
-                mm(accDP, C, sDo, False, sVn, False, True)
+                mm1(accDP, C, sDo, False, sVn, False, True, tidx, WGS)
             if cutlass.const_expr(not OVERLAP):
-                mm(accDq, K, sDo, False, sS, False, True)  # B [N = d, K = v]: Sc [d, v] K-major
-            done()
+                mm1(accDq, K, sDo, False, sS, False, True, tidx, WGS)  # B [N = d, K = v]: Sc [d, v] K-major
+            mma_done()
             dqk_tiles(accDP, accQK, cCC, sX1, sA, sGc, scale)
             # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
-            tmp = acc_ck()  # one scratch array for every row-sum operand below
+            tmp = acc_of(mma_ck, K, tidx)  # one scratch array for every row-sum operand below
             scale_rows(accDq, tmp, cCK, grp_ck, sQ, sGc, scale, False, sDgc, tidx, False, True)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
-            mm(accDq, K, sX1, False, tv(sK), True, False)  # B [N = d, K = j]: k [j, d] MN-major
-            done()
+            mm1(accDq, K, sX1, False, tv(sK), True, False, tidx, WGS)  # B [N = d, K = j]: k [j, d] MN-major
+            mma_done()
             if cutlass.const_expr(l2norm):
                 l2norm_bwd(accDq, cCK, sQ, sRq, sRow, tmp, grp_ck, tidx)
             store_dqk(accDq, cCK, mDq, sXch, mbar, b, t0, h, hv, rank, length, 0, tidx)
 
             pmark(prof, 5)
             # ---- dw = -dvn Sc^T -> sDw (over do, which is no longer read)
-            accDw = acc_ck()
+            accDw = acc_of(mma_ck, K, tidx)
             if cutlass.const_expr(ASYNC and not PERSIST):
                 if cutlass.const_expr(TMA):
                     cute.arch.mbarrier_wait(tbar + 2, 0)  # v, dvn
@@ -924,8 +920,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     cute.arch.cp_async_wait_group(0)  # dvn
                 cute.arch.fence_view_async_shared()
                 cute.arch.sync_threads()
-            mm(accDw, K, sDvn, False, sS, False, True)
-            done()
+            mm1(accDw, K, sDvn, False, sS, False, True, tidx, WGS)
+            mma_done()
             cute.arch.sync_threads()  # every warp is done with do and Sc
             acc_to_tile(accDw, cCK, sDw, True)
             # dH -> sS over Sc, and the tail's sum(Sc * dH) on the way
@@ -939,29 +935,29 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
 
             pmark(prof, 6)
             # ---- dk = diag(kdec) vn dH^T + dQK^T q ; kdt = rowsum(kd * vn dH^T)
-            accDk = acc_ck()
-            mm(accDk, K, sVn, False, sS, False, True)  # B [N = d, K = v]: dH [d, v] K-major
-            done()
+            accDk = acc_of(mma_ck, K, tidx)
+            mm1(accDk, K, sVn, False, sS, False, True, tidx, WGS)  # B [N = d, K = v]: dH [d, v] K-major
+            mma_done()
             scale_rows(accDk, tmp, cCK, grp_ck, sK, sGc, glast, True, sKdt, tidx, False, False)
-            mm(accDk, K, tv(sX1), True, tv(sQ), True, False)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
+            mm1(accDk, K, tv(sX1), True, tv(sQ), True, False, tidx, WGS)  # A [M = j, K = i]: dQK^T ; B: q [i, d] MN-major
             # ---- dkb = Tm^T dw: dk += beta eg dkb ; dbeta += rowsum(eg k dkb) ; dgc += beta eg rowsum(k dkb)
-            accDkb = acc_ck()
-            mm(accDkb, K, tv(sTm), True, tv(sDw), True, True)
-            accDvb = acc_cv()
+            accDkb = acc_of(mma_ck, K, tidx)
+            mm1(accDkb, K, tv(sTm), True, tv(sDw), True, True, tidx, WGS)
+            accDvb = acc_of(mma_cv, V, tidx)
             if cutlass.const_expr(OVERLAP):  # Tm^T dvn in flight during dkb's loop
                 commit()
-                mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
+                mm1(accDvb, V, tv(sTm), True, tv(sDvn), True, True, tidx, WGS)
                 commit()
                 warpgroup.wait_group(1)
             else:
-                done()
+                mma_done()
             dk_add_dkb(accDk, accDkb, cCK, grp_ck, sK, sGc, sB, sDb, sDgc, tidx)
             # ---- dvb = Tm^T dvn: dv = beta dvb ; dbeta += rowsum(v dvb)
             if cutlass.const_expr(OVERLAP):
                 warpgroup.wait_group(0)
             else:
-                mm(accDvb, V, tv(sTm), True, tv(sDvn), True, True)
-                done()
+                mm1(accDvb, V, tv(sTm), True, tv(sDvn), True, True, tidx, WGS)
+                mma_done()
             dv_rows(accDvb, tmp, cCV, grp_cv, sV, sB, sDb, tidx, False)
             store_rows(accDvb, cCV, cute.domain_offset((t0, 0), mDv[b, None, hv, None]), length)
             if cutlass.const_expr(PERSIST):  # every warp is done with q, Sc / dH and vn: the next tile's
@@ -971,26 +967,26 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
 
             pmark(prof, 7)
             # ---- dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2
-            accX1 = acc_cc()
-            accX2 = acc_cc()
-            mm(accX1, C, sDw, False, sK, False, True)
-            mm(accX2, C, sDvn, False, sV, False, True)
-            done()
+            accX1 = acc_of(mma_cc, C, tidx)
+            accX2 = acc_of(mma_cc, C, tidx)
+            mm1(accX1, C, sDw, False, sK, False, True, tidx, WGS)
+            mm1(accX2, C, sDvn, False, sV, False, True, tidx, WGS)
+            mma_done()
             dtm_tile(accX1, accX2, cCC, sX2, sB, sGc)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             # ---- M1 = Tm^T dTm -> sX2 ; dA = -strictly_lower(M1 Tm^T)
-            accM1 = acc_cc()
-            mm(accM1, C, tv(sTm), True, sX2, False, True)  # B [N = c, K = j]: dTm^T [c, j] K-major
-            done()
+            accM1 = acc_of(mma_cc, C, tidx)
+            mm1(accM1, C, tv(sTm), True, sX2, False, True, tidx, WGS)  # B [N = c, K = j]: dTm^T [c, j] K-major
+            mma_done()
             cute.arch.sync_threads()
             acc_to_tile(accM1, cCC, sX2, False)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
-            accDA = acc_cc()
-            mm(accDA, C, sX2, False, sTm, False, True)  # B [N = n, K = c]: Tm [n, c] K-major
-            done()
-            tdb = acc_cc()
+            accDA = acc_of(mma_cc, C, tidx)
+            mm1(accDA, C, sX2, False, sTm, False, True, tidx, WGS)  # B [N = n, K = c]: Tm [n, c] K-major
+            mma_done()
+            tdb = acc_of(mma_cc, C, tidx)
             da_terms(accDA, accDA, tdb, cCC, grp_cc, sM, sA, sT, sGc, sB, sDb, tidx, False)  # (accKK unread)
             cute.arch.sync_threads()
             # dKK + dKK^T -> sX1 (dQK is no longer read)
@@ -1007,8 +1003,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 next_part(1, ins, smem_in, ta, tma_tiles, tbar, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu,
                           mCuC, T, NT, nseq, tidx)
             pmark(prof, 8)
-            mm(accDk, K, sX1, False, tv(sK), True, False)  # dk += (dKK + dKK^T) k
-            done()
+            mm1(accDk, K, sX1, False, tv(sK), True, False, tidx, WGS)  # dk += (dKK + dKK^T) k
+            mma_done()
             if cutlass.const_expr(l2norm):
                 l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx)
             store_dqk(accDk, cCK, mDk, sXch, mbar, b, t0, h, hv, rank, length, 1, tidx)
@@ -1064,20 +1060,6 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 bar_sync(BAR_Q, 128)  # every warpgroup-0 thread is done reading the exchange tile
                 if lt == 0:
                     cute.arch.mbarrier_arrive(xfree, peer_cta_rank_in_cluster=1 - rank, scope=nvvm.MemScopeKind.CLUSTER)
-
-    def acc_of(mma_, n, lt):
-        # (CHAINS) a [64, n] float32 accumulator of one warpgroup's product
-        return cute.make_rmem_tensor(mma_.get_slice(lt).partition_shape_C((C, n)), Float32)
-
-    def mm1(acc, n, a_tile, a_mn, b_tile, b_mn, zero, lt):
-        # (CHAINS) acc (+)= A B on this warpgroup alone; A [64, k] / B [n, k] as views of smem tiles
-        m = cm.make_mma(dtype, n, a_regs=False, b_mn_major=b_mn, a_mn_major=a_mn)
-        thr = m.get_slice(lt)
-        gemm(m, acc, m.make_fragment_A(thr.partition_A(a_tile)), m.make_fragment_B(thr.partition_B(b_tile)), zero)
-
-    def mma_done():
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
 
     @cute.jit
     def dot_tiles(sX: cute.Tensor, sY: cute.Tensor, lt: Int32):
