@@ -2,8 +2,8 @@
 
 Stage 2 of ``fused/delta_rule_bwd.py`` (its ``reverse_sweep_ref`` is this kernel's oracle).
 Kernel ``dstate`` (grid: N x HV x V/64, one warpgroup; or two splitting the N of every
-product, ``wgs=2`` at K = 128, see below; or, opt-in, N x HV with both 64-column halves of V = 128 in one CTA,
-one warpgroup each: :func:`vh2_default`) walks the chunks of one sequence
+product, ``wgs=2`` at K = 128, see below; or N x HV with both 64-column halves of V = 128 in one CTA,
+one warpgroup each, where the grid a half exceeds a wave: :func:`vh2_default`) walks the chunks of one sequence
 from the last to the first with ``dH^T`` [64 (V block), K] in float32 WGMMA accumulators,
 dH being the gradient of the state leaving the chunk (at the start: the final state's
 gradient, or zero). Per chunk, with q, k the (row-factor normalized) inputs, w and gc the
@@ -402,17 +402,20 @@ def tma_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_TMA", True)
 
 
-def vh2_default() -> bool:
-    """``CUDNN_TRAIN_GDN_SWEEP_VH2=1``: where the fused kernel runs on one warpgroup at V = 128, its CTA takes both
-    64-column halves of V on two warpgroups (``reverse_sweep(vh2=True)``), so that the two halves of a (sequence,
-    value head) load q, k, w and gc once, form the l2norm rows and do_s once and split ``q k^T`` and P between
-    them, where two CTAs each did all of it. Every product of a half is the one-warpgroup kernel's instruction
-    for instruction (stacked along M; ``q k^T`` split by N), so the results should be bitwise its own. At B4
-    T4096 HV32 the grid goes from 256 CTAs (two an SM) to 128 (one an SM, the same 8 warps). The grid choices
-    (:func:`warpgroups`, :func:`split_default`) still count 64-column CTAs: with the switch on, grids of 66 to 131
-    two-half CTAs stay on the fused kernel with SMs idle. Prepared in the seventeenth session, compiled, not yet
-    GPU-run: off."""
-    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_VH2", False)
+def vh2_default(nseq: int, HV: int, V: int, device) -> bool:
+    """Where the fused kernel runs on one warpgroup at V = 128, whether its CTA takes both 64-column halves of V on
+    two warpgroups (``reverse_sweep(vh2=True)``), so that the two halves of a (sequence, value head) load q, k, w
+    and gc once, form the l2norm rows and do_s once and split ``q k^T`` and P between them, where two CTAs each
+    did all of it. Every product of a half is the one-warpgroup kernel's instruction for instruction (stacked
+    along M; ``q k^T`` split by N): the results are bitwise its own. ``CUDNN_TRAIN_GDN_SWEEP_VH2`` = 1 / 0 always /
+    never; unset, where the N x HV x V/64 CTAs a half would take more than one wave of the GPU's SMs (the grid
+    halves; at one wave or less, halving it leaves SMs idle). Measured (H200, eighteenth session,
+    ``tools/time_gdn_sweep.py --vh2``): B4 T4096 H16 HV32 (256 CTAs a half, 128 two-half) 0.495 ms against 0.586;
+    B1 T16384 HV32 (64 against 32 CTAs, where the split sweep runs by default) 2.010 against 1.887."""
+    env = os.environ.get("CUDNN_TRAIN_GDN_SWEEP_VH2", "").strip()
+    if env:
+        return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_VH2", False)
+    return nseq * HV * (V // VBLOCK) > kc.num_sms(device)
 
 
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
@@ -480,7 +483,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     :func:`tma_default`, on; the same bits; nothing without the prefetch; the split sweep's chain follows
     ``CUDNN_TRAIN_GDN_DCHAIN_TMA`` instead); ``vh2``: where the fused kernel runs (not the split pair nor the
     specialized warpgroups, which ignore it), its CTA on both V halves, one warpgroup each (default
-    :func:`vh2_default`, off, and never for ``profile``; True takes one warpgroup a half where ``wgs`` is unset,
+    :func:`vh2_default`: by the grid, never for ``profile``; True takes one warpgroup a half where ``wgs`` is unset,
     and is Unsupported at ``wgs=2`` or V = 64)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
@@ -528,7 +531,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         if vh2 and not vh_ok:
             raise Unsupported(f"vh2 with wgs={wgs} at V={V} (one warpgroup a 64-column half, V = 128)")
         # the env switch never takes the profile variant (its phases are read per 64-column CTA)
-        vh = 2 if vh_ok and (vh2 if vh2 is not None else vh2_default() and profile is None) else 1
+        vh = 2 if vh_ok and (vh2 if vh2 is not None else profile is None and vh2_default(nseq, HV, V, dev)) else 1
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
                                out_dtype, wgs, prefetch, profile is not None, early_qk, tma, vh)
     if T == 0 or nseq == 0:

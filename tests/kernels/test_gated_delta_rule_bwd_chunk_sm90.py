@@ -251,7 +251,7 @@ def test_chunk_gradients_async_loads_are_bitwise_the_synchronous_loads(case):
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"dense_wgs1_fp16": 1, "pair_wgs4": 4}.get(case))
     if case.startswith("pair"):
-        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+        kw.update(dqk_dtype=dt, sum_groups=True)
     got = [B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, async_loads=a, **kw) for a in (True, False)]
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), *got):
         assert torch.isfinite(a).all(), name
@@ -280,7 +280,7 @@ def test_persistent_chunk_gradients_are_bitwise_the_per_tile_kernels(case):
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs4_vn": 4, "wgs1_tm": 1}.get(case))
     if pair:
-        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+        kw.update(dqk_dtype=dt, sum_groups=True)
     kw.update(vn=vn if case.endswith("vn_tm") or case.endswith("_vn") else None,
               tm=tm if case.endswith("_tm") else None)
     want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, persist=False, **kw)
@@ -333,7 +333,7 @@ def test_tma_chunk_gradients_are_bitwise_the_cp_async_loads(case):
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs=4 if case == "wgs4" else None, vn=vn, tm=tm)
     if pair:
-        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+        kw.update(dqk_dtype=dt, sum_groups=True)
     if case.endswith("persistent"):
         kw.update(persist=True, persist_ctas=5)
     want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, tma=False, **kw)
@@ -373,7 +373,7 @@ def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
     qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, vn=vn, tm=tm, tma=True)
     if pair:
-        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+        kw.update(dqk_dtype=dt, sum_groups=True)
     base = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, chains=False, **kw)
     names = ("dq", "dk", "dv", "dg", "dbeta")
     B, HV = want[2].shape[0], want[2].shape[2]
@@ -462,7 +462,7 @@ def test_chunk_gradients_with_the_forwards_values(case, reads):
     wgs = 1 if case.startswith("wgs1") else (4 if case == "wgs4" else (2 if case.endswith("_wgs2") else None))
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs=wgs)
     if pair:  # against the recomputing kernel (pair64_wgs2: on one warpgroup)
-        kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
+        kw.update(dqk_dtype=dt, sum_groups=True)
         want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **{**kw, "wgs": 1 if wgs == 2 else wgs})
     if case == "wgs1_sync":
         kw.update(async_loads=False)
