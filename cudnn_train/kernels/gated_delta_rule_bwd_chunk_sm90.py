@@ -1474,7 +1474,7 @@ def tma_default() -> bool:
 
 
 def chains_default() -> int:
-    """``CUDNN_TRAIN_GDN_DCHUNK_CHAINS=1``: the two-chain stage 3 (prepared, not yet GPU-run, off; ``=2``: the same
+    """``CUDNN_TRAIN_GDN_DCHUNK_CHAINS=1``: the two-chain stage 3 (off: measured slower; ``=2``: the same
     with dvb = Tm^T dvn and dv moved to the q side, in flight with its vn dH^T and dQK^T q, so that the w side's chain
     is shorter by them; 0 or unset: the per-tile kernel). The per-tile
     kernel splits the N of every product between its two warpgroups, so both walk one chain of some twenty
@@ -1486,7 +1486,10 @@ def chains_default() -> int:
     per-tile kernel (dw, dQK, dTm^T, Tm^T dTm, dKK + dKK^T rounded to the input dtype where it rounds them), only
     the row sums' order differs (one warpgroup sums a whole row). It is the first step of the fused backward's plan
     (docs/PERFORMANCE.md): a chain warpgroup carrying dH across the chunks would join these two. Only the training
-    path's call per tile (vn and Tm read, TMA loads, two warpgroups) at K = V = 128."""
+    path's call per tile (vn and Tm read, TMA loads, two warpgroups) at K = V = 128. Measured (H200, nineteenth
+    session, ``tools/time_gdn_dchunk.py --chains``, B4 T4096 H16 HV32, pair sum): 1.905 / 1.937 ms (forms 1 / 2)
+    against 1.228 per tile, 55.7 K cycles a CTA against about 34 K: each side's CUDA-core loops run on 128
+    threads instead of 256, so every side alone is about as long as the per-tile kernel's whole chunk."""
     env = os.environ.get("CUDNN_TRAIN_GDN_DCHUNK_CHAINS", "").strip()
     if env not in ("", "0", "1", "2"):
         raise ValueError(f"CUDNN_TRAIN_GDN_DCHUNK_CHAINS={env!r}: expected 0, 1 or 2")

@@ -415,7 +415,7 @@ def vh2_default(nseq: int, HV: int, V: int, device) -> bool:
     env = os.environ.get("CUDNN_TRAIN_GDN_SWEEP_VH2", "").strip()
     if env:
         return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_VH2", False)
-    return nseq * HV * (V // VBLOCK) > kc.num_sms(device)
+    return V == 2 * VBLOCK and nseq * HV * 2 > kc.num_sms(device)
 
 
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,

@@ -115,6 +115,25 @@ def test_split_sweep_v_block_default(monkeypatch):
                         ("8", "abc", "128"))
 
 
+def test_two_v_halves_default_by_the_grid(monkeypatch):
+    """The fused sweep's two V halves a CTA where the N x HV x V/64 CTAs a half exceed one wave (B4 T4096 HV32: 256
+    CTAs, measured 0.495 against 0.586 ms), a CTA a half at one wave or less (halving the grid would leave SMs idle)
+    and at V = 64 (one half);
+    CUDNN_TRAIN_GDN_SWEEP_VH2 = 1 / 0 forces it, a bad value a ValueError naming it."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    monkeypatch.setattr(kc, "num_sms", lambda device: 132)
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_SWEEP_VH2", raising=False)
+    dev = torch.device("cpu")
+    shapes = ((4, 32, 128), (1, 32, 128), (2, 33, 128), (1, 67, 128), (5, 32, 64))
+    assert [B90.vh2_default(n, hv, V, dev) for n, hv, V in shapes] == [True, False, False, True, False]
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_SWEEP_VH2", lambda: B90.vh2_default(1, 32, 128, dev), "1", True,
+                        ("2", "yes please"))
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_VH2", "0")
+    assert not B90.vh2_default(4, 32, 128, dev)
+
+
 def test_reverse_sweep_declines_without_gpu_before_touching_memory():
     from cudnn_train.backend import Unsupported
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
