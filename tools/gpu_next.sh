@@ -120,7 +120,8 @@ bench_rms)
   timeout 120 python3 -m benchmarks.bench_rms_norm_gated --warmup 10 --rep 40 --rounds ${ROUNDS:-3} --json $OUT/bench_rms.json > $OUT/bench_rms.log 2>&1
   echo "bench_rms rc=$?"; tail -n 25 $OUT/bench_rms.log | cut -c1-300 ;;
 bench_gdn)
-  # forward and forward+backward vs FLA and FlashQLA; rows print as they finish, so a timeout keeps them
+  # forward and forward+backward vs FLA and FlashQLA (both need the --peers bundle: tilelang, flash_qla); rows print
+  # as they finish, so a timeout keeps them
   # BENCH_ARGS: more options (--layer-flags: the layers' in-kernel gate / beta call; --head-dim 64)
   timeout -k 10 ${BENCH_S:-560} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --rounds ${ROUNDS:-3} --shapes ${SHAPES:-2} --from-shape ${FROM:-0} \
     ${SKIP:+--skip $SKIP} ${BENCH_ARGS} --json $OUT/bench_gdn.json > $OUT/bench_gdn.log 2>&1
