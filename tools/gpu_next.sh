@@ -66,6 +66,8 @@
 #   bash tools/gpu_next.sh bench_rms | bench_gdn   # a benchmark alone in its call (bench_rms: ROUNDS=N, after
 #                                   # tools/diag_autograd.py; bench_gdn: SHAPES=N, SKIP=rows,
 #                                   # BENCH_S=limit)
+#   bash tools/gpu_next.sh ncu      # Nsight Compute on stage 3 and the fused sweep (tools/ncu_gdn.py): stall reasons,
+#                                   # bank conflicts, the SASS lines with the most stall samples (NCU_WHAT, NCU_S)
 #   bash tools/gpu_next.sh save_caches  # the peers' JIT results (Triton autotune choices, TileLang kernels) -> $OUT
 # The FLA-comparison tiers spend most of their time in FLA's Triton autotuner and TileLang's JIT. The
 # caches stay on the machine while it is warm; to start a later session with them, copy the
@@ -432,6 +434,21 @@ gdn_prof)
   # where the opt-in training path's time goes: kernels under torch.profiler, then the whole call vs FLA
   timeout -k 10 ${PROF_S:-300} python3 tools/prof_gdn_train.py --shapes ${SHAPES:-2} > $OUT/prof_gdn_train.log 2>&1
   echo "prof rc=$?"; cut -c1-200 $OUT/prof_gdn_train.log | tail -n 70 ;;
+ncu)
+  # Nsight Compute on the GDN backward's kernels (NCU_WHAT: dchunk sweep, as tools/ncu_gdn.py names them): the full
+  # section set of the second call's kernels, the details page (stall reasons, shared-memory bank conflicts), then
+  # the SASS lines with the most stall samples (tools/ncu_top.py)
+  for w in ${NCU_WHAT:-dchunk sweep}; do
+    timeout -k 10 ${NCU_S:-200} ncu --clock-control none --profile-from-start off --set full -f -o $OUT/ncu_$w \
+      python3 tools/ncu_gdn.py $w > $OUT/ncu_$w.run.log 2>&1
+    echo "ncu $w rc=$?"; tail -n 3 $OUT/ncu_$w.run.log | cut -c1-200
+    ncu -i $OUT/ncu_$w.ncu-rep --page details > $OUT/ncu_$w.txt 2>&1
+    grep -E "Duration|Elapsed Cycles|Registers|Achieved Occupancy|Issue Slots Busy|Issued Ipc|No Eligible|Warp Cycles Per|Active Warps Per|Eligible Warps|Bank|Shared|Compute \(SM\) Th|Memory Th|Stall|stall" \
+      $OUT/ncu_$w.txt | cut -c1-170 | head -60
+    ncu -i $OUT/ncu_$w.ncu-rep --page source --csv --print-source sass > $OUT/ncu_${w}_src.csv 2> $OUT/ncu_${w}_src.err
+    echo "source page rc=$?"; head -c 300 $OUT/ncu_${w}_src.err
+    python3 tools/ncu_top.py $OUT/ncu_${w}_src.csv --top ${NCU_TOP:-40} 2>&1 | cut -c1-220 | head -80
+  done ;;
 save_caches)
   cd "$HOME" || exit 1
   list=$(find .triton/cache -name "*.autotune.json" 2>/dev/null; [ -d .tilelang ] && echo .tilelang)
@@ -441,5 +458,5 @@ save_caches)
     tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
   fi
   ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|states|dprof|ssplit|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|save_caches"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|states|dprof|ssplit|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|ncu|save_caches"; exit 2 ;;
 esac
