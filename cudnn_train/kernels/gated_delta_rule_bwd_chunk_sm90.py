@@ -153,6 +153,34 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
     locate = cm.make_chunk_locator(varlen)
     store_rows = cm.make_store_pairs()  # rows < nvalid of a float32 accumulator, element pairs, into gX
+
+    # accumulator elements (e, e + 1), e even, hold columns (n, n + 1), n even, of one row (cm.check_acc_pairs at
+    # every accumulator shape): the elementwise phases read and write such pairs of a tile by one 4-byte (input
+    # dtype) or 8-byte (float32) shared-memory access instead of two
+    def pairs_of(group):
+        # the even elements of a row's group (trace time): each the first of a pair
+        if len(group) % 2 or any(group[p + 1] != group[p] + 1 or group[p] % 2 for p in range(0, len(group), 2)):
+            raise AssertionError(f"accumulator row group {group} is not made of element pairs")
+        return group[0::2]
+
+    def ld2(sX, i, j):
+        # sX[i, j], sX[i, j + 1] (j even) in float32
+        frag = cute.make_rmem_tensor((1, 2), sX.element_type)
+        cute.autovec_copy(cute.local_tile(sX, (1, 2), (i, j // 2)), frag)
+        return frag[0].to(Float32), frag[1].to(Float32)
+
+    def st2(sX, i, j, v0, v1):
+        # sX[i, j], sX[i, j + 1] (j even) = v0, v1 in sX's dtype
+        frag = cute.make_rmem_tensor((1, 2), sX.element_type)
+        frag[0] = v0.to(sX.element_type)
+        frag[1] = v1.to(sX.element_type)
+        cute.autovec_copy(frag, cute.local_tile(sX, (1, 2), (i, j // 2)))
+
+    def ld2v(sX, j):
+        # sX[j], sX[j + 1] (j even) of a float32 vector
+        frag = cute.make_rmem_tensor((2,), Float32)
+        cute.autovec_copy(cute.local_tile(sX, (2,), (j // 2,)), frag)
+        return frag[0], frag[1]
     PW = 2 if PAIR else 1  # value heads a CTA column covers (PAIR: the cluster's two)
     if PERSIST and not ASYNC:
         raise ValueError("the persistent variant loads by cp.async or TMA")
@@ -316,13 +344,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
 
     @cute.jit
     def acc_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor, negate: cutlass.Constexpr):
-        # an accumulator into an input-dtype smem tile at its coordinates
-        for e in cutlass.range_constexpr(cute.size(acc)):
+        # an accumulator into an input-dtype smem tile at its coordinates, element pairs
+        for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
+            e = 2 * e2
             i, j = cAcc[e]
-            val = acc[e]
             if cutlass.const_expr(negate):
-                val = -val
-            sX[i, j] = val.to(dtype)
+                st2(sX, i, j, -acc[e], -acc[e + 1])
+            else:
+                st2(sX, i, j, acc[e], acc[e + 1])
 
     # PAIR (GVA groups of two): the two value heads of a q/k head are one cluster of two CTAs; each
     # sends half of its dq (then dk) accumulator pairs into the other's exchange tile by st.async (one
@@ -385,14 +414,20 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     @cute.jit
     def dqk_tiles(accDP: cute.Tensor, accQK: cute.Tensor, cCC: cute.Tensor, sX1: cute.Tensor, sA: cute.Tensor,
                   sGc: cute.Tensor, scale: Float32):
-        # dQK = scale dP E -> sX1 (input dtype) ; the pair terms dP * P -> sA
-        for e in cutlass.range_constexpr(cute.size(accDP)):
+        # dQK = scale dP E -> sX1 (input dtype) ; the pair terms dP * P -> sA (element pairs)
+        for e2 in cutlass.range_constexpr(cute.size(accDP) // 2):
+            e = 2 * e2
             i, j = cCC[e]
-            dqk = Float32(0.0)
+            gi_ = sGc[i]
+            gj0, gj1 = ld2v(sGc, j)
+            dqk0 = Float32(0.0)
+            dqk1 = Float32(0.0)
             if j <= i:
-                dqk = scale * accDP[e] * cute.math.exp2((sGc[i] - sGc[j]) * LOG2E, fastmath=True)
-            sX1[i, j] = dqk.to(dtype)
-            sA[i, j] = dqk * accQK[e]  # dP * P
+                dqk0 = scale * accDP[e] * cute.math.exp2((gi_ - gj0) * LOG2E, fastmath=True)
+            if j + 1 <= i:
+                dqk1 = scale * accDP[e + 1] * cute.math.exp2((gi_ - gj1) * LOG2E, fastmath=True)
+            st2(sX1, i, j, dqk0, dqk1)
+            st2(sA, i, j, dqk0 * accQK[e], dqk1 * accQK[e + 1])  # dP * P
 
     @cute.jit
     def scale_rows(acc: cute.Tensor, tmp: cute.Tensor, cAcc: cute.Tensor, groups: cutlass.Constexpr, sY: cute.Tensor,
@@ -407,10 +442,13 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 f = cute.math.exp2((x - sGc[i]) * LOG2E, fastmath=True)
             else:
                 f = x * cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
-            for e in groups[gi]:
+            for e in pairs_of(groups[gi]):
                 _, d = cAcc[e]
+                y0, y1 = ld2(sY, i, d)
                 acc[e] = acc[e] * f
-                tmp[e] = acc[e] * sY[i, d].to(Float32)
+                tmp[e] = acc[e] * y0
+                acc[e + 1] = acc[e + 1] * f
+                tmp[e + 1] = acc[e + 1] * y1
             if cutlass.const_expr(by_row):
                 row_sums(tmp, cAcc, sOut, (groups[gi],), tidx, accumulate)
         if cutlass.const_expr(not by_row):
@@ -424,10 +462,13 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             i, _ = cCK[groups[gi][0]]
             eg = cute.math.exp2(sGc[i] * LOG2E, fastmath=True)
             beg = sB[i] * eg
-            for e in groups[gi]:
+            for e in pairs_of(groups[gi]):
                 _, d = cCK[e]
+                k0, k1 = ld2(sK, i, d)
                 accDk[e] = accDk[e] + beg * accDkb[e]
-                accDkb[e] = accDkb[e] * sK[i, d].to(Float32) * eg
+                accDkb[e] = accDkb[e] * k0 * eg
+                accDk[e + 1] = accDk[e + 1] + beg * accDkb[e + 1]
+                accDkb[e + 1] = accDkb[e + 1] * k1 * eg
         row_sums(accDkb, cCK, sDb, groups, tidx, True)
         for gi in cutlass.range_constexpr(len(groups)):
             i, _ = cCK[groups[gi][0]]
@@ -443,10 +484,13 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         for gi in cutlass.range_constexpr(len(groups)):
             i, _ = cCV[groups[gi][0]]
             bi = sB[i]
-            for e in groups[gi]:
+            for e in pairs_of(groups[gi]):
                 _, n = cCV[e]
-                tmp[e] = accDvb[e] * sV[i, n].to(Float32)
+                v0, v1 = ld2(sV, i, n)
+                tmp[e] = accDvb[e] * v0
                 accDvb[e] = accDvb[e] * bi
+                tmp[e + 1] = accDvb[e + 1] * v1
+                accDvb[e + 1] = accDvb[e + 1] * bi
             if cutlass.const_expr(by_row):
                 row_sums(tmp, cCV, sDb, (groups[gi],), tidx, True)
         if cutlass.const_expr(not by_row):
@@ -456,10 +500,14 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     def dtm_tile(accX1: cute.Tensor, accX2: cute.Tensor, cCC: cute.Tensor, sX2: cute.Tensor, sB: cute.Tensor,
                  sGc: cute.Tensor):
         # dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta) -> sX2 as dTm^T (input dtype)
-        for e in cutlass.range_constexpr(cute.size(accX1)):
+        for e2 in cutlass.range_constexpr(cute.size(accX1) // 2):
+            e = 2 * e2
             i, j = cCC[e]
-            bj = sB[j]
-            sX2[j, i] = (accX1[e] * bj * cute.math.exp2(sGc[j] * LOG2E, fastmath=True) + accX2[e] * bj).to(dtype)
+            bjs = ld2v(sB, j)
+            gjs = ld2v(sGc, j)
+            for u in cutlass.range_constexpr(2):
+                sX2[j + u, i] = (accX1[e + u] * bjs[u] * cute.math.exp2(gjs[u] * LOG2E, fastmath=True)
+                                 + accX2[e + u] * bjs[u]).to(dtype)
 
     @cute.jit
     def da_terms(accDA: cute.Tensor, accKK: cute.Tensor, tdb: cute.Tensor, cCC: cute.Tensor, groups: cutlass.Constexpr,
@@ -471,22 +519,32 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             i, _ = cCC[groups[gi][0]]
             gi_ = sGc[i]
             bi = sB[i]
-            for e in groups[gi]:
-                _, j = cCC[e]
-                da = Float32(0.0)
-                ae = Float32(0.0)
-                es = Float32(0.0)
-                if i > j:
-                    da = -accDA[e]
-                    if cutlass.const_expr(kk_regs):
-                        es = cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
-                        ae = accKK[e] * es
-                    else:
-                        ae = sM[i, j]
-                        es = cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
-                tdb[e] = da * ae
-                sA[i, j] = sA[i, j] + bi * da * ae  # + dA * A
-                sT[i, j] = bi * da * es  # dKK
+            for e0 in pairs_of(groups[gi]):
+                _, j0 = cCC[e0]
+                gjs = ld2v(sGc, j0)
+                aes = (Float32(0.0), Float32(0.0))
+                if cutlass.const_expr(not kk_regs):
+                    aes = ld2(sM, i, j0)
+                olds = ld2(sA, i, j0)
+                newA = [None, None]
+                newT = [None, None]
+                for u in cutlass.range_constexpr(2):
+                    e = e0 + u
+                    da = Float32(0.0)
+                    ae = Float32(0.0)
+                    es = Float32(0.0)
+                    if i > j0 + u:
+                        da = -accDA[e]
+                        es = cute.math.exp2((gi_ - gjs[u]) * LOG2E, fastmath=True)
+                        if cutlass.const_expr(kk_regs):
+                            ae = accKK[e] * es
+                        else:
+                            ae = aes[u]
+                    tdb[e] = da * ae
+                    newA[u] = olds[u] + bi * da * ae  # + dA * A
+                    newT[u] = bi * da * es  # dKK
+                st2(sA, i, j0, newA[0], newA[1])
+                st2(sT, i, j0, newT[0], newT[1])
             if cutlass.const_expr(kk_regs):
                 row_sums(tdb, cCC, sDb, (groups[gi],), tidx, True)
         if cutlass.const_expr(not kk_regs):
@@ -589,9 +647,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         # acc: the gradient of the normalized rows y (sY); becomes that of the rows before the
         # l2norm, r (dy - y sum(y * dy)) with r the rows' factors (sR); sRow: row-sum scratch.
         # one_wg (CHAINS): acc is warpgroup 0's alone, whole rows; only its threads take part
-        for e in cutlass.range_constexpr(cute.size(acc)):
+        for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
+            e = 2 * e2
             i, d = cAcc[e]
-            tmp[e] = acc[e] * sY[i, d].to(Float32)
+            y0, y1 = ld2(sY, i, d)
+            tmp[e] = acc[e] * y0
+            tmp[e + 1] = acc[e + 1] * y1
         row_sums(tmp, cAcc, sRow, groups, tidx, False)
         if cutlass.const_expr(one_wg):
             cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=128)
@@ -604,9 +665,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 si = sRow[0, i]
             else:
                 si = wg_sum(sRow, i)
-            for e in groups[gi]:
+            for e in pairs_of(groups[gi]):
                 _, d = cAcc[e]
-                acc[e] = ri * (acc[e] - sY[i, d].to(Float32) * si)
+                y0, y1 = ld2(sY, i, d)
+                acc[e] = ri * (acc[e] - y0 * si)
+                acc[e + 1] = ri * (acc[e + 1] - y1 * si)
 
     def acc_of(mma_, n, t):
         # a [64, n] float32 accumulator of thread t's slice of the tiled MMA mma_
@@ -657,6 +720,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         grp_cc = cm.quad_row_groups(mma_cc, (C, C), threads, WGS)
         grp_ck = cm.quad_row_groups(mma_ck, (C, K), threads, WGS)
         grp_cv = cm.quad_row_groups(mma_cv, (C, V), threads, WGS)
+        cm.check_acc_pairs(mma_cc, (C, C), threads)
         cm.check_acc_pairs(mma_ck, (C, K), threads)
         cm.check_acc_pairs(mma_cv, (C, V), threads)
 
@@ -857,12 +921,16 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             for gi in cutlass.range_constexpr(len(grp_cc)):
                 i, _ = cCC[grp_cc[gi][0]]
                 gi_ = sGc[i]
-                for e in grp_cc[gi]:
+                for e in pairs_of(grp_cc[gi]):
                     _, j = cCC[e]
-                    a = Float32(0.0)
+                    gj0, gj1 = ld2v(sGc, j)
+                    a0 = Float32(0.0)
+                    a1 = Float32(0.0)
                     if i > j:
-                        a = accKK[e] * cute.math.exp2((gi_ - sGc[j]) * LOG2E, fastmath=True)
-                    sM[i, j] = a
+                        a0 = accKK[e] * cute.math.exp2((gi_ - gj0) * LOG2E, fastmath=True)
+                    if i > j + 1:
+                        a1 = accKK[e + 1] * cute.math.exp2((gi_ - gj1) * LOG2E, fastmath=True)
+                    st2(sM, i, j, a0, a1)
             if cutlass.const_expr(not TMIN):
                 for q in cutlass.range_constexpr(C * C // THREADS):
                     idx = q * THREADS + tidx
@@ -1120,6 +1188,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         grp_cc = cm.quad_row_groups(mma_cc, (C, C), threads)
         grp_ck = cm.quad_row_groups(mma_ck, (C, K), threads)
         grp_cv = cm.quad_row_groups(mma_cv, (C, V), threads)
+        cm.check_acc_pairs(mma_cc, (C, C), threads)
         cm.check_acc_pairs(mma_ck, (C, K), threads)
         cm.check_acc_pairs(mma_cv, (C, V), threads)
 
