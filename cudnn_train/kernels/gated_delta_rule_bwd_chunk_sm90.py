@@ -484,13 +484,10 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         for gi in cutlass.range_constexpr(len(groups)):
             i, _ = cCV[groups[gi][0]]
             bi = sB[i]
-            for e in pairs_of(groups[gi]):
+            for e in groups[gi]:
                 _, n = cCV[e]
-                v0, v1 = ld2(sV, i, n)
-                tmp[e] = accDvb[e] * v0
+                tmp[e] = accDvb[e] * sV[i, n].to(Float32)
                 accDvb[e] = accDvb[e] * bi
-                tmp[e + 1] = accDvb[e + 1] * v1
-                accDvb[e + 1] = accDvb[e + 1] * bi
             if cutlass.const_expr(by_row):
                 row_sums(tmp, cCV, sDb, (groups[gi],), tidx, True)
         if cutlass.const_expr(not by_row):
@@ -522,9 +519,6 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             for e0 in pairs_of(groups[gi]):
                 _, j0 = cCC[e0]
                 gjs = ld2v(sGc, j0)
-                aes = (Float32(0.0), Float32(0.0))
-                if cutlass.const_expr(not kk_regs):
-                    aes = ld2(sM, i, j0)
                 olds = ld2(sA, i, j0)
                 newA = [None, None]
                 newT = [None, None]
@@ -539,7 +533,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                         if cutlass.const_expr(kk_regs):
                             ae = accKK[e] * es
                         else:
-                            ae = aes[u]
+                            ae = sM[i, j0 + u]
                     tdb[e] = da * ae
                     newA[u] = olds[u] + bi * da * ae  # + dA * A
                     newT[u] = bi * da * es  # dKK
