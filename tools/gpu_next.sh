@@ -58,6 +58,7 @@
 #   bash tools/gpu_next.sh s32      # the fused sweep with both V halves in one CTA: bitwise cases, timing
 #   bash tools/gpu_next.sh s33      # the two-chain stage 3: its cases against the per-tile kernel, timing
 #                                   # (CHAINS_TRAIN=1: then the training tier's kernel half with it)
+#   bash tools/gpu_next.sh s34      # stage 3's paired accesses: the persistent and two-chain cases
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -396,6 +397,10 @@ s33)
     CUDNN_TRAIN_GDN_DCHUNK_CHAINS=1 tier s33_train ${TRAIN_S:-300} tests/kernels/test_gated_delta_rule_train_sm90.py \
       -k "not torch"
   fi ;;
+s34)
+  # the twentieth session's paired shared-memory accesses in stage 3: the persistent variant's bitwise cases against
+  # the per-tile kernel (the helpers changed in both), then the two-chain cases (GDN_S limit)
+  tier s34 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "persistent or two_chain" ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py
