@@ -74,6 +74,14 @@ syncs); dH comes by TMA into a tile of its own; with the pair sum, warpgroup 0 a
 peer CTA through a tile of its own, an ``xfree`` mbarrier (the peer's remote arrive) ordering dk's sends after the
 peer has read dq. Its profile variant writes each side's phases (``CHAIN_PHASES``). ptxas: 247 registers, no spill.
 
+The elementwise phases read and write an accumulator's element pairs ``(e, e + 1)`` (columns n, n + 1 of one row,
+``cm.check_acc_pairs``) with one 4-byte (input dtype) or 8-byte (float32) shared-memory access (``ld2``, ``st2``,
+``ld2v``), the same arithmetic as element by element; ``dv_rows`` stays element by element, since in its paired
+form LLVM fused its dbeta row-sum products into FMAs in the per-tile kernel but not in the persistent one (the
+two then differed in dbeta's last bits). ptxas 145 registers instead of 241 (per tile), 109 without spill on four
+warpgroups; H200, twentieth session: 1.16 against 1.23 ms at B4 T4096, outputs bitwise the element-by-element
+kernel's; two chains 1.54 ms, four warpgroups 1.35 (both still slower, off).
+
 Status: compiles for sm_90a (compile tier); its GPU test
 (``tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py``, against the float32 torch stage) and the
 training path's tier run it; the training path's default stage 3.
