@@ -59,6 +59,7 @@
 #   bash tools/gpu_next.sh s33      # the two-chain stage 3: its cases against the per-tile kernel, timing
 #                                   # (CHAINS_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh s34      # stage 3's paired accesses: the persistent and two-chain cases
+#   bash tools/gpu_next.sh s35      # stage 3's relaxed first cluster arrive (prepared): its cases, timing
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -397,6 +398,11 @@ s33)
     CUDNN_TRAIN_GDN_DCHUNK_CHAINS=1 tier s33_train ${TRAIN_S:-300} tests/kernels/test_gated_delta_rule_train_sm90.py \
       -k "not torch"
   fi ;;
+s35)
+  # the twentieth session's prepared relaxed first cluster arrive in stage 3 (CUDNN_TRAIN_GDN_DCHUNK_RELAXED): its
+  # bitwise cases, then its timing against the release form (the default only if faster)
+  tier s35 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "relaxed"
+  timed relaxed ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes 2 --relaxed ;;
 s34)
   # the twentieth session's paired shared-memory accesses in stage 3: the persistent variant's bitwise cases against
   # the per-tile kernel (the helpers changed in both), then the two-chain cases (GDN_S limit)

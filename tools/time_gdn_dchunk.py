@@ -4,7 +4,7 @@ two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs 
 the default call plus the training path's sum pass, on the same inputs.
 
     python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn] [--persist] [--k64]
-                                     [--tma] [--chains]
+                                     [--tma] [--chains] [--relaxed]
 
 ``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
@@ -17,7 +17,9 @@ against recomputing it, and with the chunk inverses read too (``tm=``), then the
 vn and Tm read) on one warpgroup against two (the default since the twelfth session; outputs compared,
 relative L2), then the two timings. ``--tma``: only the training path's call with its loads by TMA against
 cp.async (``tma=``; per tile, persistent, on four warpgroups; outputs checked bitwise), then both loads'
-profiles. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
+profiles. ``--relaxed``: only the training path's call (pair sum, vn and Tm read) with the
+relaxed first cluster arrive (``relaxed=True``) against the release form, bitwise, then both timed twice,
+alternating. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
 a warpgroup for the q side and dk, one for the w side) and its variant with dv on the q side (``chains=2``):
 outputs compared (relative L2, since their row sums run in another order), the three timings, alternating, then
 both profiles (each side's phases).
@@ -74,6 +76,9 @@ def main():
                          "four warpgroups; then the TMA variant's profile")
     ap.add_argument("--chains", action="store_true",
                     help="only the training path's call per tile against the two-chain kernel")
+    ap.add_argument("--relaxed", action="store_true",
+                    help="only the training path's call with the relaxed first cluster arrive against the release "
+                         "form: bitwise check, timed twice each, alternating")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         if args.k64:
@@ -102,6 +107,12 @@ def main():
             continue
         if args.chains:
             chains_rows(x, B, T, H, HV, scale)
+            continue
+        if args.relaxed:
+            kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
+                      tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+            rows = (("release arrive", False), ("relaxed arrive", True))
+            compare_switch(x, kw, "relaxed", rows + rows, f"B{B} T{T} H{H} HV{HV}: relaxed arrive bitwise the release")
             continue
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))

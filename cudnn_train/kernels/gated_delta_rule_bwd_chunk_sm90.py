@@ -142,7 +142,7 @@ CHAIN_PHASES = ("loads q, k landed", "l2norm rows",
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
                   VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False, TMA: bool = False,
-                  CHAINS: int = 0):
+                  CHAINS: int = 0, RELAXED: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -197,6 +197,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     # CHAINS: 0 the per-tile kernel, 1 the two-chain kernel, 2 that with dvb, dv on the q side (chains_default)
     if CHAINS not in (0, 1, 2):
         raise ValueError(f"CHAINS={CHAINS}: 0, 1 or 2")
+    if RELAXED and not (PAIR and TMIN and not PERSIST and not CHAINS):
+        raise ValueError("the relaxed first cluster arrive serves the pair sum per tile with Tm read")
     if CHAINS and not (TMA and not PERSIST and WGS == 2 and K == 128 and V == 128):
         raise ValueError("the two-chain stage 3 serves the training path's call per tile with the TMA loads, "
                          "two warpgroups, K = V = 128")
@@ -944,7 +946,12 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     sTm[i, j] = t.to(dtype)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
-            if cutlass.const_expr(PAIR):
+            if cutlass.const_expr(PAIR and RELAXED):
+                # sT is free: the peer may send dq into it. Per tile with Tm read, this CTA has not touched sT, so
+                # the arrive orders nothing but the exchange mbarrier's init, which its init fence releases: relaxed
+                # (the release form waits for every outstanding memory operation GPU-wide, the dH L2 prefetch's too)
+                cute.arch.cluster_arrive_relaxed()
+            elif cutlass.const_expr(PAIR):
                 cute.arch.cluster_arrive()  # sT is free: the peer may send dq into it
 
             pmark(prof, 3)
@@ -1568,9 +1575,21 @@ def chains_default() -> int:
     return int(env or 0)
 
 
+def relaxed_default() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_RELAXED=1`` (prepared in the twentieth session, not yet GPU-run: off): with the GVA pair
+    sum per tile and the forward's Tm read, the cluster arrive that lets the peer CTA send dq into this CTA's sT
+    is the relaxed form. This CTA has not touched sT by then (no solve with Tm read), so the arrive has nothing to
+    order but the exchange mbarrier's initialization, which its ``fence.mbarrier_init.release.cluster`` releases
+    (CUTLASS's pattern for pipeline barriers). The release form compiles to ``MEMBAR.ALL.GPU; ERRBAR;
+    CGAERRBAR`` before ``UCGABAR_ARV``: it waits for every memory operation in flight, the dH L2 prefetch's
+    included; Nsight Compute put 2.0% of stage 3's stall samples on that ``ERRBAR`` (twentieth session). The
+    second arrive (after the dKK + dKK^T loop has read sT) keeps its release. The same bits either way."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_RELAXED", False)
+
+
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
                       profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False, tma=False,
-                      chains=0):
+                      chains=0, relaxed=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     overlap = overlap and not chains  # (the two-chain kernel has no such variant: one cache entry)
@@ -1581,12 +1600,13 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
         () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ()) + (
         ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ()) + (
         ("tm_in",) if tm_in else ()) + (("persist",) if persist else ()) + (("tma",) if tma else ()) + (
-        ("chains",) if chains else ()) + (("dvq",) if chains == 2 else ())
+        ("chains",) if chains else ()) + (("dvq",) if chains == 2 else ()) + (("relaxed",) if relaxed else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
-                             async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma), int(chains))
+                             async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma), int(chains),
+                             bool(relaxed))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
@@ -1595,7 +1615,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
                 sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
                 tm=None, persist: bool | None = None, persist_ctas: int | None = None, tma: bool | None = None,
-                chains: bool | int | None = None):
+                chains: bool | int | None = None, relaxed: bool | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -1710,8 +1730,11 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     phases = CHAIN_PHASES if chains else DCHUNK_PHASES
     if profile is not None and profile.numel() < grid * HV * (len(phases) + 1):
         raise ValueError(f"profile: at least {grid * HV * (len(phases) + 1)} elements for these phases")
+    if relaxed is None:
+        relaxed = relaxed_default()
+    relaxed = bool(relaxed) and pair and tm is not None and not persist and not chains  # (elsewhere: nothing to relax)
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
-                           vn is not None, tm is not None, persist, bool(tma), int(chains))
+                           vn is not None, tm is not None, persist, bool(tma), int(chains), relaxed)
     prof = fwd._dummies(dev)[2] if profile is None else profile
     pw = 2 if pair else 1
     if persist_ctas is not None and (not persist or persist_ctas < 1):

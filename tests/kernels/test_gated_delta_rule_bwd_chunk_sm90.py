@@ -68,7 +68,11 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(kernel_cache):
             B3.get_dchunk_kernel(*VARIANTS[0], **bad)
     with pytest.raises(ValueError, match="two-chain"):
         B3.get_dchunk_kernel(*VARIANTS[1], vn_in=True, tm_in=True, tma=True, chains=True)  # K = 64
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 25
+    # the relaxed first cluster arrive (CUDNN_TRAIN_GDN_DCHUNK_RELAXED): the pair sum per tile with Tm read only
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, relaxed=True))
+    with pytest.raises(ValueError, match="relaxed"):
+        B3.get_dchunk_kernel(*VARIANTS[0], **train, persist=True, relaxed=True)
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 26
 
 
 def test_two_chain_switch_is_off_by_default_and_parses(monkeypatch):
@@ -81,6 +85,17 @@ def test_two_chain_switch_is_off_by_default_and_parses(monkeypatch):
     assert B3.chains_default() == 0
     assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_CHAINS", B3.chains_default, "1", 1, ("3", "yes"))
     assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_CHAINS", B3.chains_default, "2", 2, ())
+
+
+def test_relaxed_arrive_switch_is_off_by_default_and_parses(monkeypatch):
+    """CUDNN_TRAIN_GDN_DCHUNK_RELAXED is off by default (prepared, not yet GPU-run), 1 turns it on, a typo is a
+    ValueError naming it."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+    from tests.utils import assert_env_override
+
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_RELAXED", raising=False)
+    assert B3.relaxed_default() is False
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_RELAXED", B3.relaxed_default, "1", True, ("2", "on"))
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -341,6 +356,30 @@ def test_tma_chunk_gradients_are_bitwise_the_cp_async_loads(case):
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
         assert torch.equal(a, b), f"{case}: {name} differs with the TMA loads"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["pair", "pair_T65_fp16", "pair_varlen"])
+def test_relaxed_first_arrive_is_bitwise_the_release_form(case):
+    """The relaxed first cluster arrive (CUDNN_TRAIN_GDN_DCHUNK_RELAXED) on the training path's call with the pair sum
+    (vn and Tm read, TMA loads) gives every output bit for bit as the release form, over memory poisoned with NaN:
+    bf16 at T 300, fp16 at T 65 (a partial last chunk), varlen with empty and one-token sequences at K = 64."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    lens = [1, 63, 130, 64, 0, 7] if case.endswith("varlen") else None
+    K = 64 if lens else 128
+    dt = torch.float16 if lens or case.endswith("fp16") else torch.bfloat16
+    T = sum(lens) if lens else (65 if "T65" in case else 300)
+    args, _, vn, tm = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2, l2norm=lens is None, with_vn=True)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, vn=vn, tm=tm, dqk_dtype=dt, sum_groups=True, persist=False)
+    want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, relaxed=False, **kw)
+    poison = torch.full((8 * v.numel(),), float("nan"), device=v.device)  # the caching allocator reuses it
+    del poison
+    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, relaxed=True, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert torch.isfinite(a).all(), f"{case}: {name} has unwritten elements"
+        assert torch.equal(a, b), f"{case}: {name} differs with the relaxed arrive"
 
 
 @pytest.mark.gpu
