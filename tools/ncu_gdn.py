@@ -17,14 +17,13 @@ sys.path.insert(0, ".")
 sys.path.insert(0, "tools")
 from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3  # noqa: E402
 from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90  # noqa: E402
-from time_gdn_dchunk import default_kw, inputs  # noqa: E402
+from time_gdn_dchunk import inputs, train_kw  # noqa: E402
 
 which = sys.argv[1] if len(sys.argv) > 1 else "dchunk"
 B, T, H, HV, K = 4, 4096, 16, 32, 128
 x = inputs(B, T, H, HV)
 if which == "dchunk":
-    kw = dict(default_kw(H, HV, K**-0.5), vn=torch.randn_like(x[2]),
-              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+    kw = train_kw(x, H, HV, K**-0.5)
     call = lambda: B3.chunk_grads(*x, **kw)  # noqa: E731
 elif which == "sweep":
     q, k, v, gc = x[0], x[1], x[2], x[3]

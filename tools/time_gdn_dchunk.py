@@ -109,8 +109,7 @@ def main():
             chains_rows(x, B, T, H, HV, scale)
             continue
         if args.relaxed:
-            kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
-                      tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+            kw = train_kw(x, H, HV, scale)
             rows = (("release arrive", False), ("relaxed arrive", True))
             compare_switch(x, kw, "relaxed", rows + rows, f"B{B} T{T} H{H} HV{HV}: relaxed arrive bitwise the release")
             continue
@@ -150,6 +149,13 @@ def default_kw(H, HV, scale):
     if HV == 2 * H:
         kw.update(dqk_dtype=torch.bfloat16, sum_groups=True)
     return kw
+
+
+def train_kw(x, H, HV, scale):
+    """The training path's stage-3 call on the inputs x (:func:`inputs`): :func:`default_kw` with vn and the chunk
+    inverses Tm given (random: the timing does not depend on their values)."""
+    return dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
+                tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
 
 
 def compare_switch(x, kw, switch, rows, what):
@@ -193,8 +199,7 @@ def vn_rows(x, B, T, H, HV, scale):
 def persist_rows(x, B, T, H, HV, scale):
     """The training path's call (vn and Tm read; random: the timing does not depend on their values) per tile
     against the persistent variant: bitwise the same outputs, then the two timings."""
-    kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
-              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+    kw = train_kw(x, H, HV, scale)
     compare_switch(x, kw, "persist", (("per tile", False), ("persistent", True)),
                    f"B{B} T{T} H{H} HV{HV}: persistent variant bitwise the per-tile kernel")
     persist_profiles(x, B, T, H, HV, kw)
@@ -234,8 +239,7 @@ def tma_rows(x, B, T, H, HV, scale):
     the timings, then the per-tile TMA variant's profile (its loads phase against the cp.async one's)."""
     from time_gdn_fwd import _report
 
-    kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
-              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+    kw = train_kw(x, H, HV, scale)
     for label, extra in (("per tile", {}), ("persistent", dict(persist=True)), ("four warpgroups", dict(wgs=4))):
         compare_switch(x, {**kw, **extra}, "tma", ((f"{label}, cp.async", False), (f"{label}, TMA", True)),
                        f"B{B} T{T} H{H} HV{HV}: {label}, TMA loads bitwise cp.async")
@@ -256,8 +260,7 @@ def chains_rows(x, B, T, H, HV, scale):
     twice, alternating, then both two-chain kernels' profiles (each side's phases)."""
     from time_gdn_fwd import _report
 
-    kw = dict(default_kw(H, HV, scale), vn=torch.randn_like(x[2]),
-              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+    kw = train_kw(x, H, HV, scale)
     outs = [B3.chunk_grads(*x, **kw, chains=c) for c in (0, 1, 2)]
     torch.cuda.synchronize()
     for c in (1, 2):
@@ -283,8 +286,7 @@ def k64_rows(B, T, H, HV):
     """K = V = 64, the training path's call (pair sum, vn and Tm read; random: the timing does not depend on
     their values) on one warpgroup against two (their row sums differ in order: relative L2), then timings."""
     x = inputs(B, T, H, HV, K=64, V=64)
-    kw = dict(default_kw(H, HV, 64**-0.5), vn=torch.randn_like(x[2]),
-              tm=torch.randn(*x[2].shape[:3], 64, device="cuda", dtype=x[2].dtype) * 0.1)
+    kw = train_kw(x, H, HV, 64**-0.5)
     one, two = (B3.chunk_grads(*x, **kw, wgs=w) for w in (1, 2))
     torch.cuda.synchronize()
     diffs = ", ".join(f"{n} {rel_l2(b.float(), a.float()):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"),
