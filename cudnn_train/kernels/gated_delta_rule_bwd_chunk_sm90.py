@@ -59,9 +59,9 @@ recomputed: no ``k Sc``, ``Z``, ``Tm Z``, and ``dP = do vn^T`` joins the product
 With ``tma`` (``chunk_grads(tma=True)``, TMA compiled in; only for the training path's call, vn and Tm read) the
 three load groups are bulk tensor copies, issued by one elected thread of warp 0 on one mbarrier a group (Sc
 moved from the first group to the second: the l2norm rows and k k^T wait for q and k alone);
-rows past a varlen sequence's end are zeroed once landed, as cp.async zero-fills them (same bits). ptxas: 241
-registers, no spill, per tile; 255 and 4 bytes spilled persistent (against 227 and 255 with cp.async). The
-default since the sixteenth session (:func:`tma_default`; ``CUDNN_TRAIN_GDN_DCHUNK_TMA=0`` gives cp.async back):
+rows past a varlen sequence's end are zeroed once landed, as cp.async zero-fills them (same bits). ptxas then: 241
+registers, no spill, per tile (145 since the paired accesses below); 255 and 4 bytes spilled persistent (against
+227 and 255 with cp.async). The default since the sixteenth session (:func:`tma_default`; ``CUDNN_TRAIN_GDN_DCHUNK_TMA=0`` gives cp.async back):
 bitwise the cp.async loads, H200 B4 T4096 H16 HV32 1.228 ms against 1.263 (per tile), 1.295 against 1.358
 (persistent, still off: slower than per tile).
 
