@@ -60,6 +60,8 @@
 #                                   # (CHAINS_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh s34      # stage 3's paired accesses: the persistent and two-chain cases
 #   bash tools/gpu_next.sh s35      # stage 3's relaxed first cluster arrive (prepared): its cases, timing
+#   bash tools/gpu_next.sh s36      # the sweep's dH by stmatrix and TMA stores (now the default): its cases, timing
+#   bash tools/gpu_next.sh s37      # the sweep's dvn by TMA stores too (prepared): its cases, timing
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -403,6 +405,16 @@ s35)
   # bitwise cases, then its timing against the release form (the default only if faster)
   tier s35 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "relaxed"
   timed relaxed ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes 2 --relaxed ;;
+s36)
+  # the twenty-first session's prepared dH stores by stmatrix and TMA in the fused sweep (CUDNN_TRAIN_GDN_SWEEP_DHTMA):
+  # its bitwise cases, then its timing against the per-element stores at B4 (SHAPES)
+  tier s36 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "dh_tma"
+  timed dh_tma ${TIME_S:-150} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-1} --dh-tma ;;
+s37)
+  # the twenty-first session's prepared dvn stores by stmatrix and TMA (CUDNN_TRAIN_GDN_SWEEP_DVNTMA): its bitwise
+  # cases, then its timing against dH's TMA stores alone at B4 (SHAPES)
+  tier s37 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "dvn_tma"
+  timed dvn_tma ${TIME_S:-150} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-1} --dvn-tma ;;
 s34)
   # the twentieth session's paired shared-memory accesses in stage 3: the persistent variant's bitwise cases against
   # the per-tile kernel (the helpers changed in both), then the two-chain cases (GDN_S limit)

@@ -4,7 +4,7 @@ with synchronous loads, on the same inputs, as the training path calls it (bf16 
 l2norm in kernel, no final-state gradient).
 
     python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2 | --ws | --tma |
-                                     --dchain-tma | --vh2]
+                                     --dchain-tma | --vh2 | --dh-tma | --dvn-tma]
 
 Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 16, 32 and
 64; ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1`` forces it) against the fused kernel's defaults; ``--split-only``: the default and the
@@ -18,6 +18,9 @@ passes (``CUDNN_TRAIN_GDN_DVL_P2=1``) against the one pass: bitwise check, timed
 ``--tma``: the same for the fused kernel's prefetch by TMA (``tma=True``, ``CUDNN_TRAIN_GDN_SWEEP_TMA``), then the
 TMA variant's profile. ``--vh2``: the same for the fused kernel on one warpgroup with both V halves in one CTA
 (``vh2=True``, ``CUDNN_TRAIN_GDN_SWEEP_VH2``) against a CTA a half (no profile: its grid has half the CTAs).
+``--dh-tma``: the same for the fused kernel at its defaults with dH leaving by stmatrix and TMA stores
+(``dh_tma=True``, ``CUDNN_TRAIN_GDN_SWEEP_DHTMA``) against the per-element stores. ``--dvn-tma``: the same for dvn
+by TMA stores too (``dvn_tma=True``, ``CUDNN_TRAIN_GDN_SWEEP_DVNTMA``) against dH's alone.
 ``--ws``: the fused kernel (its defaults) against its variant on two specialized warpgroups
 (``gated_delta_rule_bwd_ws_sm90``, ``CUDNN_TRAIN_GDN_SWEEP_WS``) and that variant with its loads by TMA
 (``CUDNN_TRAIN_GDN_SWEEP_WS_TMA``): relative L2 of the outputs (TMA: bitwise), timed twice each, alternating.
@@ -58,6 +61,10 @@ def main():
                     help="the split sweep with dchain's loads by TMA against cp.async: bitwise check, time")
     ap.add_argument("--vh2", action="store_true",
                     help="the fused kernel with both V halves in one CTA against a CTA a half: bitwise check, time")
+    ap.add_argument("--dh-tma", action="store_true",
+                    help="the fused kernel with dH by stmatrix and TMA stores against per-element stores: bitwise, time")
+    ap.add_argument("--dvn-tma", action="store_true",
+                    help="the fused kernel with dvn by TMA stores too against dH's alone: bitwise, time")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         K = V = 128
@@ -112,8 +119,14 @@ def main():
                 for ws, tma, name in rows:
                     print(f"  {name:28s} {bench(lambda: sweep_ws(ws, tma), warmup=10, rep=50):.3f} ms")
             continue
-        if args.early_qk or args.p2 or args.dchain_tma or args.tma or args.vh2:
-            if args.vh2:  # one warpgroup a half at the defaults' loads, a CTA each or both in one
+        if args.early_qk or args.p2 or args.dchain_tma or args.tma or args.vh2 or args.dh_tma or args.dvn_tma:
+            if args.dvn_tma:  # the fused kernel at its defaults with dH's TMA stores, dvn by elements or TMA
+                base, alt, label = (dict(dh_tma=True, dvn_tma=False), dict(dh_tma=True, dvn_tma=True),
+                                    ("fused, dH TMA stores", "fused, dH + dvn TMA stores"))
+            elif args.dh_tma:  # the fused kernel at its defaults, dH by per-element or TMA stores
+                base, alt, label = dict(dh_tma=False), dict(dh_tma=True), ("fused, dH element stores",
+                                                                           "fused, dH TMA stores")
+            elif args.vh2:  # one warpgroup a half at the defaults' loads, a CTA each or both in one
                 base, alt, label = dict(wgs=1, vh2=False), dict(wgs=1, vh2=True), ("fused, a CTA a V half",
                                                                                    "fused, both V halves a CTA")
             elif args.early_qk:

@@ -1538,7 +1538,9 @@ def persist_default() -> bool:
     cycles in the profile) overlap work instead of starting every CTA. Bitwise the per-tile kernel on the
     H200 but slower there (eleventh session: 1.353 vs 1.253 ms at B4 T4096 H16 HV32): off. Not profiled then; its
     profile variant (sums over each CTA's tiles, ``time_gdn_dchunk.py --persist``) is prepared since the fifteenth
-    session, to say where its extra cycles go (ptxas: 255 registers against 227)."""
+    session, to say where its extra cycles go (ptxas: 255 registers against 227). With the paired accesses
+    (twenty-first session, H100, B4 T4096): 1.216 against 1.223 ms per tile, the same within noise; its profile's
+    loads phase 7.4% of a tile's cycles against 14.3%, but every later phase slower: still off."""
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_PERSIST", False)
 
 
@@ -1576,7 +1578,8 @@ def chains_default() -> int:
 
 
 def relaxed_default() -> bool:
-    """``CUDNN_TRAIN_GDN_DCHUNK_RELAXED=1`` (prepared in the twentieth session, not yet GPU-run: off): with the GVA pair
+    """``CUDNN_TRAIN_GDN_DCHUNK_RELAXED=1`` (off: GPU-run in the twenty-first session, bitwise but slower, H100 B4
+    T4096 1.221 / 1.204 ms against 1.204 / 1.195 for the release form): with the GVA pair
     sum per tile and the forward's Tm read, the cluster arrive that lets the peer CTA send dq into this CTA's sT
     is the relaxed form. This CTA has not touched sT by then (no solve with Tm read), so the arrive has nothing to
     order but the exchange mbarrier's initialization, which its ``fence.mbarrier_init.release.cluster`` releases

@@ -164,6 +164,33 @@ def check_acc_pairs(mma, shape_mn, threads=SAMPLE_THREADS) -> None:
                 raise AssertionError(f"thread {t}: acc elements {2 * e}, {2 * e + 1} are {(m0, n0)}, {(m1, n1)}")
 
 
+def make_acc_stmatrix_t(dtype, mma):
+    """The tiled ``stmatrix`` (transposed, four 8 x 8 blocks) that stores ``mma``'s accumulator, rounded to 16-bit
+    ``dtype``, into an M-major tile: a (M, N) view whose M is contiguous in 8-element rows (the ``[N, M]`` tile of
+    :func:`smem_tile_layout`, seen through :func:`transpose_view`)."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import warp
+
+    stm = cute.make_copy_atom(warp.StMatrix8x8x16bOp(True, 4), dtype)
+    return cute.make_tiled_copy_S(stm, cute.make_tiled_copy_C_atom(stm, mma))
+
+
+def check_stmatrix_order(mma, copy, shape_mn, threads) -> None:
+    """Assert that value f of ``copy.retile(acc)`` (acc: ``mma``'s accumulator over ``shape_mn``) is the element
+    that value f of the copy's source partition writes, for every f and thread: a kernel then hands the retiled
+    fragment to the copy value by value, flat (the two group their modes differently)."""
+    _, cute = kc.import_cute()
+    ident = cute.make_identity_tensor(shape_mn)
+    for t in threads:
+        held = copy.retile(mma.get_slice(t).partition_C(ident))
+        dest = copy.get_slice(t).partition_S(ident)
+        if cute.size(held) != cute.size(dest):
+            raise AssertionError(f"thread {t}: {cute.size(held)} accumulator values, {cute.size(dest)} copied")
+        for f in range(cute.size(dest)):
+            if tuple(held[f]) != tuple(dest[f]):
+                raise AssertionError(f"thread {t}, value {f}: holds {tuple(held[f])}, the copy writes {tuple(dest[f])}")
+
+
 def acc_to_frag_map(mma_c, shape_mn, mma_a, shape_mk, threads=SAMPLE_THREADS):
     """Static map ``frag index -> acc index`` so that A-fragment element ``i`` of ``mma_a``
     (operand tile ``shape_mk``) holds the accumulator element of ``mma_c`` (tile ``shape_mn``)
@@ -747,6 +774,46 @@ def make_tma_rows_atoms(on: bool, dtype, specs):
             m for m, _, _ in specs]
     pairs = [make_tma_rows_atom(dtype, m, rows, cols) for m, rows, cols in specs]
     return [a for a, _ in pairs], [t for _, t in pairs]
+
+
+def make_tma_state_store(on: bool, dtype, m, K: int, cols: int):
+    """(While tracing a host function) ``(atom, TMA tensor)`` storing a ``K x cols`` :func:`smem_tile_layout` tile
+    (rows d, columns v) into ``m`` = ``[chunks, HV, K, V]`` (V contiguous): the tensor is its ``(K, V, chunks, HV)``
+    view, the box one chunk's and value head's rows at a column offset. With ``on`` False placeholders of the
+    kernel's parameters (a cp.async atom and ``m`` itself), never used."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import cpasync
+
+    if not on:
+        return cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128), m
+    view = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[2, 3, 0, 1]))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), view, smem_tile_layout(dtype, K, cols),
+                                       (K, cols))
+
+
+def make_tma_rows_store(on: bool, dtype, m, rows: int, cols: int):
+    """(While tracing a host function) ``(atom, TMA tensor)`` storing a ``rows x cols`` :func:`smem_tile_layout` tile
+    into boxes of the ``[B, T, heads, D]`` tensor ``m`` (:func:`token_box` picks one); with ``on`` False placeholders
+    of the kernel's parameters (a cp.async atom and ``m`` itself), never used."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import cpasync
+
+    if not on:
+        return cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128), m
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), rows_first(m),
+                                       smem_tile_layout(dtype, rows, cols), (rows, cols))
+
+
+def tma_store(atom, gT, sX):
+    """(One warp, while tracing) the smem tile ``sX`` into the global box ``gT`` by a bulk tensor store of ``atom``,
+    committed as one bulk group; the caller fenced the tile's writes to the async proxy and synced before, and waits
+    for the group (``cp_async_bulk_wait_group``) before the tile is written again and before the CTA exits."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import cpasync
+
+    tS, tG = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gT, 0, 2))
+    cute.copy(atom, tS, tG)
+    cute.arch.cp_async_bulk_commit_group()
 
 
 def token_box(tT, b, head, t0, c0, rows: int, cols: int):

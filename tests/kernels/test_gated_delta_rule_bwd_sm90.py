@@ -61,6 +61,37 @@ def test_reverse_sweep_two_v_halves_compile_for_sm90a(kernel_cache):
 
 
 @pytest.mark.compile
+def test_reverse_sweep_dh_tma_store_compiles_for_sm90a(kernel_cache):
+    """dH by stmatrix and TMA stores (CUDNN_TRAIN_GDN_SWEEP_DHTMA, on by default; its stmatrix value order is
+    asserted for every thread while tracing): both V halves in one CTA, two warpgroups splitting N, K = V = 64
+    varlen fp16 with [V, K] states, and the element stores of the switch's other side; float32 dH (the op's own
+    backward) takes the element stores, one kernel with the switch on or off."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    k64 = (torch.float16, 64, 64, False, True, False, True, torch.float16)
+    for v, kw in ((VARIANTS[2], dict(vh=2)), (VARIANTS[2], dict(wgs=2)), (k64, {})):
+        assert callable(B90.get_dstate_kernel(*v, prefetch=True, tma=True, dh_tma=True, **kw))
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=True, dh_tma=False, vh=2))
+    # dvn's TMA stores too (CUDNN_TRAIN_GDN_SWEEP_DVNTMA, prepared): both V halves a CTA
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=True, dh_tma=True, dvn_tma=True, vh=2))
+    assert len(list(kernel_cache.rglob("*.o"))) == 5
+    B90.get_dstate_kernel(*VARIANTS[0], prefetch=True, tma=True, dh_tma=True)
+    B90.get_dstate_kernel(*VARIANTS[0], prefetch=True, tma=True, dh_tma=False)
+    assert len(list(kernel_cache.rglob("*.o"))) == 6
+
+
+def test_dh_and_dvn_tma_store_switches_parse(monkeypatch):
+    """dH's TMA stores on by default, dvn's off (prepared); each switch takes 1 / 0, anything else names it."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    for name, pick, default in (("CUDNN_TRAIN_GDN_SWEEP_DHTMA", B90.dh_tma_default, True),
+                                ("CUDNN_TRAIN_GDN_SWEEP_DVNTMA", B90.dvn_tma_default, False)):
+        monkeypatch.delenv(name, raising=False)
+        assert pick() is default
+        assert_env_override(monkeypatch, name, pick, "0" if default else "1", not default, ("2", "off"))
+
+
+@pytest.mark.compile
 def test_specialized_warpgroup_sweep_compiles_for_sm90a(kernel_cache):
     """The reverse sweep on two specialized warpgroups (CUDNN_TRAIN_GDN_SWEEP_WS), the training path's call and a
     varlen K = 64 one."""
@@ -414,6 +445,50 @@ def test_reverse_sweep_tma_prefetch_is_bitwise_cp_async(case, wgs, early_qk):
                               tma=t)
             for t in (False, True)]
     _assert_written_bitwise(outs, T, lens, rows, f"{case}, wgs {wgs}, early q, k {early_qk}, the TMA loads")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, wgs, vh2", [("dense", 1, True), ("dense", 1, False), ("dense", 2, False),
+                                            ("T65_fp16", 1, True), ("varlen_gva_k64_vk", 1, True),
+                                            ("varlen_nan_tail", 1, False), ("no_dht", 1, True)])
+def test_reverse_sweep_dh_tma_store_is_bitwise(case, wgs, vh2):
+    """dH by stmatrix and TMA stores (CUDNN_TRAIN_GDN_SWEEP_DHTMA: the chunk's accumulator rounded once into a
+    [K, columns] tile, one bulk store a chunk) writes the bits the per-element stores write: dvn, every written dH
+    row and dh0 bitwise equal, both V halves in one CTA and one, one warpgroup and two, rows past the tensor's end
+    (T 65, fp16), varlen GVA 4 at K = 64 with [V, K] states and empty, one-token and odd sequences, NaN past the
+    last sequence, no final state's gradient; and against the float32 reference."""
+    _check_tma_stores(case, wgs, vh2, dict(dh_tma=True, dvn_tma=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, wgs, vh2", [("dense", 1, True), ("dense", 2, False), ("T65_fp16", 1, True),
+                                            ("varlen_gva_k64_vk", 1, True), ("varlen_nan_tail", 1, False),
+                                            ("no_dht", 1, True)])
+def test_reverse_sweep_dvn_tma_store_is_bitwise(case, wgs, vh2):
+    """dvn by stmatrix and TMA stores too (CUDNN_TRAIN_GDN_SWEEP_DVNTMA: a full chunk's dvn stored at the next
+    chunk's top, a partial one by elements): the same bits as the element stores of both, in the dH cases' shapes
+    (T 65 and the varlen sequences end in partial chunks; NaN rows past the last sequence must stay unwritten)."""
+    _check_tma_stores(case, wgs, vh2, dict(dh_tma=True, dvn_tma=True))
+
+
+def _check_tma_stores(case, wgs, vh2, on):
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    q, k, g, beta, w, gc, cu, scale, do, dht, T, lens, rows = _bitwise_case(case, V=128 if vh2 else None)
+    vk = case.endswith("_vk")
+    dht_in = dht.transpose(-1, -2).contiguous() if (vk and dht is not None) else dht
+    outs = [B90.reverse_sweep(q, k, w, gc, do, dht_in, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                              state_v_first=vk, out_dtype=do.dtype, wgs=wgs, prefetch=True, split=False, ws=False,
+                              tma=True, vh2=vh2, **kw)
+            for kw in (dict(dh_tma=False, dvn_tma=False), on)]
+    _assert_written_bitwise(outs, T, lens, rows, f"{case}, wgs {wgs}, vh2 {vh2}, TMA stores {on}")
+    if lens is not None:  # dvn's rows past the last sequence stay as allocated (zeros)
+        assert not outs[1][0][:, T:].any(), "dvn written past the last sequence"
+    if lens is None:
+        ref_dvn, ref_dH, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, w.shape[2], True)
+        ref_dH = ref_dH.permute(0, 2, 1, 3, 4).reshape(outs[1][1].shape)  # chunk index b * NT + c
+        for name, a, b in (("dvn", outs[1][0], ref_dvn), ("dH", outs[1][1], ref_dH), ("dh0", outs[1][2], ref_dh0)):
+            assert rel_l2(a.float(), b) <= 2e-2, (name, rel_l2(a.float(), b))
 
 
 @pytest.mark.gpu
