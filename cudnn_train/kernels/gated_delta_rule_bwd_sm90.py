@@ -142,6 +142,15 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         else:
             issue_wdg(gm[2], gm[3], gm[4], sW, sDo, sGc, b, hv, t1, v0, length, tidx)
 
+    @cute.jit
+    def store_dvn_rows(accX: cute.Tensor, cX: cute.Tensor, mDVN: cute.Tensor, b: Int32, t0: Int32, hv: Int32,
+                       v0: Int32, length: Int32):
+        # dvn^T's accumulator (v, i) into rows t0 + i < t0 + length of dvn, element by element
+        for e in cutlass.range_constexpr(cute.size(accX)):
+            xv, xi = cX[e]
+            if xi < length:
+                mDVN[b, t0 + xi, hv, v0 + xv] = accX[e].to(odt)
+
     @cute.kernel
     def kernel(
         mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor, mDHT: cute.Tensor,
@@ -216,16 +225,10 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             # stmatrix, transposed: each thread's (v, d), (v, d + 1) accumulator pairs as 8 x 8 blocks into the
             # [d, v] tile (rows of 8 v contiguous), i.e. the (v, d) view of sDHo with v contiguous
             r2s = cm.make_acc_stmatrix_t(dtype, mma_s)
-            thr_r2s = r2s.get_slice(tidx)
-            tRSdh = thr_r2s.partition_D(cm.transpose_view(sDHo))
             rDHo = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), dtype)
-            rS = cute.make_rmem_tensor(thr_r2s.partition_S(cm.transpose_view(sDHo)).shape, dtype)
         if cutlass.const_expr(DVNTMA):  # the same for dvn^T (mma_x's accumulator, (v, i)) into sDVo [i, v]
             r2x = cm.make_acc_stmatrix_t(dtype, mma_x)
-            thr_r2x = r2x.get_slice(tidx)
-            tRSdv = thr_r2x.partition_D(cm.transpose_view(sDVo))
             rDVo = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), dtype)
-            rSx = cute.make_rmem_tensor(thr_r2x.partition_S(cm.transpose_view(sDVo)).shape, dtype)
         cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
         cP = thr_p.partition_C(cute.make_identity_tensor((C, C)))  # (i, j)
 
@@ -300,10 +303,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                             sDHt[sv, sd] = accD[e].to(dtype)
                     if cutlass.const_expr(DHTMA):  # this chunk's dH (before the update) into sDHo by stmatrix
                         rDHo.store(accD.load().to(dtype))
-                        rF = r2s.retile(rDHo)  # the copy's value order, flat (its modes group differently)
-                        for f in cutlass.range_constexpr(cute.size(rF)):
-                            rS[f] = rF[f]
-                        cute.copy(r2s, rS, tRSdh)
+                        cm.stmatrix_acc_t(r2s, rDHo, cm.transpose_view(sDHo), tidx)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()
                     if cutlass.const_expr(DHTMA):  # ... and to dH[chunk, hv, :, v0 : v0 + VB] by TMA (warp 0)
@@ -367,22 +367,13 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     if cutlass.const_expr(DVNTMA):
                         if length == C:  # a full chunk: into sDVo by stmatrix, stored at the next chunk's top
                             rDVo.store(accX.load().to(dtype))
-                            rFx = r2x.retile(rDVo)
-                            for f in cutlass.range_constexpr(cute.size(rFx)):
-                                rSx[f] = rFx[f]
-                            cute.copy(r2x, rSx, tRSdv)
+                            cm.stmatrix_acc_t(r2x, rDVo, cm.transpose_view(sDVo), tidx)
                             pend = t0
                         else:  # a sequence's partial last chunk (the first taken): rows past its end untouched
-                            for e in cutlass.range_constexpr(cute.size(accX)):
-                                xv, xi = cX[e]
-                                if xi < length:
-                                    mDVN[b, t0 + xi, hv, v0 + xv] = accX[e].to(odt)
+                            store_dvn_rows(accX, cX, mDVN, b, t0, hv, v0, length)
                             pend = Int32(-1)
                     else:
-                        for e in cutlass.range_constexpr(cute.size(accX)):
-                            xv, xi = cX[e]
-                            if xi < length:
-                                mDVN[b, t0 + xi, hv, v0 + xv] = accX[e].to(odt)
+                        store_dvn_rows(accX, cX, mDVN, b, t0, hv, v0, length)
                     if cutlass.const_expr(regs_a):
                         for f in cutlass.range_constexpr(cute.size(rVd)):
                             rVd[f] = (-accX[map_vd[f]]).to(dtype)
@@ -419,8 +410,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         _static_checks(dtype, K, WGS, VH, DHTMA, DVNTMA)
         HV = mW.shape[2]
         atoms, tmas = cm.make_tma_rows_atoms(TMA, dtype, ((mQ, C, K), (mK, C, K), (mW, C, K), (mDO, C, VB)))
-        aDH, tDH = cm.make_tma_state_store(DHTMA, dtype, mDH, K, VB)
-        aDV, tDV = cm.make_tma_rows_store(DVNTMA, dtype, mDVN, C, VB)
+        aDH, tDH = cm.make_tma_store(DHTMA, dtype, mDH, cm.STATE_ROWS, K, VB)
+        aDV, tDV = cm.make_tma_store(DVNTMA, dtype, mDVN, cm.TOKEN_ROWS, C, VB)
         kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, mProf, *atoms,
                *tmas, aDH, tDH, aDV, tDV).launch(
             grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),

@@ -175,6 +175,20 @@ def make_acc_stmatrix_t(dtype, mma):
     return cute.make_tiled_copy_S(stm, cute.make_tiled_copy_C_atom(stm, mma))
 
 
+def stmatrix_acc_t(copy, vals, tile_mn, tidx) -> None:
+    """(Every thread, while tracing) ``vals`` (this thread's accumulator of ``copy``'s MMA, already in the 16-bit
+    dtype, in the accumulator's layout) into ``tile_mn``, the (M, N) view of an M-major smem tile, by the tiled
+    transposed ``stmatrix`` of :func:`make_acc_stmatrix_t`. The retiled fragment goes to the copy value by value,
+    flat (the two group their modes differently; :func:`check_stmatrix_order` asserts the order)."""
+    _, cute = kc.import_cute()
+    thr = copy.get_slice(tidx)
+    src = cute.make_rmem_tensor(thr.partition_S(tile_mn).shape, vals.element_type)
+    held = copy.retile(vals)
+    for f in range(cute.size(held)):
+        src[f] = held[f]
+    cute.copy(copy, src, thr.partition_D(tile_mn))
+
+
 def check_stmatrix_order(mma, copy, shape_mn, threads) -> None:
     """Assert that value f of ``copy.retile(acc)`` (acc: ``mma``'s accumulator over ``shape_mn``) is the element
     that value f of the copy's source partition writes, for every f and thread: a kernel then hands the retiled
@@ -747,10 +761,14 @@ def quad_row_groups(mma, shape_mn, threads=SAMPLE_THREADS, wgs: int = 1):
 # zero-fills them.
 
 
+TOKEN_ROWS = (1, 3, 0, 2)  # [B, T, heads, D] seen as (T, D, B, heads)
+STATE_ROWS = (2, 3, 0, 1)  # [chunks, HV, K, V] seen as (K, V, chunks, HV)
+
+
 def rows_first(m):
     """``[B, T, heads, D]`` -> its ``(T, D, B, heads)`` view (same memory): the TMA box is (rows, columns)."""
     _, cute = kc.import_cute()
-    return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 0, 2]))
+    return cute.make_tensor(m.iterator, cute.select(m.layout, mode=list(TOKEN_ROWS)))
 
 
 def make_tma_rows_atom(dtype, m, rows: int, cols: int, max_swizzle: int = 128):
@@ -762,46 +780,39 @@ def make_tma_rows_atom(dtype, m, rows: int, cols: int, max_swizzle: int = 128):
                                        smem_tile_layout(dtype, rows, cols, max_swizzle), (rows, cols))
 
 
+def tma_placeholder(dtype, m):
+    """A TMA ``(atom, tensor)`` kernel parameter pair's placeholder where the variant is off: a cp.async atom and
+    the tensor ``m`` itself, never used."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import cpasync
+
+    return cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128), m
+
+
 def make_tma_rows_atoms(on: bool, dtype, specs):
     """(While tracing a host function) ``(atoms, TMA tensors)`` of :func:`make_tma_rows_atom` for each ``(m, rows,
     cols)`` of ``specs``; with ``on`` False placeholders of the kernel's parameters (a cp.async atom and the tensors
     themselves), never used."""
-    _, cute = kc.import_cute()
-    from cutlass.cute.nvgpu import cpasync
-
     if not on:
-        return [cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)] * len(specs), [
-            m for m, _, _ in specs]
+        return [tma_placeholder(dtype, specs[0][0])[0]] * len(specs), [m for m, _, _ in specs]
     pairs = [make_tma_rows_atom(dtype, m, rows, cols) for m, rows, cols in specs]
     return [a for a, _ in pairs], [t for _, t in pairs]
 
 
-def make_tma_state_store(on: bool, dtype, m, K: int, cols: int):
-    """(While tracing a host function) ``(atom, TMA tensor)`` storing a ``K x cols`` :func:`smem_tile_layout` tile
-    (rows d, columns v) into ``m`` = ``[chunks, HV, K, V]`` (V contiguous): the tensor is its ``(K, V, chunks, HV)``
-    view, the box one chunk's and value head's rows at a column offset. With ``on`` False placeholders of the
-    kernel's parameters (a cp.async atom and ``m`` itself), never used."""
-    _, cute = kc.import_cute()
-    from cutlass.cute.nvgpu import cpasync
-
-    if not on:
-        return cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128), m
-    view = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[2, 3, 0, 1]))
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), view, smem_tile_layout(dtype, K, cols),
-                                       (K, cols))
-
-
-def make_tma_rows_store(on: bool, dtype, m, rows: int, cols: int):
+def make_tma_store(on: bool, dtype, m, rows_modes, rows: int, cols: int):
     """(While tracing a host function) ``(atom, TMA tensor)`` storing a ``rows x cols`` :func:`smem_tile_layout` tile
-    into boxes of the ``[B, T, heads, D]`` tensor ``m`` (:func:`token_box` picks one); with ``on`` False placeholders
-    of the kernel's parameters (a cp.async atom and ``m`` itself), never used."""
+    into boxes of the 4-D tensor ``m`` seen with its modes in the order ``rows_modes`` (rows, columns, then the two
+    that pick a box's place): :data:`TOKEN_ROWS` for ``[B, T, heads, D]`` (:func:`token_box` picks one),
+    :data:`STATE_ROWS` for ``[chunks, HV, K, V]`` (a chunk's and value head's K rows). With ``on`` False
+    :func:`tma_placeholder`."""
     _, cute = kc.import_cute()
     from cutlass.cute.nvgpu import cpasync
 
     if not on:
-        return cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128), m
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), rows_first(m),
-                                       smem_tile_layout(dtype, rows, cols), (rows, cols))
+        return tma_placeholder(dtype, m)
+    view = cute.make_tensor(m.iterator, cute.select(m.layout, mode=list(rows_modes)))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), view, smem_tile_layout(dtype, rows, cols),
+                                       (rows, cols))
 
 
 def tma_store(atom, gT, sX):
