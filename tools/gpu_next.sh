@@ -406,7 +406,7 @@ s35)
   tier s35 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "relaxed"
   timed relaxed ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes 2 --relaxed ;;
 s36)
-  # the twenty-first session's prepared dH stores by stmatrix and TMA in the fused sweep (CUDNN_TRAIN_GDN_SWEEP_DHTMA):
+  # the twenty-first session's dH stores by stmatrix and TMA in the fused sweep (CUDNN_TRAIN_GDN_SWEEP_DHTMA, now on):
   # its bitwise cases, then its timing against the per-element stores at B4 (SHAPES)
   tier s36 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "dh_tma"
   timed dh_tma ${TIME_S:-150} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-1} --dh-tma ;;

@@ -88,7 +88,7 @@ def test_two_chain_switch_is_off_by_default_and_parses(monkeypatch):
 
 
 def test_relaxed_arrive_switch_is_off_by_default_and_parses(monkeypatch):
-    """CUDNN_TRAIN_GDN_DCHUNK_RELAXED is off by default (prepared, not yet GPU-run), 1 turns it on, a typo is a
+    """CUDNN_TRAIN_GDN_DCHUNK_RELAXED is off by default (GPU-run: bitwise, but slower), 1 turns it on, a typo is a
     ValueError naming it."""
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
     from tests.utils import assert_env_override
