@@ -508,14 +508,16 @@ def dh_tma_default() -> bool:
 
 
 def dvn_tma_default() -> bool:
-    """``CUDNN_TRAIN_GDN_SWEEP_DVNTMA=1`` (prepared in the twenty-first session, NOT GPU-run: off): with the dH TMA
-    stores, a full chunk's dvn leaves the same way: transposed ``stmatrix`` of the dvn^T accumulator (v, i) into a
+    """``CUDNN_TRAIN_GDN_SWEEP_DVNTMA`` (on unless 0; with the dH TMA stores, which it needs): a full chunk's dvn
+    leaves the same way as dH: transposed ``stmatrix`` of the dvn^T accumulator (v, i) into a
     [C, columns] tile (16 KB with both V halves), stored by one TMA box at the next chunk's top barrier (no barrier
     of its own); warp 0 waits for the store to have read the tile before the barrier after P, ahead of the next
     write. A sequence's partial last chunk (the first taken) keeps the element stores: a box would write the rows
     past a varlen sequence's end, the next sequence's. Nsight Compute (H100, twenty-first session) put 8.8% of
-    the sweep's stall samples on the dvn stores. The same values rounded once: the same bits."""
-    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_DVNTMA", False)
+    the sweep's stall samples on the dvn stores. The same values rounded once: the same bits. Measured (H100,
+    twenty-second session, B4 T4096 H16 HV32, ``time_gdn_sweep.py --dvn-tma``): 0.375 / 0.379 against 0.410 /
+    0.411 ms with dH's TMA stores alone, outputs bitwise equal."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_DVNTMA", True)
 
 
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
@@ -592,7 +594,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     and is Unsupported at ``wgs=2`` or V = 64); ``dh_tma``: with the TMA loads and ``out_dtype`` the input dtype, dH
     leaves by stmatrix and TMA stores (default :func:`dh_tma_default`: on with both V halves a CTA; the same bits;
     ignored without the TMA loads or with float32 outputs); ``dvn_tma``: with ``dh_tma``, a full chunk's dvn
-    leaves the same way (default :func:`dvn_tma_default`, off: prepared, not GPU-run)."""
+    leaves the same way (default :func:`dvn_tma_default`, on; the same bits)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
