@@ -61,7 +61,10 @@
 #   bash tools/gpu_next.sh s34      # stage 3's paired accesses: the persistent and two-chain cases
 #   bash tools/gpu_next.sh s35      # stage 3's relaxed first cluster arrive (prepared): its cases, timing
 #   bash tools/gpu_next.sh s36      # the sweep's dH by stmatrix and TMA stores (now the default): its cases, timing
-#   bash tools/gpu_next.sh s37      # the sweep's dvn by TMA stores too (prepared): its cases, timing
+#   bash tools/gpu_next.sh s37      # the sweep's dvn by TMA stores too (now the default): its cases, timing
+#   bash tools/gpu_next.sh s38      # the forward chain's hs / vn by TMA stores (now the default): its cases, timing
+#   bash tools/gpu_next.sh s39      # the split sweep's dchain dH / dvn and the out kernel's o by TMA stores
+#                                   # (prepared): their cases, timings
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -411,10 +414,24 @@ s36)
   tier s36 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "dh_tma"
   timed dh_tma ${TIME_S:-150} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-1} --dh-tma ;;
 s37)
-  # the twenty-first session's prepared dvn stores by stmatrix and TMA (CUDNN_TRAIN_GDN_SWEEP_DVNTMA): its bitwise
+  # the twenty-first session's dvn stores by stmatrix and TMA (CUDNN_TRAIN_GDN_SWEEP_DVNTMA, on since the 22nd): its bitwise
   # cases, then its timing against dH's TMA stores alone at B4 (SHAPES)
   tier s37 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "dvn_tma"
   timed dvn_tma ${TIME_S:-150} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-1} --dvn-tma ;;
+s38)
+  # the twenty-second session's TMA stores of the split forward's chain (CUDNN_TRAIN_GDN_CHAIN_HSTMA / _VNTMA, on
+  # since): their bitwise cases, then the chain's timing at VB 64 and 32 and the training forward's (SHAPES)
+  tier s38 ${GDN_S:-240} tests/kernels/test_gated_delta_rule_sm90.py -k "chain_tma_stores"
+  timed chain_stores ${TIME_S:-200} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-1} --chain-stores ;;
+s39)
+  # the twenty-second session's prepared TMA stores of the split sweep's dchain (CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA)
+  # and of the split forward's out kernel (CUDNN_TRAIN_GDN_OUT_OTMA): their bitwise cases, then the split sweep's
+  # timing with them against the element stores (SHAPES=2: B1 T16384, the shape the split sweep serves), then the
+  # out kernel's
+  tier s39 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_sm90.py tests/kernels/test_gated_delta_rule_sm90.py \
+    -k "dchain_tma_stores or out_o_tma"
+  timed dchain_stores ${TIME_S:-200} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} --dchain-stores
+  timed out_otma ${TIME_S:-120} python3 tools/time_gdn_fwd.py --shapes 1 --out-otma ;;
 s34)
   # the twentieth session's paired shared-memory accesses in stage 3: the persistent variant's bitwise cases against
   # the per-tile kernel (the helpers changed in both), then the two-chain cases (GDN_S limit)

@@ -5,7 +5,15 @@ also the wy and state kernels on two warpgroups (the wy kernel's default at K = 
 kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
-                                   --onfly]
+                                   --onfly | --chain-stores | --out-otma]
+
+``--out-otma``: only the split pass's out kernel with o leaving by one TMA store (``CUDNN_TRAIN_GDN_OUT_OTMA``)
+against the pair stores, on one chain's hs and vn: o bitwise, then timed twice each, alternating.
+
+``--chain-stores``: only the split pass's chain (TMA loads) at V blocks 64 and 32 with its stores by TMA: hs
+(``CUDNN_TRAIN_GDN_CHAIN_HSTMA``), vn (``_VNTMA``) and both against the default's: hs and vn bitwise, then
+timed twice each, alternating; then the whole training forward (``store_states``, vn and Tm kept) with both
+switches 0 / 1, alternating.
 
 ``--out-tma``: only the split pass's out kernel with its loads by TMA (``CUDNN_TRAIN_GDN_OUT_TMA``) against
 cp.async, on one chain's hs and vn: o bitwise, then timed twice each, alternating.
@@ -59,6 +67,10 @@ def main():
                     help="only the wy kernel at its default warpgroups: its time and (with --profile) its phases")
     ap.add_argument("--chain-tma", action="store_true",
                     help="only the split pass's chain with its loads by TMA against cp.async, both V blocks")
+    ap.add_argument("--chain-stores", action="store_true",
+                    help="only the split pass's chain with its hs / vn stores by TMA against the default's")
+    ap.add_argument("--out-otma", action="store_true",
+                    help="only the split pass's out kernel with o by one TMA store against the pair stores")
     ap.add_argument("--out-tma", action="store_true",
                     help="only the split pass's out kernel with its loads by TMA against cp.async")
     ap.add_argument("--onfly", action="store_true",
@@ -142,26 +154,28 @@ def main():
             F90.SPLIT, F90.STATE_WS, F90.ONFLY = saved
             continue
 
-        if args.out_tma:  # the out kernel (CUDNN_TRAIN_GDN_OUT_TMA) on one chain's output: bitwise, then times
-            run_wy_default()
+        if args.out_tma or args.out_otma:  # the out kernel (CUDNN_TRAIN_GDN_OUT_TMA / _OTMA) on one chain's output:
+            run_wy_default()  # bitwise, then times
             hs = torch.empty(rows, HV, K, V, device=dev, dtype=torch.bfloat16)
             vn = torch.empty_like(u)
             vb = SP.chain_vblock(B, HV, V, q.device)
             SP.get_chain_kernel(torch.bfloat16, K, V, vb, True, False, False, False, False)(
                 k, w, u, gc, d4, d4, cu, cuc, hs, vn, T, NT, group, B)
             runs = {}
+            what = "o_tma" if args.out_otma else "tma"
+            names = {False: "pairs", True: "o TMA"} if args.out_otma else {False: "cp.async", True: "TMA"}
             for tma in (False, True):
-                ot = SP.get_out_kernel(torch.bfloat16, K, V, True, False, tma=tma)
+                ot = SP.get_out_kernel(torch.bfloat16, K, V, True, False, **{what: tma})
                 o_t = torch.full((B, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16)
                 runs[tma] = (lambda ot=ot, o_t=o_t: ot(q, k, hs, vn, gc, o_t, cu, cuc, K**-0.5, T, NT, B, group, rows),
                              o_t)
                 runs[tma][0]()
             torch.cuda.synchronize()
-            print(f"B{B} T{T} H{H} HV{HV}: out kernel, TMA loads: o bitwise cp.async's: "
+            print(f"B{B} T{T} H{H} HV{HV}: out kernel, {names[True]}: o bitwise {names[False]}'s: "
                   f"{torch.equal(runs[False][1], runs[True][1])}, finite {bool(torch.isfinite(runs[True][1]).all())}")
             for _ in range(2):
                 for tma in (False, True):
-                    print(f"  out kernel, {'TMA' if tma else 'cp.async':8s} {bench(runs[tma][0], 10, 40):.3f} ms")
+                    print(f"  out kernel, {names[tma]:8s} {bench(runs[tma][0], 10, 40):.3f} ms")
             continue
 
         if args.chain_tma:  # the chain (CUDNN_TRAIN_GDN_CHAIN_TMA) on one wy output: bitwise, then alternating times
@@ -182,6 +196,42 @@ def main():
                     for tma in (False, True):
                         print(f"  chain kernel, VB={vb}, {'TMA' if tma else 'cp.async':8s} "
                               f"{bench(runs[tma][0], 10, 40):.3f} ms")
+            continue
+
+        if args.chain_stores:  # the chain's hs / vn TMA stores on one wy output: bitwise, then alternating times
+            run_wy_default()
+            variants = {"default": {}, "hs TMA": dict(hs_tma=True), "vn TMA": dict(vn_tma=True),
+                        "hs+vn TMA": dict(hs_tma=True, vn_tma=True)}
+            for vb in (64, 32):
+                runs = {}
+                for name, kw in variants.items():
+                    kw = {"hs_tma": False, "vn_tma": False, **kw}
+                    ch = SP.get_chain_kernel(torch.bfloat16, K, V, vb, True, False, False, False, False, tma=True, **kw)
+                    hs = torch.full((rows, HV, K, V), float("nan"), device=dev, dtype=torch.bfloat16)
+                    vn = torch.full_like(u, float("nan"))
+                    runs[name] = (lambda ch=ch, hs=hs, vn=vn: ch(k, w, u, gc, d4, d4, cu, cuc, hs, vn, T, NT, group, B),
+                                  hs, vn)
+                    runs[name][0]()
+                torch.cuda.synchronize()
+                ref = runs["default"]
+                for name in list(variants)[1:]:
+                    same = torch.equal(ref[1], runs[name][1]) and torch.equal(ref[2], runs[name][2])
+                    print(f"B{B} T{T} H{H} HV{HV}: chain VB {vb}, {name}: hs and vn bitwise the default's: {same}")
+                for _ in range(2):
+                    for name in variants:
+                        print(f"  chain kernel, VB={vb}, {name:10s} {bench(runs[name][0], 10, 40):.3f} ms")
+            import os
+
+            def train_fwd():
+                F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True,
+                            keep_tm=True)
+
+            for _ in range(2):
+                for on in ("0", "1"):
+                    os.environ["CUDNN_TRAIN_GDN_CHAIN_HSTMA"] = os.environ["CUDNN_TRAIN_GDN_CHAIN_VNTMA"] = on
+                    print(f"  training forward, chain stores by TMA {on}: {bench(train_fwd, 10, 40):.3f} ms")
+            for name in ("CUDNN_TRAIN_GDN_CHAIN_HSTMA", "CUDNN_TRAIN_GDN_CHAIN_VNTMA"):
+                os.environ.pop(name, None)
             continue
 
         if args.ws_only:  # the fused state kernel against its specialized-warpgroup variant, alternating

@@ -4,7 +4,7 @@ with synchronous loads, on the same inputs, as the training path calls it (bf16 
 l2norm in kernel, no final-state gradient).
 
     python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2 | --ws | --tma |
-                                     --dchain-tma | --vh2 | --dh-tma | --dvn-tma]
+                                     --dchain-tma | --dchain-stores | --vh2 | --dh-tma | --dvn-tma]
 
 Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 16, 32 and
 64; ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1`` forces it) against the fused kernel's defaults; ``--split-only``: the default and the
@@ -15,6 +15,7 @@ the next chunk's q and k issued early (``early_qk=True``; outputs must be bitwis
 alternating, then the early variant's profile. ``--p2``: the split sweep with its ``dvl`` building P in two
 passes (``CUDNN_TRAIN_GDN_DVL_P2=1``) against the one pass: bitwise check, timed twice each, alternating.
 ``--dchain-tma``: the same for the split sweep's ``dchain`` with its loads by TMA (``CUDNN_TRAIN_GDN_DCHAIN_TMA=1``);
+``--dchain-stores``: the same for ``dchain``'s dH rows and dvn by TMA stores (``CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA=1``);
 ``--tma``: the same for the fused kernel's prefetch by TMA (``tma=True``, ``CUDNN_TRAIN_GDN_SWEEP_TMA``), then the
 TMA variant's profile. ``--vh2``: the same for the fused kernel on one warpgroup with both V halves in one CTA
 (``vh2=True``, ``CUDNN_TRAIN_GDN_SWEEP_VH2``) against a CTA a half (no profile: its grid has half the CTAs).
@@ -57,6 +58,8 @@ def main():
                     help="the split sweep with dvl's P in two passes against one: bitwise check, time")
     ap.add_argument("--tma", action="store_true",
                     help="the fused kernel with its prefetch by TMA against cp.async: bitwise check, time, profile")
+    ap.add_argument("--dchain-stores", action="store_true",
+                    help="the split sweep's dchain with its dH and dvn stores by TMA against the element stores")
     ap.add_argument("--dchain-tma", action="store_true",
                     help="the split sweep with dchain's loads by TMA against cp.async: bitwise check, time")
     ap.add_argument("--vh2", action="store_true",
@@ -119,8 +122,12 @@ def main():
                 for ws, tma, name in rows:
                     print(f"  {name:28s} {bench(lambda: sweep_ws(ws, tma), warmup=10, rep=50):.3f} ms")
             continue
-        if args.early_qk or args.p2 or args.dchain_tma or args.tma or args.vh2 or args.dh_tma or args.dvn_tma:
-            if args.dvn_tma:  # the fused kernel at its defaults with dH's TMA stores, dvn by elements or TMA
+        if (args.early_qk or args.p2 or args.dchain_tma or args.dchain_stores or args.tma or args.vh2 or args.dh_tma
+                or args.dvn_tma):
+            if args.dchain_stores:  # the split sweep's dchain, its dH rows and dvn by 16-byte rows / pairs or TMA
+                base, alt, label = dict(dst="0"), dict(dst="1"), ("split, dchain element stores",
+                                                                  "split, dchain TMA stores")
+            elif args.dvn_tma:  # the fused kernel at its defaults with dH's TMA stores, dvn by elements or TMA
                 base, alt, label = (dict(dh_tma=True, dvn_tma=False), dict(dh_tma=True, dvn_tma=True),
                                     ("fused, dH TMA stores", "fused, dH + dvn TMA stores"))
             elif args.dh_tma:  # the fused kernel at its defaults, dH by per-element or TMA stores
@@ -137,10 +144,11 @@ def main():
                 base, alt, label = dict(p2="0"), dict(p2="1"), ("split, dvl P in one pass", "split, dvl P in two")
             else:
                 base, alt, label = dict(dtma="0"), dict(dtma="1"), ("split, dchain cp.async", "split, dchain TMA")
-            switches = dict(p2="CUDNN_TRAIN_GDN_DVL_P2", dtma="CUDNN_TRAIN_GDN_DCHAIN_TMA")
+            switches = dict(p2="CUDNN_TRAIN_GDN_DVL_P2", dtma="CUDNN_TRAIN_GDN_DCHAIN_TMA",
+                            dst="CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA")
 
             def sweep(kw):
-                if "p2" in kw or "dtma" in kw:  # the split sweep, a kernel's variant by its switch (read when fetched)
+                if "p2" in kw or "dtma" in kw or "dst" in kw:  # the split sweep, a kernel's variant by its switch (read when fetched)
                     for key, val in kw.items():
                         os.environ[switches[key]] = val
                     return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,

@@ -178,7 +178,7 @@ def _build_dvl(dtype, K: int, V: int, l2norm: bool, varlen: bool, P2: bool = Fal
 
 
 def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool,
-                  tma: bool = False):
+                  tma: bool = False, dh_tma: bool = False, dvn_tma: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -196,6 +196,10 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
     scale_rows = cm.make_scale_rows(dtype, VB, THREADS, l2norm)
 
     TX_BYTES = (3 * C * K + C * VB) * dtype.width // 8  # tma: k, q, w and do's columns of a chunk
+    # dh_tma: the chunk's dH row leaves from sDH by one TMA store (warp 0) issued right after the top barrier, read
+    # before the barrier after dvn (sDH is written again at the next chunk's top); dvn_tma: a full chunk's dvn goes
+    # into its own tile sVo (4-byte pairs) and leaves by one TMA store issued after that barrier, read before the
+    # next top barrier (the sequence's partial last chunk, the first taken, keeps the pair stores)
 
     def tma_chunk(ta, sQs, sK, sWs, sDo, bar, b, h, hv, t0, v0):
         # (tma, warp 0, while tracing) the chunk at row t0 on the mbarrier bar (cm.tma_load): k, q's and w's
@@ -241,9 +245,11 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                mDvl: cute.Tensor, mDHT: cute.Tensor, mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor,
                mCu: cute.Tensor, mCuC: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32,
                aK: cute.CopyAtom, aQ: cute.CopyAtom, aW: cute.CopyAtom, aDo: cute.CopyAtom, tK: cute.Tensor,
-               tQ: cute.Tensor, tW: cute.Tensor, tDo: cute.Tensor):
+               tQ: cute.Tensor, tW: cute.Tensor, tDo: cute.Tensor, aDH: cute.CopyAtom, tDH: cute.Tensor,
+               aDV: cute.CopyAtom, tDV: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
+        warp0 = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         h = hv // group
         v0 = vb * VB
 
@@ -260,6 +266,8 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
         sDoS = cm.alloc_tile(smem, dtype, C, VB)
         sDH = cm.alloc_tile(smem, dtype, K, VB)
         sVn = cm.alloc_tile(smem, dtype, C, VB)  # -dvn
+        if cutlass.const_expr(dvn_tma):  # a full chunk's dvn, for its TMA store
+            sVo = cm.alloc_tile(smem, dtype, C, VB)
         sGcb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(2)]
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
@@ -326,8 +334,15 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                                 zero_tail(sQb[par][hf], 64, length, tidx)
                                 zero_tail(sWb[par][hf], 64, length, tidx)
                     cute.arch.cp_async_wait_group(0)
+                    if cutlass.const_expr(dvn_tma):  # chunk cr - 1's dvn store has read sVo
+                        if warp0:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # chunk cr and sDH in smem; every thread is done with chunk cr - 1
+                    if cutlass.const_expr(dh_tma):  # sDH -> the chunk's dH row, one TMA store (warp 0)
+                        if warp0:
+                            cm.tma_store(aDH, cute.local_tile(cute.domain_offset((0, v0), tDH[None, None, cbase + ci, hv]),
+                                                              (K, VB), (0, 0)), sDH)
                     if cr + 1 < nchunks:  # chunk cr + 1 (the one before this) into the other buffers
                         t1 = t0 - C
                         issue_chunk(mQ, mK, mW, mDO, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sDob[1 - par],
@@ -338,8 +353,10 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                     accX = cute.make_rmem_tensor(thr_x.partition_shape_C((C, VB)), Float32)
                     gemm(mma_x, accX, tAk[par], tBdh, True)  # k dH   [i, v]
                     warpgroup.commit_group()
-                    # meanwhile: sDH -> the chunk's dH row (16-byte vectors), the row norms, the decay
-                    tile_to_rows(sDH, mDH[cbase + ci, hv, None, None], v0, tidx)
+                    # meanwhile: sDH -> the chunk's dH row (16-byte vectors, or the TMA store above), the row norms,
+                    # the decay
+                    if cutlass.const_expr(not dh_tma):
+                        tile_to_rows(sDH, mDH[cbase + ci, hv, None, None], v0, tidx)
                     if cutlass.const_expr(l2norm):
                         if tidx < C:
                             ss = Float32(0.0)
@@ -372,7 +389,15 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                             coef = coef * sRk[xi]
                         a0 = accX[2 * e] * coef + rL[2 * e]
                         a1 = accX[2 * e + 1] * coef + rL[2 * e + 1]
-                        if xi < length:
+                        if cutlass.const_expr(dvn_tma):  # into sVo; a partial chunk's valid rows to global too
+                            vpair = cute.make_rmem_tensor((1, 2), dtype)
+                            vpair[0] = a0.to(dtype)
+                            vpair[1] = a1.to(dtype)
+                            cute.autovec_copy(vpair, cute.local_tile(sVo, (1, 2), (xi, xv // 2)))
+                            if length < C:
+                                if xi < length:
+                                    cute.autovec_copy(vpair, cute.local_tile(gVn, (1, 2), (xi, (v0 + xv) // 2)))
+                        elif xi < length:
                             vpair = cute.make_rmem_tensor((1, 2), dtype)
                             vpair[0] = a0.to(dtype)
                             vpair[1] = a1.to(dtype)
@@ -382,8 +407,15 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                         npair[1] = (-a1).to(dtype)
                         cute.autovec_copy(npair, cute.local_tile(sVn, (1, 2), (xi, xv // 2)))
                     warpgroup.wait_group(0)
+                    if cutlass.const_expr(dh_tma):  # the dH store has read sDH (written again at the next top)
+                        if warp0:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
                     cute.arch.fence_view_async_shared()
-                    cute.arch.sync_threads()  # -dvn visible to the async proxy
+                    cute.arch.sync_threads()  # -dvn (and dvn) visible to the async proxy
+                    if cutlass.const_expr(dvn_tma):  # a full chunk's dvn rows, one TMA store (warp 0)
+                        if warp0:
+                            if length == C:
+                                cm.tma_store(aDV, cm.token_box(tDV, b, hv, t0, v0, C, VB), sVo)
 
                     for hf in cutlass.range_constexpr(KH):
                         gemm(mma_up, accD[hf], tAw[par][hf], tBvn, False)  # dH -= w^T dvn
@@ -391,6 +423,9 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                     warpgroup.wait_group(0)
 
         store_block(accD, cS, mDH0, n, hv, v0, state_vk)  # the initial state's gradient, float32
+        if cutlass.const_expr(dh_tma or dvn_tma):  # every store done before the CTA's shared memory goes
+            if warp0:
+                cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def host(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor,
@@ -400,9 +435,12 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
         _static_checks(dtype, K, V, VB)
         HV = mW.shape[2]
         atoms, tmas = cm.make_tma_rows_atoms(tma, dtype, ((mK, C, K), (mQ, C, 64), (mW, C, 64), (mDO, C, VB)))
+        aDH, tDH = cm.make_tma_store(dh_tma, dtype, mDH, cm.STATE_ROWS, K, VB)
+        aDV, tDV = cm.make_tma_store(dvn_tma, dtype, mDVN, cm.TOKEN_ROWS, C, VB)
         kernel(mQ, mK, mW, mGc, mDO, mDvl, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, *atoms,
-               *tmas).launch(
-            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
+               *tmas, aDH, tDH, aDV, tDV).launch(
+            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
+            **(dict(preferred_smem_carveout=100) if dvn_tma else {}),  # VB 16: two CTAs an SM only at the whole
         )
 
     f = F._fakes()
@@ -447,15 +485,28 @@ def dchain_tma() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHAIN_TMA", True)
 
 
-def get_dchain_kernel(dtype, K, V, VB, l2norm, varlen, has_dht, state_vk, tma=None):
+def dchain_store_tma() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA=1`` (prepared in the twenty-second session, NOT GPU-run: off): ``dchain``'s
+    stores the way the forward's chain makes them since that session (``fwd_split.chain_hs_tma`` /
+    ``chain_vn_tma``, measured there: the chain 0.333 -> 0.310 ms at VB 64, 0.470 -> 0.357 at VB 32, bitwise): each
+    chunk's dH row leaves its shared tile sDH by one TMA store (warp 0, right after the top barrier; waited for to
+    have read sDH before the barrier after dvn) instead of 16-byte rows copied by 128 threads, and a full chunk's
+    dvn goes as 4-byte pairs into a tile of its own and leaves by one TMA store after that barrier (read before the
+    next top barrier) instead of scattered 4-byte global stores on the chain's critical path; the sequence's partial
+    last chunk (the first taken) keeps the pair stores. The same bytes."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", False)
+
+
+def get_dchain_kernel(dtype, K, V, VB, l2norm, varlen, has_dht, state_vk, tma=None, store_tma=None):
     if VB not in VBLOCKS or V % VB:
         raise ValueError(f"VB={VB}: expected one of {VBLOCKS} dividing V={V}")
     tma = dchain_tma() if tma is None else bool(tma)
+    store_tma = dchain_store_tma() if store_tma is None else bool(store_tma)
     key = ("dchain", str(dtype), K, V, VB, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk)) + (
-        ("tma",) if tma else ())
+        ("tma",) if tma else ()) + (("store_tma",) if store_tma else ())
 
     def build():
-        return _build_dchain(F._dt(dtype), K, V, VB, l2norm, varlen, has_dht, state_vk, tma)
+        return _build_dchain(F._dt(dtype), K, V, VB, l2norm, varlen, has_dht, state_vk, tma, store_tma, store_tma)
 
     return kc.get_kernel("gdn_bwd_dchain", key, build, _SOURCES)
 

@@ -427,6 +427,23 @@ def make_store_pairs():
     return store_pairs
 
 
+def make_pairs_to_tile(dtype):
+    """``pairs_to_tile(acc, cAcc, sX)``: float32 accumulator element pairs ``(e, e + 1)`` (columns n, n + 1 of one
+    row, checked with ``cm.check_acc_pairs``) into the smem tile ``sX`` in ``dtype``, 4-byte stores."""
+    cutlass, cute = kc.import_cute()
+
+    @cute.jit
+    def pairs_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor):
+        for e in cutlass.range_constexpr(cute.size(acc) // 2):
+            r, c = cAcc[2 * e]
+            pair = cute.make_rmem_tensor((1, 2), dtype)
+            pair[0] = acc[2 * e].to(dtype)
+            pair[1] = acc[2 * e + 1].to(dtype)
+            cute.autovec_copy(pair, cute.local_tile(sX, (1, 2), (r, c // 2)))
+
+    return pairs_to_tile
+
+
 def make_scale_rows(dtype, cols: int, threads: int, l2norm: bool):
     """``scale_rows(sX, sY, sGc, sR, scale, tidx)``: ``sY[i, c] = sX[i, c] scale exp(gc_i) (r_i)`` over a
     ``[CHUNK, cols]`` smem tile, rounded once to the input dtype, by ``threads`` threads (an element

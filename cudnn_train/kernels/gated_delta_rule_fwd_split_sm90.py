@@ -14,7 +14,9 @@ two M = 64 halves at K = 128), and per chunk does only what the next chunk needs
 The next chunk's w, k, u and gc arrive while the current one is computed: w, k and u by TMA (by default since
 the sixteenth session, :func:`chain_tma`; one elected thread issues them on the buffer's mbarrier, the sequence's
 last chunk's rows past its end are zeroed once landed), gc by ``cp.async``; ``CUDNN_TRAIN_GDN_CHAIN_TMA=0`` brings
-all four by ``cp.async`` (the same bits).
+all four by ``cp.async`` (the same bits). Its stores (since the twenty-second session, :func:`chain_hs_tma`,
+:func:`chain_vn_tma`): the chunk-start state by one TMA store from its shared tile, a full chunk's vn by one from a
+tile of its own (a partial chunk's by 4-byte pairs).
 Everything the output needs (q, the q k^T tile, its exp scaling, the o stores) is off this
 chain, so a chunk costs two small WGMMA groups and the conversions between them; and the grid
 is V/32 = 4 CTAs per (sequence, value head) at K = V = 128, so one long sequence still spreads
@@ -163,7 +165,7 @@ def make_block_io(dtype, K: int, VB: int):
 
 
 def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool,
-                 state_vk: bool, tma: bool = False):
+                 state_vk: bool, tma: bool = False, hs_tma: bool = False, vn_tma: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -180,6 +182,10 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     load_block, store_block, block_to_tile, tile_to_rows = make_block_io(dtype, K, VB)
 
     TX_BYTES = (2 * C * K + C * VB) * dtype.width // 8  # tma: w, k and u's columns of a chunk
+    # hs_tma: the chunk-start state leaves from sS by one TMA store (warp 0) issued right after the top barrier, read
+    # before the barrier after vn (sS is written again at the next chunk's top); vn_tma: a full chunk's vn goes into
+    # its own tile sVo (4-byte pairs) and leaves by one TMA store issued after that barrier, read before the next
+    # top barrier (a sequence's partial last chunk keeps the pair stores: a box would write the next sequence's rows)
 
     def tma_chunk(ta, sKs, sW, sU, bar, b, h, hv, t0, v0):
         # (tma, warp 0, while tracing) the chunk at row t0 on the mbarrier bar (cm.tma_load): w (value head hv),
@@ -219,9 +225,11 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     def kernel(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
                mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, mHs: cute.Tensor, mVn: cute.Tensor,
                T: Int32, NT: Int32, group: Int32, aW: cute.CopyAtom, aK: cute.CopyAtom, aU: cute.CopyAtom,
-               tW: cute.Tensor, tK: cute.Tensor, tU: cute.Tensor):
+               tW: cute.Tensor, tK: cute.Tensor, tU: cute.Tensor, aHs: cute.CopyAtom, tHs: cute.Tensor,
+               aVo: cute.CopyAtom, tVo: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
+        warp0 = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         h = hv // group
         v0 = vb * VB
 
@@ -235,6 +243,8 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         sKb = [[cm.alloc_tile(smem, dtype, C, 64) for _ in range(KH)] for _ in range(2)]
         sS = cm.alloc_tile(smem, dtype, K, VB)
         sVn = cm.alloc_tile(smem, dtype, C, VB)
+        if cutlass.const_expr(vn_tma):  # a full chunk's vn (unscaled), for its TMA store
+            sVo = cm.alloc_tile(smem, dtype, C, VB)
         if cutlass.const_expr(tma):  # TMA writes no padding: u in a swizzled tile
             sUb = [cm.alloc_tile(smem, dtype, C, VB) for _ in range(2)]
         else:
@@ -285,8 +295,15 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                             for hf in cutlass.range_constexpr(KH):
                                 zero_tail(sKb[par][hf], 64, length, tidx)
                     cute.arch.cp_async_wait_group(0)
+                    if cutlass.const_expr(vn_tma):  # chunk ci - 1's vn store has read sVo
+                        if warp0:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # chunk ci and sS in smem; every thread is done with chunk ci - 1
+                    if cutlass.const_expr(hs_tma):  # sS -> the chunk's row of hs, one TMA store (warp 0)
+                        if warp0:
+                            cm.tma_store(aHs, cute.local_tile(cute.domain_offset((0, v0), tHs[None, None, cbase + ci, hv]),
+                                                              (K, VB), (0, 0)), sS)
                     if ci + 1 < nchunks:
                         t1 = t0 + C
                         issue_chunk(mK, mW, mU, mGc, sKb[1 - par], sWb[1 - par], sUb[1 - par], sGcb[1 - par],
@@ -297,8 +314,9 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     accVn = cute.make_rmem_tensor(thr_vn.partition_shape_C((C, VB)), Float32)
                     gemm(mma_vn, accVn, tAw[par], tBs, True)  # w S   [i, v]
                     warpgroup.commit_group()
-                    # meanwhile: sS -> the chunk's row of hs (16-byte vectors), the k row norms
-                    tile_to_rows(sS, mHs[cbase + ci, hv, None, None], v0, tidx)
+                    # meanwhile: sS -> the chunk's row of hs (16-byte vectors, or the TMA store above), the k row norms
+                    if cutlass.const_expr(not hs_tma):
+                        tile_to_rows(sS, mHs[cbase + ci, hv, None, None], v0, tidx)
                     if cutlass.const_expr(l2norm):
                         if tidx < C:
                             ss = Float32(0.0)
@@ -324,7 +342,12 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                         vpair = cute.make_rmem_tensor((1, 2), dtype)
                         vpair[0] = a0.to(dtype)
                         vpair[1] = a1.to(dtype)
-                        if vi < length:
+                        if cutlass.const_expr(vn_tma):  # into sVo; a partial chunk's valid rows to global too
+                            cute.autovec_copy(vpair, cute.local_tile(sVo, (1, 2), (vi, vc // 2)))
+                            if length < C:
+                                if vi < length:
+                                    cute.autovec_copy(vpair, cute.local_tile(gVn, (1, 2), (vi, (v0 + vc) // 2)))
+                        elif vi < length:
                             cute.autovec_copy(vpair, cute.local_tile(gVn, (1, 2), (vi, (v0 + vc) // 2)))
                         spair = cute.make_rmem_tensor((1, 2), dtype)
                         spair[0] = (a0 * coef).to(dtype)
@@ -334,8 +357,15 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     for hf in cutlass.range_constexpr(KH):
                         for e in cutlass.range_constexpr(cute.size(accS[hf])):
                             accS[hf][e] = accS[hf][e] * decay
+                    if cutlass.const_expr(hs_tma):  # the hs store has read sS (written again at the next top)
+                        if warp0:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
                     cute.arch.fence_view_async_shared()
-                    cute.arch.sync_threads()  # sVn visible to the async proxy
+                    cute.arch.sync_threads()  # sVn (and sVo) visible to the async proxy
+                    if cutlass.const_expr(vn_tma):  # a full chunk's vn rows, one TMA store (warp 0)
+                        if warp0:
+                            if length == C:
+                                cm.tma_store(aVo, cm.token_box(tVo, b, hv, t0, v0, C, VB), sVo)
 
                     for hf in cutlass.range_constexpr(KH):
                         gemm(mma_up, accS[hf], tAk[par][hf], tBvn, False)  # S += k^T vn_s
@@ -344,6 +374,9 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
 
         if cutlass.const_expr(out_final):
             store_block(accS, cS, mHT, n, hv, v0, state_vk)
+        if cutlass.const_expr(hs_tma or vn_tma):  # every store done before the CTA's shared memory goes
+            if warp0:
+                cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def host(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, mH0: cute.Tensor,
@@ -352,8 +385,12 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         _static_checks(dtype, K, V, VB)
         HV = mU.shape[2]
         atoms, tmas = cm.make_tma_rows_atoms(tma, dtype, ((mW, C, K), (mK, C, 64), (mU, C, VB)))
-        kernel(mK, mW, mU, mGc, mH0, mHT, mCu, mCuC, mHs, mVn, T, NT, group, *atoms, *tmas).launch(
-            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream
+        aHs, tHs = cm.make_tma_store(hs_tma, dtype, mHs, cm.STATE_ROWS, K, VB)
+        aVo, tVo = cm.make_tma_store(vn_tma, dtype, mVn, cm.TOKEN_ROWS, C, VB)
+        kernel(mK, mW, mU, mGc, mH0, mHT, mCu, mCuC, mHs, mVn, T, NT, group, *atoms, *tmas, aHs, tHs, aVo,
+               tVo).launch(
+            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
+            **(dict(preferred_smem_carveout=100) if vn_tma else {}),  # 115.5 KB a CTA: two an SM only at the whole
         )
 
     f = F._fakes()
@@ -368,7 +405,8 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
 # ------------------------------------------------------------------ kernel: out
 
 
-def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool = False, tma: bool = False):
+def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool = False, tma: bool = False,
+               o_tma: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import warpgroup
@@ -387,12 +425,17 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
     TX_VN = C * V * dtype.width // 8
     zero_tail = cm.make_zero_rows(dtype, THREADS)  # (tma) the rows past a sequence's end
     init_barriers = cm.make_tma_init()
+    # o_tma: a full chunk's o goes as 4-byte pairs into vn's tile (free once P vn is done: the same [C, V] shape)
+    # and leaves by one TMA store (warp 0); a partial chunk keeps the pair stores (a box would write the rows past a
+    # varlen sequence's end, the next sequence's)
+    pairs_to_tile = cm.make_pairs_to_tile(dtype) if o_tma else None
 
     @cute.kernel
     def kernel(mQ: cute.Tensor, mK: cute.Tensor, mHs: cute.Tensor, mVn: cute.Tensor, mGc: cute.Tensor,
                mO: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor, scale: Float32, T: Int32, NT: Int32,
                nseq: Int32, group: Int32, aQ: cute.CopyAtom, aK: cute.CopyAtom, aS: cute.CopyAtom,
-               aVn: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor, tS: cute.Tensor, tVn: cute.Tensor):
+               aVn: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor, tS: cute.Tensor, tVn: cute.Tensor,
+               aO: cute.CopyAtom, tO: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         cid, hv, _ = cute.arch.block_idx()
         h = hv // group
@@ -480,7 +523,19 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
             gemm(mma_ov, accO, rP, mma_ov.make_fragment_B(thr_ov.partition_B(cm.transpose_view(sVn))), False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            store_pairs(accO, cO, cute.domain_offset((t0, 0), mO[b, None, hv, None]), length)
+            if cutlass.const_expr(o_tma):
+                if length == C:  # every thread's P vn is done reading sVn: o into it, then one TMA store
+                    cute.arch.sync_threads()
+                    pairs_to_tile(accO, cO, sVn)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_threads()
+                    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                        cm.tma_store(aO, cm.token_box(tO, b, hv, t0, 0, C, V), sVn)
+                        cute.arch.cp_async_bulk_wait_group(0)
+                else:
+                    store_pairs(accO, cO, cute.domain_offset((t0, 0), mO[b, None, hv, None]), length)
+            else:
+                store_pairs(accO, cO, cute.domain_offset((t0, 0), mO[b, None, hv, None]), length)
 
     @cute.jit
     def host(mQ: cute.Tensor, mK: cute.Tensor, mHs: cute.Tensor, mVn: cute.Tensor, mGc: cute.Tensor,
@@ -490,7 +545,8 @@ def _build_out(dtype, K: int, V: int, l2norm: bool, varlen: bool, P_SELECT: bool
         HV = mO.shape[2]
         hs_rows = cute.make_tensor(mHs.iterator, cute.select(mHs.layout, mode=[0, 2, 1, 3]))  # [chunk, K, HV, V]
         atoms, tmas = cm.make_tma_rows_atoms(tma, dtype, ((mQ, C, K), (mK, C, K), (hs_rows, K, V), (mVn, C, V)))
-        kernel(mQ, mK, mHs, mVn, mGc, mO, mCu, mCuC, scale, T, NT, nseq, group, *atoms, *tmas).launch(
+        aO, tO = cm.make_tma_store(o_tma, dtype, mO, cm.TOKEN_ROWS, C, V)
+        kernel(mQ, mK, mHs, mVn, mGc, mO, mCu, mCuC, scale, T, NT, nseq, group, *atoms, *tmas, aO, tO).launch(
             grid=[nchunks_grid, HV, 1], block=[THREADS, 1, 1], stream=stream
         )
 
@@ -517,15 +573,43 @@ def chain_tma() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_CHAIN_TMA", True)
 
 
-def get_chain_kernel(dtype, K, V, VB, l2norm, varlen, has_h0, out_final, state_vk, tma=None):
+def chain_hs_tma() -> bool:
+    """``CUDNN_TRAIN_GDN_CHAIN_HSTMA`` (on unless 0; twenty-second session): ``chain``'s
+    chunk-start state leaves its shared tile sS by one TMA store (warp 0, right after the top barrier; waited for
+    to have read sS before the barrier after vn, since sS is written again at the next chunk's top) instead of 128
+    threads copying it out as 16-byte vectors (8 shared loads and 8 global stores a thread at K = 128, VB = 64,
+    beside the chunk's first product). The same bytes. Measured with :func:`chain_vn_tma` there."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_CHAIN_HSTMA", True)
+
+
+def chain_vn_tma() -> bool:
+    """``CUDNN_TRAIN_GDN_CHAIN_VNTMA`` (on unless 0; twenty-second session): ``chain``'s vn
+    of a full chunk goes as 4-byte pairs into its own shared tile (8 KB more at VB = 64, 115.5 KB a CTA: still two
+    an SM) and leaves by one TMA store (warp 0, after the barrier that follows vn; waited for to have read the tile
+    before the next top barrier) instead of 16 scattered 4-byte global stores a thread on the chain's critical path
+    between ``w S`` and the state update: the pattern that cost the reverse sweep 20% (dH) and 9% (dvn) of its
+    stall samples (Nsight Compute, twenty-first session), where the same change gave -17% and -8%. A sequence's
+    partial last chunk keeps the pair stores (a box would write the next sequence's rows). The same bytes.
+    Measured (H100, B4 T4096 H16 HV32, ``time_gdn_fwd.py --chain-stores``, hs and vn bitwise the default's in every
+    variant): VB 64 0.333 ms, hs alone 0.340, vn alone 0.323, **both 0.310**; VB 32 (the grid of fewer sequences)
+    0.470, 0.392, 0.356, **0.357**; the whole training forward 0.889 -> 0.865 ms."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_CHAIN_VNTMA", True)
+
+
+def get_chain_kernel(dtype, K, V, VB, l2norm, varlen, has_h0, out_final, state_vk, tma=None, hs_tma=None,
+                     vn_tma=None):
     if VB not in CHAIN_VBLOCKS or V % VB:
         raise ValueError(f"VB={VB}: expected one of {CHAIN_VBLOCKS} dividing V={V}")
     tma = chain_tma() if tma is None else bool(tma)
+    hs_tma = chain_hs_tma() if hs_tma is None else bool(hs_tma)
+    vn_tma = chain_vn_tma() if vn_tma is None else bool(vn_tma)
     key = ("chain", str(dtype), K, V, VB, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final),
-           bool(state_vk)) + (("tma",) if tma else ())
+           bool(state_vk)) + (("tma",) if tma else ()) + (("hs_tma",) if hs_tma else ()) + (
+        ("vn_tma",) if vn_tma else ())
 
     def build():
-        return _build_chain(F._dt(dtype), K, V, VB, l2norm, varlen, has_h0, out_final, state_vk, tma)
+        return _build_chain(F._dt(dtype), K, V, VB, l2norm, varlen, has_h0, out_final, state_vk, tma, hs_tma,
+                            vn_tma)
 
     return kc.get_kernel("gdn_fwd_chain", key, build, _SOURCES)
 
@@ -547,14 +631,23 @@ def out_tma() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_OUT_TMA", True)
 
 
-def get_out_kernel(dtype, K, V, l2norm, varlen, p_select=None, tma=None):
+def out_o_tma() -> bool:
+    """``CUDNN_TRAIN_GDN_OUT_OTMA=1`` (prepared in the twenty-second session, NOT GPU-run: off): ``out`` writes a full
+    chunk's o as 4-byte pairs into vn's shared tile (free once ``P vn`` is done; o has its shape) and one TMA store
+    (warp 0) sends it, instead of 32 scattered 4-byte global stores a thread (the pattern the chain's and the sweep's
+    TMA stores replaced). A partial chunk keeps the pair stores. The same bytes."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_OUT_OTMA", False)
+
+
+def get_out_kernel(dtype, K, V, l2norm, varlen, p_select=None, tma=None, o_tma=None):
     p_select = out_p_select() if p_select is None else bool(p_select)
     tma = out_tma() if tma is None else bool(tma)
+    o_tma = out_o_tma() if o_tma is None else bool(o_tma)
     key = ("out", str(dtype), K, V, bool(l2norm), bool(varlen)) + (("psel",) if p_select else ()) + (
-        ("tma",) if tma else ())
+        ("tma",) if tma else ()) + (("o_tma",) if o_tma else ())
 
     def build():
-        return _build_out(F._dt(dtype), K, V, l2norm, varlen, p_select, tma)
+        return _build_out(F._dt(dtype), K, V, l2norm, varlen, p_select, tma, o_tma)
 
     return kc.get_kernel("gdn_fwd_out", key, build, _SOURCES)
 

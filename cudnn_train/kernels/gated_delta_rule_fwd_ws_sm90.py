@@ -322,15 +322,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                 pair[1] = accO[2 * e + 1].to(dtype)
                 cute.autovec_copy(pair, cute.local_tile(gO, (1, 2), (oi, (v0 + ov) // 2)))
 
-    @cute.jit
-    def pairs_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor):
-        """Accumulator element pairs (columns n, n + 1 of one row) into ``sX`` in the input dtype, 4-byte stores."""
-        for e in cutlass.range_constexpr(cute.size(acc) // 2):
-            r, c = cAcc[2 * e]
-            pair = cute.make_rmem_tensor((1, 2), dtype)
-            pair[0] = acc[2 * e].to(dtype)
-            pair[1] = acc[2 * e + 1].to(dtype)
-            cute.autovec_copy(pair, cute.local_tile(sX, (1, 2), (r, c // 2)))
+    pairs_to_tile = cm.make_pairs_to_tile(dtype)  # accumulator pairs into a tile in the input dtype
 
     @cute.jit
     def tile_to_rows(sX: cute.Tensor, gX: cute.Tensor, rows: cutlass.Constexpr, nvalid: Int32, v0: Int32, lt: Int32):

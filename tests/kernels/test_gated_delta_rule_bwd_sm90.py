@@ -72,8 +72,8 @@ def test_reverse_sweep_dh_tma_store_compiles_for_sm90a(kernel_cache):
     for v, kw in ((VARIANTS[2], dict(vh=2)), (VARIANTS[2], dict(wgs=2)), (k64, {})):
         assert callable(B90.get_dstate_kernel(*v, prefetch=True, tma=True, dh_tma=True, **kw))
     assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=True, dh_tma=False, vh=2))
-    # dvn's TMA stores too (CUDNN_TRAIN_GDN_SWEEP_DVNTMA, prepared): both V halves a CTA
-    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=True, dh_tma=True, dvn_tma=True, vh=2))
+    # dvn's TMA stores (CUDNN_TRAIN_GDN_SWEEP_DVNTMA) are on by default with dH's: the other side, dvn by elements
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, tma=True, dh_tma=True, dvn_tma=False, vh=2))
     assert len(list(kernel_cache.rglob("*.o"))) == 5
     B90.get_dstate_kernel(*VARIANTS[0], prefetch=True, tma=True, dh_tma=True)
     B90.get_dstate_kernel(*VARIANTS[0], prefetch=True, tma=True, dh_tma=False)
@@ -81,11 +81,11 @@ def test_reverse_sweep_dh_tma_store_compiles_for_sm90a(kernel_cache):
 
 
 def test_dh_and_dvn_tma_store_switches_parse(monkeypatch):
-    """dH's TMA stores on by default, dvn's off (prepared); each switch takes 1 / 0, anything else names it."""
+    """dH's and dvn's TMA stores on by default; each switch takes 1 / 0, anything else names it."""
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
 
     for name, pick, default in (("CUDNN_TRAIN_GDN_SWEEP_DHTMA", B90.dh_tma_default, True),
-                                ("CUDNN_TRAIN_GDN_SWEEP_DVNTMA", B90.dvn_tma_default, False)):
+                                ("CUDNN_TRAIN_GDN_SWEEP_DVNTMA", B90.dvn_tma_default, True)):
         monkeypatch.delenv(name, raising=False)
         assert pick() is default
         assert_env_override(monkeypatch, name, pick, "0" if default else "1", not default, ("2", "off"))
@@ -126,7 +126,24 @@ def test_split_sweep_kernels_compile_for_sm90a(kernel_cache):
     for vb in S.VBLOCKS:
         assert callable(S.get_dchain_kernel(torch.bfloat16, 128, 128, vb, True, False, True, False, tma=alt))
     assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True, tma=alt))
-    assert len(list(kernel_cache.rglob("*.o"))) == 2 * len(S.VBLOCKS) + 5
+    # dchain's dH rows and dvn by TMA stores (CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA, prepared): every V block at K = 128,
+    # K = 64 varlen with [V, K] states, and with the cp.async loads
+    st = not S.dchain_store_tma()
+    for vb in S.VBLOCKS:
+        assert callable(S.get_dchain_kernel(torch.bfloat16, 128, 128, vb, True, False, True, False, store_tma=st))
+    assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True, store_tma=st))
+    assert callable(S.get_dchain_kernel(torch.bfloat16, 128, 128, 32, True, False, True, False, tma=alt, store_tma=st))
+    assert len(list(kernel_cache.rglob("*.o"))) == 3 * len(S.VBLOCKS) + 7
+
+
+def test_dchain_store_tma_switch_parses(monkeypatch):
+    """dchain's TMA stores are off by default (prepared, not GPU-run); the switch takes 1 / 0, anything else names
+    it."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_split_sm90 as S
+
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", raising=False)
+    assert S.dchain_store_tma() is False
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", S.dchain_store_tma, "1", True, ("2", "off"))
 
 
 def test_split_sweep_v_block_default(monkeypatch):
@@ -592,6 +609,45 @@ def test_split_sweep_dchain_tma_is_bitwise_cp_async(case, monkeypatch):
             a, b = a[:, : int(cu[-1])], b[:, : int(cu[-1])]
         assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
         assert torch.equal(a, b), f"{case}: {name} differs with the TMA loads"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["T300_vb32", "T300_vb64_no_dht", "T65_fp16_vb32", "T300_vb16", "varlen", "varlen_vk",
+                                  "varlen_nan_tail"])
+def test_split_sweep_dchain_tma_stores_are_bitwise(case, monkeypatch):
+    """``dchain``'s stores by TMA (CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA: each chunk's dH row from its shared tile, a
+    full chunk's dvn from a tile of its own, a partial chunk's dvn by pairs) write the bytes the 16-byte rows and
+    4-byte pairs write: dvn, every written dH row and dh0 bitwise equal, in the TMA loads' cases (dense T 300 at
+    every V block, with and without the final state's gradient, fp16 T 65, varlen GVA 4 at K = 64 in both state
+    layouts, NaN in the rows past the last sequence: dvn's rows there checked unwritten)."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", "64" if "vb64" in case else "16" if "vb16" in case else "32")
+    rows = None
+    if case.startswith("varlen"):
+        q, k, _g, _beta, w, gc, cu, scale, do, _dht, dht = _varlen_case(case == "varlen_vk")
+        args = dict(scale=scale, cu_seqlens=cu, state_v_first=case == "varlen_vk", out_dtype=torch.bfloat16)
+        rows = int(cu.new_tensor([(n + 63) // 64 for n in VARLEN_LENS]).sum())
+        if case == "varlen_nan_tail":  # 37 more rows past the last sequence, NaN
+            q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
+                                                        dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
+    else:
+        T, dt = (65, torch.float16) if case.startswith("T65") else (300, torch.bfloat16)
+        q, k, _g, _beta, w, gc, _, scale = _case(2, T, 2, 4, 128, 128, dt, l2norm=True)
+        do = torch.randn(2, T, 4, 128, device="cuda", dtype=dt)
+        dht = None if case.endswith("no_dht") else torch.randn(2, 4, 128, 128, device="cuda")
+        args = dict(scale=scale, use_qk_l2norm_in_kernel=True, out_dtype=dt)
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", "0")
+    want = [t.clone() for t in B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)]
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", "1")
+    got = B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)
+    for name, a, b in zip(("dvn", "dH", "dh0"), got, want):
+        if name == "dH" and rows is not None:  # rows past the varlen chunk count are never written
+            a, b = a[:rows], b[:rows]
+        if name == "dvn" and case == "varlen_nan_tail":
+            a, b = a[:, : int(cu[-1])], b[:, : int(cu[-1])]
+        assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
+        assert torch.equal(a, b), f"{case}: {name} differs with the TMA stores"
 
 
 @pytest.mark.gpu

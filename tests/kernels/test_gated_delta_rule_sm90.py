@@ -101,6 +101,43 @@ def test_split_state_kernels_compile_for_sm90a(kernel_cache):
         SP.get_chain_kernel(torch.bfloat16, 128, 128, 48, True, False, False, False, False)
 
 
+def test_chain_tma_store_switches_parse(monkeypatch):
+    """The chain's TMA stores are on by default, the out kernel's o TMA store off (prepared); each switch takes
+    1 / 0, anything else names it."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+    for name, pick in (("CUDNN_TRAIN_GDN_CHAIN_HSTMA", SP.chain_hs_tma), ("CUDNN_TRAIN_GDN_CHAIN_VNTMA", SP.chain_vn_tma)):
+        monkeypatch.delenv(name, raising=False)
+        assert pick() is True
+        assert_env_override(monkeypatch, name, pick, "0", False, ("2", "off"))
+    # the out kernel's o TMA store: prepared, off
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_OUT_OTMA", raising=False)
+    assert SP.out_o_tma() is False
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_OUT_OTMA", SP.out_o_tma, "1", True, ("2", "off"))
+
+
+@pytest.mark.compile
+def test_split_tma_stores_compile_for_sm90a(kernel_cache):
+    """The chain's hs and vn stores by TMA (CUDNN_TRAIN_GDN_CHAIN_HSTMA / _VNTMA, on by default) and the default's
+    other side: the element stores at every chain variant, each TMA store alone, and both with the other side of
+    the chain's loads; the out kernel's o by one TMA store (CUDNN_TRAIN_GDN_OUT_OTMA, prepared)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+    for v in CHAIN_VARIANTS:
+        assert callable(SP.get_chain_kernel(*v, hs_tma=False, vn_tma=False))
+    v = CHAIN_VARIANTS[0]
+    for kw in (dict(hs_tma=True, vn_tma=False), dict(hs_tma=False, vn_tma=True),
+               dict(hs_tma=True, vn_tma=True, tma=not SP.chain_tma())):
+        assert callable(SP.get_chain_kernel(*v, **kw))
+    assert len(list(kernel_cache.rglob("*.o"))) == len(CHAIN_VARIANTS) + 3
+    # the out kernel's o by one TMA store (CUDNN_TRAIN_GDN_OUT_OTMA, prepared): K = V = 128, K = V = 64 varlen fp16,
+    # and with the cp.async loads
+    for v in OUT_VARIANTS:
+        assert callable(SP.get_out_kernel(*v, o_tma=True))
+    assert callable(SP.get_out_kernel(*OUT_VARIANTS[0], o_tma=True, tma=not SP.out_tma()))
+    assert len(list(kernel_cache.rglob("*.o"))) == len(CHAIN_VARIANTS) + 3 + len(OUT_VARIANTS) + 1
+
+
 @pytest.mark.compile
 def test_profile_variants_compile_for_sm90a(kernel_cache):
     """The clock64 phase-timing variants that tools/time_gdn_fwd.py --profile launches."""
@@ -738,6 +775,52 @@ def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case, vb, which", [("dense", 64, "hs"), ("dense", 64, "vn"), ("dense", 64, "both"),
+                                             ("dense", 32, "both"), ("varlen", 64, "both"),
+                                             ("varlen_tail", 64, "both"), ("varlen_tail", 32, "both"),
+                                             ("k64_state_vk_fp16", 64, "both"), ("k64_state_vk_fp16", 16, "both")])
+def test_split_chain_tma_stores_are_bitwise(case, vb, which, monkeypatch, poisoned):
+    """The chain's stores by TMA (CUDNN_TRAIN_GDN_CHAIN_HSTMA: the chunk-start state from its shared tile;
+    CUDNN_TRAIN_GDN_CHAIN_VNTMA: a full chunk's vn from a tile of its own, a partial chunk's by pairs) write the
+    bytes the default's stores write: o, the final state, every written chunk-start state and vn bitwise equal;
+    dense T 333 (a partial last chunk), varlen with empty and one-token sequences, varlen with 37 rows past the last
+    sequence (never written: poisoned memory), K = 64 fp16 with [V, K] states, V blocks 64, 32 and 16."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", str(vb))
+    monkeypatch.setattr(F90, "SPLIT", True)  # the split pass, whatever CUDNN_TRAIN_GDN_FWD_SPLIT / _WS say
+    K, vk, cu, dtype = 128, False, None, torch.bfloat16
+    if case.startswith("k64"):
+        K, vk, dtype = 64, True, torch.float16
+    if case.startswith("varlen"):  # the last sequence (5 tokens) is one partial chunk
+        lengths = VARLEN_LENGTHS
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        T = sum(lengths) + (37 if case == "varlen_tail" else 0)
+        q, k, v, g, beta, h0 = _inputs(1, T, 2, 4, K, 128, dtype, nseq=len(lengths))
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, 128, dtype, state_v_first=vk)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                state_v_first=vk, store_states=True, keep_vn=True)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_HSTMA", "1" if on and which in ("hs", "both") else "0")
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VNTMA", "1" if on and which in ("vn", "both") else "0")
+        res = F90.forward(q, k, v, g, beta, **args).value
+        outs.append((res[0], res[1], res[2][3], res[2][4]))
+    end = q.shape[1]
+    if cu is not None:  # rows past the varlen chunk count are never written; o and vn past the last sequence neither
+        rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
+        end = int(cu[-1])
+        outs = [(o[:, :end], ht, hs[:rows], vn[:, :end]) for o, ht, hs, vn in outs]
+    names = ("o", "final_state", "chunk_states", "vn")
+    _assert_bitwise(f"{case}, VB {vb}, {which}", dict(zip(names, outs[1])), dict(zip(names, outs[0])),
+                    "the chain's TMA stores")
+    if case == "varlen_tail":  # vn rows past the last sequence: still the poison
+        vn_full = F90.forward(q, k, v, g, beta, **args).value[2][4]
+        assert torch.isnan(vn_full[:, end:]).all(), f"{case}, VB {vb}: vn written past the last sequence"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "varlen", "varlen_tail", "k64_fp16_vk", "k64_v128_gva4", "training"])
 def test_split_out_tma_is_bitwise_cp_async(case, monkeypatch, poisoned):
     """The split pass's out kernel with its loads by TMA (CUDNN_TRAIN_GDN_OUT_TMA: q, k and the chunk-start state
@@ -745,6 +828,19 @@ def test_split_out_tma_is_bitwise_cp_async(case, monkeypatch, poisoned):
     writes the same o as with cp.async, bitwise: dense T 333 (rows past the tensor's end), varlen with empty and
     one-token sequences, varlen with 37 rows past the last sequence (vn there is never written: poisoned memory),
     K = V = 64 fp16 with [V, K] states, K = 64 with V = 128 and GVA 4, and the training forward's call."""
+    _check_out_switch(case, monkeypatch, "CUDNN_TRAIN_GDN_OUT_TMA", "the out kernel's TMA loads")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "varlen_tail", "k64_fp16_vk", "k64_v128_gva4", "training"])
+def test_split_out_o_tma_store_is_bitwise(case, monkeypatch, poisoned):
+    """The out kernel's o by one TMA store (CUDNN_TRAIN_GDN_OUT_OTMA: a full chunk's o through vn's shared tile; a
+    partial chunk's by pairs) writes the bytes the pair stores write, in the TMA loads' cases; o's rows past the
+    last sequence (varlen_tail) stay the poison."""
+    _check_out_switch(case, monkeypatch, "CUDNN_TRAIN_GDN_OUT_OTMA", "the out kernel's o TMA store")
+
+
+def _check_out_switch(case, monkeypatch, switch, label):
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     monkeypatch.setattr(F90, "SPLIT", True)  # the split pass, whatever CUDNN_TRAIN_GDN_FWD_SPLIT / _WS say
@@ -763,15 +859,17 @@ def test_split_out_tma_is_bitwise_cp_async(case, monkeypatch, poisoned):
     args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                 state_v_first=vk, store_states=case == "training")
     outs = []
-    for tma in ("0", "1"):
-        monkeypatch.setenv("CUDNN_TRAIN_GDN_OUT_TMA", tma)
+    for on in ("0", "1"):
+        monkeypatch.setenv(switch, on)
         res = F90.forward(q, k, v, g, beta, **args).value
         outs.append((res[0], res[1]))
     if cu is not None:  # o past the last sequence is never written
         end = int(cu[-1])
+        if case == "varlen_tail":
+            assert torch.isnan(outs[1][0][:, end:]).all(), f"{case}: o written past the last sequence ({label})"
         outs = [(o[:, :end], ht) for o, ht in outs]
     names = ("o", "final_state")
-    _assert_bitwise(case, dict(zip(names, outs[1])), dict(zip(names, outs[0])), "the out kernel's TMA loads")
+    _assert_bitwise(case, dict(zip(names, outs[1])), dict(zip(names, outs[0])), label)
 
 
 @pytest.mark.gpu
