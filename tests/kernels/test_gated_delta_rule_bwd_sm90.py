@@ -581,34 +581,7 @@ def test_split_sweep_dchain_tma_is_bitwise_cp_async(case, monkeypatch):
     brings the same bytes as cp.async: the split sweep's dvn, every written dH row and dh0 bitwise equal. Dense
     T 300 at both V blocks (with and without the final state's gradient), fp16 T 65 (rows past the tensor's end),
     varlen GVA 4 at K = 64 in both state layouts, NaN in the rows past the last sequence."""
-    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
-
-    monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", "64" if "vb64" in case else "16" if "vb16" in case else "32")
-    rows = None
-    if case.startswith("varlen"):
-        q, k, _g, _beta, w, gc, cu, scale, do, _dht, dht = _varlen_case(case == "varlen_vk")
-        args = dict(scale=scale, cu_seqlens=cu, state_v_first=case == "varlen_vk", out_dtype=torch.bfloat16)
-        rows = int(cu.new_tensor([(n + 63) // 64 for n in VARLEN_LENS]).sum())
-        if case == "varlen_nan_tail":  # 37 more rows past the last sequence, NaN
-            q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
-                                                        dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
-    else:
-        T, dt = (65, torch.float16) if case.startswith("T65") else (300, torch.bfloat16)
-        q, k, _g, _beta, w, gc, _, scale = _case(2, T, 2, 4, 128, 128, dt, l2norm=True)
-        do = torch.randn(2, T, 4, 128, device="cuda", dtype=dt)
-        dht = None if case.endswith("no_dht") else torch.randn(2, 4, 128, 128, device="cuda")
-        args = dict(scale=scale, use_qk_l2norm_in_kernel=True, out_dtype=dt)
-    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHAIN_TMA", "0")
-    want = [t.clone() for t in B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)]
-    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHAIN_TMA", "1")
-    got = B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)
-    for name, a, b in zip(("dvn", "dH", "dh0"), got, want):
-        if name == "dH" and rows is not None:  # rows past the varlen chunk count are never written
-            a, b = a[:rows], b[:rows]
-        if name == "dvn" and case == "varlen_nan_tail":
-            a, b = a[:, : int(cu[-1])], b[:, : int(cu[-1])]
-        assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
-        assert torch.equal(a, b), f"{case}: {name} differs with the TMA loads"
+    _check_dchain_switch(case, monkeypatch, "CUDNN_TRAIN_GDN_DCHAIN_TMA", "the TMA loads")
 
 
 @pytest.mark.gpu
@@ -619,7 +592,12 @@ def test_split_sweep_dchain_tma_stores_are_bitwise(case, monkeypatch):
     full chunk's dvn from a tile of its own, a partial chunk's dvn by pairs) write the bytes the 16-byte rows and
     4-byte pairs write: dvn, every written dH row and dh0 bitwise equal, in the TMA loads' cases (dense T 300 at
     every V block, with and without the final state's gradient, fp16 T 65, varlen GVA 4 at K = 64 in both state
-    layouts, NaN in the rows past the last sequence: dvn's rows there checked unwritten)."""
+    layouts, NaN in the rows past the last sequence)."""
+    _check_dchain_switch(case, monkeypatch, "CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", "the TMA stores")
+
+
+def _check_dchain_switch(case, monkeypatch, switch, label):
+    """The split sweep's outputs with ``switch`` at 0 and at 1, bitwise equal where written (the dchain cases)."""
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
 
     monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT_VB", "64" if "vb64" in case else "16" if "vb16" in case else "32")
@@ -637,9 +615,9 @@ def test_split_sweep_dchain_tma_stores_are_bitwise(case, monkeypatch):
         do = torch.randn(2, T, 4, 128, device="cuda", dtype=dt)
         dht = None if case.endswith("no_dht") else torch.randn(2, 4, 128, 128, device="cuda")
         args = dict(scale=scale, use_qk_l2norm_in_kernel=True, out_dtype=dt)
-    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", "0")
+    monkeypatch.setenv(switch, "0")
     want = [t.clone() for t in B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)]
-    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", "1")
+    monkeypatch.setenv(switch, "1")
     got = B90.reverse_sweep(q, k, w, gc, do, dht, split=True, **args)
     for name, a, b in zip(("dvn", "dH", "dh0"), got, want):
         if name == "dH" and rows is not None:  # rows past the varlen chunk count are never written
@@ -647,7 +625,7 @@ def test_split_sweep_dchain_tma_stores_are_bitwise(case, monkeypatch):
         if name == "dvn" and case == "varlen_nan_tail":
             a, b = a[:, : int(cu[-1])], b[:, : int(cu[-1])]
         assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
-        assert torch.equal(a, b), f"{case}: {name} differs with the TMA stores"
+        assert torch.equal(a, b), f"{case}: {name} differs with {label}"
 
 
 @pytest.mark.gpu

@@ -745,6 +745,24 @@ def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
     both V blocks; dense T 333 (rows past the tensor's end), varlen with empty and one-token sequences, varlen
     with 37 rows past the last sequence (w and u there are never written: poisoned memory), K = 64 fp16 with [V,
     K] states."""
+    F90, (q, k, v, g, beta), args = _chain_case(case, vb, monkeypatch)
+    cu = args["cu_seqlens"]
+    outs = []
+    for tma in ("0", "1"):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_TMA", tma)
+        res = F90.forward(q, k, v, g, beta, **args).value
+        outs.append((res[0], res[1], res[2][3]))
+    if cu is not None:  # rows past the varlen chunk count are never written; o past the last sequence neither
+        rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
+        end = int(cu[-1])
+        outs = [(o[:, :end], ht, hs[:rows]) for o, ht, hs in outs]
+    names = ("o", "final_state", "chunk_states")
+    _assert_bitwise(f"{case}, VB {vb}", dict(zip(names, outs[1])), dict(zip(names, outs[0])), "the chain's TMA loads")
+
+
+def _chain_case(case, vb, monkeypatch):
+    """The chain cases' inputs (the split pass at V block ``vb``): ``(F90, (q, k, v, g, beta), forward's kwargs)``
+    for the training forward's call (chunk-start states stored)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", str(vb))
@@ -761,17 +779,7 @@ def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
         q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, 128, dtype, state_v_first=vk)
     args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                 state_v_first=vk, store_states=True)
-    outs = []
-    for tma in ("0", "1"):
-        monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_TMA", tma)
-        res = F90.forward(q, k, v, g, beta, **args).value
-        outs.append((res[0], res[1], res[2][3]))
-    if cu is not None:  # rows past the varlen chunk count are never written; o past the last sequence neither
-        rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
-        end = int(cu[-1])
-        outs = [(o[:, :end], ht, hs[:rows]) for o, ht, hs in outs]
-    names = ("o", "final_state", "chunk_states")
-    _assert_bitwise(f"{case}, VB {vb}", dict(zip(names, outs[1])), dict(zip(names, outs[0])), "the chain's TMA loads")
+    return F90, (q, k, v, g, beta), args
 
 
 @pytest.mark.gpu
@@ -785,22 +793,9 @@ def test_split_chain_tma_stores_are_bitwise(case, vb, which, monkeypatch, poison
     bytes the default's stores write: o, the final state, every written chunk-start state and vn bitwise equal;
     dense T 333 (a partial last chunk), varlen with empty and one-token sequences, varlen with 37 rows past the last
     sequence (never written: poisoned memory), K = 64 fp16 with [V, K] states, V blocks 64, 32 and 16."""
-    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
-
-    monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", str(vb))
-    monkeypatch.setattr(F90, "SPLIT", True)  # the split pass, whatever CUDNN_TRAIN_GDN_FWD_SPLIT / _WS say
-    K, vk, cu, dtype = 128, False, None, torch.bfloat16
-    if case.startswith("k64"):
-        K, vk, dtype = 64, True, torch.float16
-    if case.startswith("varlen"):  # the last sequence (5 tokens) is one partial chunk
-        lengths = VARLEN_LENGTHS
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        T = sum(lengths) + (37 if case == "varlen_tail" else 0)
-        q, k, v, g, beta, h0 = _inputs(1, T, 2, 4, K, 128, dtype, nseq=len(lengths))
-    else:
-        q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, 128, dtype, state_v_first=vk)
-    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                state_v_first=vk, store_states=True, keep_vn=True)
+    F90, (q, k, v, g, beta), args = _chain_case(case, vb, monkeypatch)
+    cu = args["cu_seqlens"]
+    args["keep_vn"] = True
     outs = []
     for on in (False, True):
         monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_HSTMA", "1" if on and which in ("hs", "both") else "0")
