@@ -36,9 +36,10 @@ the same bits); with ``CUDNN_TRAIN_GDN_OUT_TMA=0`` all four by ``cp.async``, wai
 Cost: ``hs`` (input dtype, ``[chunk rows, HV, K, V]``, K V 2 bytes per chunk and value head) and
 ``vn`` (``[B, T, HV, V]``) round-trip through global memory, as FLA's forward does with its
 ``h``. The training forward (``store_states``) takes this pass at every grid: the chain's ``hs`` rows
-are the chunk-start states the backward reads (input dtype), written as 16-byte rows of the shared
-state tile (H200, B4 T4096 H16 HV32: 0.85 ms whole training forward against 1.06 with the fused
-kernel's element-wise stores).
+are the chunk-start states the backward reads (input dtype), written from the shared state tile (as
+16-byte rows until the twenty-second session, by one TMA store a chunk since; H200, B4 T4096 H16 HV32,
+with the 16-byte rows: 0.85 ms whole training forward against 1.06 with the fused kernel's element-wise
+stores).
 """
 
 import torch
