@@ -30,7 +30,10 @@ peers' Python can be the bound; NaN with the capture's error where a row cannot 
 rounds, with its own columns and ratios. ``--rounds N`` times every row
 N times, interleaved, and reports each row's median: FlashQLA's calls are nearly host-bound (about
 0.3-0.6 ms of Python a forward against 0.40 ms of GPU time), so one round can catch it slowed by
-the machine (0.40 and 0.65 ms forwards were both measured at B4 T4096 in single rounds).
+the machine (0.40 and 0.65 ms forwards were both measured at B4 T4096 in single rounds; in the twenty-second
+session even its graphed forward was 0.65 ms, against 0.43 in the twenty-first). ``--kernels`` then lists each
+row's kernels of one forward and one forward+backward with their GPU times (``torch.profiler``), to see which
+kernel such a figure moves in.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import bench, bench_graphed, ceilings, parser, report
+from benchmarks.common import bench, bench_graphed, ceilings, kernels_of_last_call, parser, report
 
 C = 64
 TRAIN_ENV = "CUDNN_TRAIN_GDN_SM90_TRAIN"
@@ -128,6 +131,9 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="K = V (default 128)")
     ap.add_argument("--layer-flags", action="store_true",
                     help="the GatedDeltaNet layer's call: gate and beta sigmoid in the kernel (FlashQLA rejects it)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="after the rounds, each row's kernels of one forward and one forward+backward under "
+                         "torch.profiler (GPU time each): where a row's time goes, e.g. when a peer's figure moves")
     ap.add_argument("--graphed", action="store_true",
                     help="also time every row captured as a CUDA graph (GPU time, host cost left out; NaN where a "
                          "row cannot be captured)")
@@ -228,6 +234,14 @@ def main() -> None:
                 # partial results survive a timeout
                 graphed = f", graphed fwd {t_g[0]:.3f} ms, fwd+bwd {t_g[1]:.3f} ms" if args.graphed else ""
                 print(f"{label}: round {rnd + 1}: {name} fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms{graphed}", flush=True)
+        if args.kernels:  # where each row's GPU time goes, kernel by kernel (one call after the timings)
+            for name in runs:
+                for what, fn in (("fwd", fwd_fn(name)), ("fwd+bwd", None if name == "cutedsl" else fb_fn(name))):
+                    if fn is None:
+                        continue
+                    kern, total = kernels_of_last_call(fn)
+                    print(f"{label}: {name} {what} kernels, {total:.3f} ms in all: " + "; ".join(
+                        f"{kn[:60]} {ms:.3f}" for kn, ms in kern), flush=True)
         # each row's figure: the median of its rounds (a lower median for an even count; NaN rounds last)
         times = {n: tuple(sorted((r[i] for r in rs), key=lambda x: (x != x, x))[(len(rs) - 1) // 2]
                           for i in range(4)) for n, rs in runs.items()}
