@@ -42,6 +42,7 @@ in each phase (for the state kernel also per chunk).
 """
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -220,8 +221,6 @@ def main():
                 for _ in range(2):
                     for name in variants:
                         print(f"  chain kernel, VB={vb}, {name:10s} {bench(runs[name][0], 10, 40):.3f} ms")
-            import os
-
             def train_fwd():
                 F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True,
                             keep_tm=True)

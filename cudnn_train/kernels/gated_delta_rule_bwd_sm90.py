@@ -308,8 +308,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     cute.arch.sync_threads()
                     if cutlass.const_expr(DHTMA):  # ... and to dH[chunk, hv, :, v0 : v0 + VB] by TMA (warp 0)
                         if warp0:
-                            cm.tma_store(aDH, cute.local_tile(cute.domain_offset((0, v0), tDH[None, None, cbase + ci, hv]),
-                                                              (K, VB), (0, 0)), sDHo)
+                            cm.tma_store(aDH, cm.token_box(tDH, cbase + ci, hv, 0, v0, K, VB), sDHo)
                     pmark(prof, 1)
 
                     # ---- dH^T k^T, q k^T, and the q term of the update: dH^T <- e^(gc_C) dH^T + do_s^T q

@@ -341,8 +341,7 @@ def _build_dchain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, ha
                     cute.arch.sync_threads()  # chunk cr and sDH in smem; every thread is done with chunk cr - 1
                     if cutlass.const_expr(dh_tma):  # sDH -> the chunk's dH row, one TMA store (warp 0)
                         if warp0:
-                            cm.tma_store(aDH, cute.local_tile(cute.domain_offset((0, v0), tDH[None, None, cbase + ci, hv]),
-                                                              (K, VB), (0, 0)), sDH)
+                            cm.tma_store(aDH, cm.token_box(tDH, cbase + ci, hv, 0, v0, K, VB), sDH)
                     if cr + 1 < nchunks:  # chunk cr + 1 (the one before this) into the other buffers
                         t1 = t0 - C
                         issue_chunk(mQ, mK, mW, mDO, mGc, sQb[1 - par], sKb[1 - par], sWb[1 - par], sDob[1 - par],

@@ -846,7 +846,8 @@ def tma_store(atom, gT, sX):
 
 def token_box(tT, b, head, t0, c0, rows: int, cols: int):
     """(While tracing) the ``rows x cols`` box of a :func:`make_tma_rows_atom` tensor at row ``t0`` and column
-    ``c0`` of sequence (batch) ``b`` and head ``head``."""
+    ``c0`` of sequence (batch) ``b`` and head ``head``; of a :data:`STATE_ROWS` view (:func:`make_tma_store`), ``b``
+    is the chunk row and ``head`` the value head."""
     _, cute = kc.import_cute()
     return cute.local_tile(cute.domain_offset((t0, c0), tT[None, None, b, head]), (rows, cols), (0, 0))
 

@@ -303,8 +303,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     cute.arch.sync_threads()  # chunk ci and sS in smem; every thread is done with chunk ci - 1
                     if cutlass.const_expr(hs_tma):  # sS -> the chunk's row of hs, one TMA store (warp 0)
                         if warp0:
-                            cm.tma_store(aHs, cute.local_tile(cute.domain_offset((0, v0), tHs[None, None, cbase + ci, hv]),
-                                                              (K, VB), (0, 0)), sS)
+                            cm.tma_store(aHs, cm.token_box(tHs, cbase + ci, hv, 0, v0, K, VB), sS)
                     if ci + 1 < nchunks:
                         t1 = t0 + C
                         issue_chunk(mK, mW, mU, mGc, sKb[1 - par], sWb[1 - par], sUb[1 - par], sGcb[1 - par],
