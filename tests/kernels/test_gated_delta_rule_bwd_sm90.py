@@ -126,8 +126,8 @@ def test_split_sweep_kernels_compile_for_sm90a(kernel_cache):
     for vb in S.VBLOCKS:
         assert callable(S.get_dchain_kernel(torch.bfloat16, 128, 128, vb, True, False, True, False, tma=alt))
     assert callable(S.get_dchain_kernel(torch.float16, 64, 128, 32, False, True, False, True, tma=alt))
-    # dchain's dH rows and dvn by TMA stores (CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA, prepared): every V block at K = 128,
-    # K = 64 varlen with [V, K] states, and with the cp.async loads
+    # the other side of dchain's stores (CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA: dH rows and dvn by TMA unless 0): every V
+    # block at K = 128, K = 64 varlen with [V, K] states, and with the cp.async loads
     st = not S.dchain_store_tma()
     for vb in S.VBLOCKS:
         assert callable(S.get_dchain_kernel(torch.bfloat16, 128, 128, vb, True, False, True, False, store_tma=st))
@@ -137,13 +137,12 @@ def test_split_sweep_kernels_compile_for_sm90a(kernel_cache):
 
 
 def test_dchain_store_tma_switch_parses(monkeypatch):
-    """dchain's TMA stores are off by default (prepared, not GPU-run); the switch takes 1 / 0, anything else names
-    it."""
+    """dchain's TMA stores are on by default; the switch takes 1 / 0, anything else names it."""
     from cudnn_train.kernels import gated_delta_rule_bwd_split_sm90 as S
 
     monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", raising=False)
-    assert S.dchain_store_tma() is False
-    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", S.dchain_store_tma, "1", True, ("2", "off"))
+    assert S.dchain_store_tma() is True
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHAIN_STORE_TMA", S.dchain_store_tma, "0", False, ("2", "off"))
 
 
 def test_split_sweep_v_block_default(monkeypatch):

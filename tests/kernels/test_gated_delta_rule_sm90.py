@@ -102,25 +102,23 @@ def test_split_state_kernels_compile_for_sm90a(kernel_cache):
 
 
 def test_chain_tma_store_switches_parse(monkeypatch):
-    """The chain's TMA stores are on by default, the out kernel's o TMA store off (prepared); each switch takes
-    1 / 0, anything else names it."""
+    """The chain's TMA stores and the out kernel's o TMA store are on by default; each switch takes 1 / 0, anything
+    else names it."""
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
 
-    for name, pick in (("CUDNN_TRAIN_GDN_CHAIN_HSTMA", SP.chain_hs_tma), ("CUDNN_TRAIN_GDN_CHAIN_VNTMA", SP.chain_vn_tma)):
+    for name, pick in (("CUDNN_TRAIN_GDN_CHAIN_HSTMA", SP.chain_hs_tma), ("CUDNN_TRAIN_GDN_CHAIN_VNTMA", SP.chain_vn_tma),
+                       ("CUDNN_TRAIN_GDN_OUT_OTMA", SP.out_o_tma)):
         monkeypatch.delenv(name, raising=False)
         assert pick() is True
         assert_env_override(monkeypatch, name, pick, "0", False, ("2", "off"))
-    # the out kernel's o TMA store: prepared, off
-    monkeypatch.delenv("CUDNN_TRAIN_GDN_OUT_OTMA", raising=False)
-    assert SP.out_o_tma() is False
-    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_OUT_OTMA", SP.out_o_tma, "1", True, ("2", "off"))
 
 
 @pytest.mark.compile
 def test_split_tma_stores_compile_for_sm90a(kernel_cache):
     """The chain's hs and vn stores by TMA (CUDNN_TRAIN_GDN_CHAIN_HSTMA / _VNTMA, on by default) and the default's
     other side: the element stores at every chain variant, each TMA store alone, and both with the other side of
-    the chain's loads; the out kernel's o by one TMA store (CUDNN_TRAIN_GDN_OUT_OTMA, prepared)."""
+    the chain's loads; the out kernel's o by one TMA store (CUDNN_TRAIN_GDN_OUT_OTMA, on by default) and its
+    other side, the pair stores."""
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
 
     for v in CHAIN_VARIANTS:
@@ -130,11 +128,11 @@ def test_split_tma_stores_compile_for_sm90a(kernel_cache):
                dict(hs_tma=True, vn_tma=True, tma=not SP.chain_tma())):
         assert callable(SP.get_chain_kernel(*v, **kw))
     assert len(list(kernel_cache.rglob("*.o"))) == len(CHAIN_VARIANTS) + 3
-    # the out kernel's o by one TMA store (CUDNN_TRAIN_GDN_OUT_OTMA, prepared): K = V = 128, K = V = 64 varlen fp16,
-    # and with the cp.async loads
+    # the out kernel's o by one TMA store (CUDNN_TRAIN_GDN_OUT_OTMA, on by default) and the pair stores: K = V = 128,
+    # K = V = 64 varlen fp16, and with the cp.async loads
     for v in OUT_VARIANTS:
-        assert callable(SP.get_out_kernel(*v, o_tma=True))
-    assert callable(SP.get_out_kernel(*OUT_VARIANTS[0], o_tma=True, tma=not SP.out_tma()))
+        assert callable(SP.get_out_kernel(*v, o_tma=not SP.out_o_tma()))
+    assert callable(SP.get_out_kernel(*OUT_VARIANTS[0], o_tma=not SP.out_o_tma(), tma=not SP.out_tma()))
     assert len(list(kernel_cache.rglob("*.o"))) == len(CHAIN_VARIANTS) + 3 + len(OUT_VARIANTS) + 1
 
 
