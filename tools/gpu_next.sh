@@ -65,6 +65,7 @@
 #   bash tools/gpu_next.sh s38      # the forward chain's hs / vn by TMA stores (now the default): its cases, timing
 #   bash tools/gpu_next.sh s39      # the split sweep's dchain dH / dvn and the out kernel's o by TMA stores
 #                                   # (prepared): their cases, timings
+#   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
 #   bash tools/gpu_next.sh sweep2   # the reverse sweep's tier (1 and 2 warpgroups), tools/time_gdn_sweep.py,
@@ -436,6 +437,9 @@ s34)
   # the twentieth session's paired shared-memory accesses in stage 3: the persistent variant's bitwise cases against
   # the per-tile kernel (the helpers changed in both), then the two-chain cases (GDN_S limit)
   tier s34 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "persistent or two_chain" ;;
+fqnorm)
+  # FlashQLA's l2norm (torch.compile, dynamic rows) in fresh processes: does its speed move between them
+  timed fqnorm ${FQ_S:-150} python3 tools/diag_flashqla_l2norm.py --procs ${PROCS:-3} ;;
 order)
   # does running our kernels slow a peer afterwards (diag_gdn_host.py saw FlashQLA's forward go 0.40 -> 0.78 ms)
   timed order 200 python3 tools/diag_gdn_order.py
