@@ -5,7 +5,11 @@ also the wy and state kernels on two warpgroups (the wy kernel's default at K = 
 kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
-                                   --onfly | --chain-stores | --out-otma]
+                                   --onfly | --chain-stores | --out-otma | --chain-seg]
+
+``--chain-seg``: only the split pass's chain cut into 1, 2, 4 and 8 segments a sequence (``CUDNN_TRAIN_GDN_CHAIN_SEG``,
+each at the V block its grid takes): hs and vn against one segment's (bitwise, and the relative L2 where not),
+then timed twice each, alternating; then the whole inference and training forwards with the switch 1 / auto.
 
 ``--out-otma``: only the split pass's out kernel with o leaving by one TMA store (``CUDNN_TRAIN_GDN_OUT_OTMA``)
 against the pair stores, on one chain's hs and vn: o bitwise, then timed twice each, alternating.
@@ -74,6 +78,8 @@ def main():
                     help="only the split pass's out kernel with o by one TMA store against the pair stores")
     ap.add_argument("--out-tma", action="store_true",
                     help="only the split pass's out kernel with its loads by TMA against cp.async")
+    ap.add_argument("--chain-seg", action="store_true",
+                    help="only the split pass's chain cut into segments against one, then whole forwards 1 / auto")
     ap.add_argument("--onfly", action="store_true",
                     help="only the whole forward with w and u formed in the chain against the default, twice, alternating")
     args = ap.parse_args()
@@ -197,6 +203,38 @@ def main():
                     for tma in (False, True):
                         print(f"  chain kernel, VB={vb}, {'TMA' if tma else 'cp.async':8s} "
                               f"{bench(runs[tma][0], 10, 40):.3f} ms")
+            continue
+
+        if args.chain_seg:  # the chain in segments (CUDNN_TRAIN_GDN_CHAIN_SEG) on one wy output, then whole forwards
+            run_wy_default()
+            runs = {}
+            for nseg in (1, 2, 4, 8):
+                vb = SP.chain_vblock(B * nseg, HV, V, q.device)
+                ch = SP.get_chain_kernel(torch.bfloat16, K, V, vb, True, False, False, False, False, nseg=nseg)
+                hs = torch.full((rows, HV, K, V), float("nan"), device=dev, dtype=torch.bfloat16)
+                vn = torch.full_like(u, float("nan"))
+                runs[nseg] = (lambda ch=ch, hs=hs, vn=vn: ch(k, w, u, gc, d4, d4, cu, cuc, hs, vn, T, NT, group, B),
+                              hs, vn, vb)
+                runs[nseg][0]()
+            torch.cuda.synchronize()
+            for nseg in (2, 4, 8):
+                hs, vn = runs[nseg][1:3]
+                print(f"B{B} T{T} H{H} HV{HV}: chain in {nseg} segments (VB {runs[nseg][3]}): hs bitwise one's "
+                      f"{torch.equal(hs, runs[1][1])} (rel L2 {rel_l2(hs.float(), runs[1][1].float()):.1e}), vn "
+                      f"{torch.equal(vn, runs[1][2])} ({rel_l2(vn.float(), runs[1][2].float()):.1e}), finite "
+                      f"{bool(torch.isfinite(hs).all() and torch.isfinite(vn).all())}")
+            for _ in range(2):
+                for nseg in runs:
+                    print(f"  chain kernel, {nseg} segments, VB={runs[nseg][3]}: {bench(runs[nseg][0], 10, 40):.3f} ms")
+            for _ in range(2):
+                for mode in ("1", "auto"):
+                    os.environ["CUDNN_TRAIN_GDN_CHAIN_SEG"] = mode
+                    for name, kw in (("inference", {}), ("training", dict(store_states=True, keep_vn=True,
+                                                                          keep_tm=True))):
+                        ms = bench(lambda kw=kw: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw),
+                                   10, 40)
+                        print(f"  whole {name} forward, CUDNN_TRAIN_GDN_CHAIN_SEG={mode}: {ms:.3f} ms")
+            os.environ.pop("CUDNN_TRAIN_GDN_CHAIN_SEG", None)
             continue
 
         if args.chain_stores:  # the chain's hs / vn TMA stores on one wy output: bitwise, then alternating times

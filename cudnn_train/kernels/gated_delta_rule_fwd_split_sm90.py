@@ -42,6 +42,8 @@ with the 16-byte rows: 0.85 ms whole training forward against 1.06 with the fuse
 stores).
 """
 
+import os
+
 import torch
 
 from . import compile as kc
@@ -51,6 +53,9 @@ from . import gated_delta_rule_fwd_sm90 as F
 CHUNK = cm.CHUNK
 THREADS = cm.THREADS
 CHAIN_VBLOCKS = (16, 32, 64)  # 16: only by CUDNN_TRAIN_GDN_CHAIN_VB=16 (GPU-run, slower at every measured grid)
+CHAIN_SEGMENTS = (1, 2, 4, 8, 16)  # chain CTAs a (sequence, value head, V block): :func:`chain_segments`
+SEG_LOG_DECAY = -20.0  # a segment's warm-up reaches back until its chunks' log decays sum below this (e^-20 = 2.1e-9)
+SEG_MIN_CHUNKS = 16  # auto: segments of at least this many chunks (a sequence's average, varlen)
 _SOURCES = (__file__, F.__file__, cm.__file__)
 
 
@@ -66,6 +71,28 @@ def chain_vblock(nseq: int, HV: int, V: int, device: torch.device) -> int:
     if vb is not None:
         return vb
     return 64 if nseq * HV * (V // 64) >= kc.num_sms(device) else 32
+
+
+def chain_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device: torch.device) -> int:
+    """``chain`` CTAs a (sequence, value head, V block), each writing one segment of the sequence's chunks after a
+    warm-up from a zero state that reaches back until the chunks' decay is below e^-20 (or to the sequence's start,
+    with the initial state: the unsplit chain's bits); see ``_build_chain``. ``CUDNN_TRAIN_GDN_CHAIN_SEG``: unset or
+    1, one (the unsplit chain; the twenty-third session's prepared split is not yet GPU-run); ``auto``, the fewest of
+    2, 4, 8, 16 that give every SM a CTA of 64 columns, keeping segments of at least ``SEG_MIN_CHUNKS`` chunks of a
+    sequence's average length ``T / nseq`` (B1 T16384 H16 HV32: 4, the chain's grid of B4 T4096); 2 to 16 force
+    that many. Without l2norm always one: the truncation's bound needs unit-norm keys."""
+    env = os.environ.get("CUDNN_TRAIN_GDN_CHAIN_SEG", "").strip() or "1"
+    if env != "auto" and env not in tuple(str(c) for c in CHAIN_SEGMENTS):
+        raise ValueError(f"CUDNN_TRAIN_GDN_CHAIN_SEG={env!r}: expected auto or one of {CHAIN_SEGMENTS}")
+    if not l2norm or env == "1":
+        return 1
+    if env != "auto":
+        return int(env)
+    chunks = max(T // max(nseq, 1), 1) // CHUNK
+    for nseg in CHAIN_SEGMENTS:
+        if nseq * HV * (V // 64) * nseg >= kc.num_sms(device) or chunks // (2 * nseg) < SEG_MIN_CHUNKS:
+            return nseg
+    return CHAIN_SEGMENTS[-1]
 
 
 def preferred(nseq: int, HV: int, V: int, device: torch.device) -> bool:
@@ -166,7 +193,7 @@ def make_block_io(dtype, K: int, VB: int):
 
 
 def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool,
-                 state_vk: bool, tma: bool = False, hs_tma: bool = False, vn_tma: bool = False):
+                 state_vk: bool, tma: bool = False, hs_tma: bool = False, vn_tma: bool = False, nseg: int = 1):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -198,6 +225,44 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
 
     zero_tail = cm.make_zero_rows(dtype, THREADS)  # (tma) the sequence's last chunk's rows past its end
     init_barriers = cm.make_tma_init()
+    # nseg > 1 (:func:`chain_segments`): nseg CTAs a (sequence, value head, V block), segment s writing the chunks
+    # [s n / nseg, (s + 1) n / nseg) of the sequence's n. Its walk starts from a zero state at the latest chunk c_w
+    # before its first, c_lo, whose chunks c_w .. c_lo - 1 decay by less than e^SEG_LOG_DECAY in all
+    # (:func:`walk_start`), or, where no such chunk exists, from the sequence's first chunk and its initial state
+    # (every chunk the unsplit chain takes, the same operations: the same bits). The warm-up chunks c_w .. c_lo - 1
+    # store nothing. What the truncation drops is the state entering c_w times the chunks' transition, whose norm
+    # is at most their decay when each I - beta_t k_t k_t^T has norm at most 1 (l2-normalized k, beta in [0, 2]):
+    # below 2.1e-9 of that state, under float32 rounding. Only with l2norm (asserted).
+    assert nseg == 1 or (l2norm and nseg in CHAIN_SEGMENTS), (nseg, l2norm)
+    SEG = nseg > 1
+
+    @cute.jit
+    def walk_start(mGc: cute.Tensor, sBuf: cute.Tensor, b: Int32, hv: Int32, ts: Int32, c_lo: Int32, tidx: Int32):
+        """(Every thread, SEG) The chunk a segment's walk starts at: the largest c < c_lo with the log decays of
+        chunks c .. c_lo - 1 summing below SEG_LOG_DECAY, else 0. A chunk's log decay is gc at its last row (gc
+        is the in-chunk cumulative log decay; the chunks before c_lo are full). C chunks a round: threads < C
+        bring one each into ``sBuf`` (C floats), then every thread scans them in the same order (no broadcast)."""
+        cw = Int32(0)
+        run = Float32(0.0)
+        done = Int32(0)
+        for blk in cutlass.range((c_lo + C - 1) // C, unroll=1):
+            base = c_lo - 1 - blk * C
+            cute.arch.sync_threads()  # the previous round's reads are done
+            if tidx < C:
+                tot = Float32(0.0)
+                c = base - tidx
+                if c >= 0:
+                    tot = mGc[b, ts + c * C + C - 1, hv]
+                sBuf[tidx] = tot
+            cute.arch.sync_threads()
+            for j in cutlass.range(C, unroll=1):
+                if done == 0:
+                    if base - j >= 0:
+                        run = run + sBuf[j]
+                        if run < SEG_LOG_DECAY:
+                            done = Int32(1)
+                            cw = base - j
+        return cw
 
     @cute.jit
     def issue_chunk(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, sKs: cutlass.Constexpr,
@@ -230,6 +295,10 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                aVo: cute.CopyAtom, tVo: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
+        seg = Int32(0)
+        if cutlass.const_expr(SEG):  # segment seg of sequence n
+            seg = n % nseg
+            n = n // nseg
         warp0 = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         h = hv // group
         v0 = vb * VB
@@ -268,22 +337,41 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         cS = thr_up.partition_C(cute.make_identity_tensor((64, VB)))  # (d within the half, v)
 
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
+        # the chunks this CTA walks, c_w .. c_hi - 1, of which it stores c_lo .. c_hi - 1 (SEG: a segment, its walk
+        # from c_w; an empty segment walks nothing, except the last, whose walk gives the final state)
+        c_w = Int32(0)
+        c_lo = Int32(0)
+        c_hi = nchunks
+        if cutlass.const_expr(SEG):
+            c_lo = nchunks * seg // nseg
+            c_hi = nchunks * (seg + 1) // nseg
+            c_w = walk_start(mGc, sRk, b, hv, ts, c_lo, tidx)  # sRk: free until the walk's first barrier
+            c_w = cutlass.select_(c_hi > c_lo, c_w, c_hi)
 
         accS = [cute.make_rmem_tensor(thr_up.partition_shape_C((64, VB)), Float32) for _ in range(KH)]
         if cutlass.const_expr(has_h0):
             load_block(accS, cS, mH0, n, hv, v0, state_vk)
+            if cutlass.const_expr(SEG):  # a walk from a later chunk starts from zero (a select: no branch)
+                for hf in cutlass.range_constexpr(KH):
+                    for e in cutlass.range_constexpr(cute.size(accS[hf])):
+                        accS[hf][e] = Float32(cutlass.select_(c_w == 0, accS[hf][e], Float32(0.0)))
         else:
             for hf in cutlass.range_constexpr(KH):
                 accS[hf].fill(0.0)
 
-        if nchunks > 0:
-            issue_chunk(mK, mW, mU, mGc, sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts, v0,
-                        cutlass.min(te - ts, C), tidx, ta, mbar)
+        nwalk = c_hi - c_w
+        if nwalk > 0:
+            issue_chunk(mK, mW, mU, mGc, sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts + c_w * C, v0,
+                        cutlass.min(te - (ts + c_w * C), C), tidx, ta, mbar)
         cute.arch.cp_async_commit_group()
-        for cp in cutlass.range((nchunks + 1) // 2, unroll=1):
-            for par in cutlass.range_constexpr(2):  # chunk ci in buffer par: every tile stays static
-                ci = cp * 2 + par
-                if ci < nchunks:
+        for cp in cutlass.range((nwalk + 1) // 2, unroll=1):
+            for par in cutlass.range_constexpr(2):  # walk step li in buffer par: every tile stays static
+                li = cp * 2 + par
+                if li < nwalk:
+                    ci = c_w + li
+                    keep = True
+                    if cutlass.const_expr(SEG):
+                        keep = ci >= c_lo  # a warm-up chunk stores nothing
                     t0 = ts + ci * C
                     length = cutlass.min(te - t0, C)
                     # ---- the chunk-start state in the input dtype -> sS (B operand of w S)
@@ -303,8 +391,9 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     cute.arch.sync_threads()  # chunk ci and sS in smem; every thread is done with chunk ci - 1
                     if cutlass.const_expr(hs_tma):  # sS -> the chunk's row of hs, one TMA store (warp 0)
                         if warp0:
-                            cm.tma_store(aHs, cm.token_box(tHs, cbase + ci, hv, 0, v0, K, VB), sS)
-                    if ci + 1 < nchunks:
+                            if keep:
+                                cm.tma_store(aHs, cm.token_box(tHs, cbase + ci, hv, 0, v0, K, VB), sS)
+                    if ci + 1 < c_hi:
                         t1 = t0 + C
                         issue_chunk(mK, mW, mU, mGc, sKb[1 - par], sWb[1 - par], sUb[1 - par], sGcb[1 - par],
                                     b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx, ta,
@@ -316,7 +405,8 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     warpgroup.commit_group()
                     # meanwhile: sS -> the chunk's row of hs (16-byte vectors, or the TMA store above), the k row norms
                     if cutlass.const_expr(not hs_tma):
-                        tile_to_rows(sS, mHs[cbase + ci, hv, None, None], v0, tidx)
+                        if keep:
+                            tile_to_rows(sS, mHs[cbase + ci, hv, None, None], v0, tidx)
                     if cutlass.const_expr(l2norm):
                         if tidx < C:
                             ss = Float32(0.0)
@@ -344,11 +434,12 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                         vpair[1] = a1.to(dtype)
                         if cutlass.const_expr(vn_tma):  # into sVo; a partial chunk's valid rows to global too
                             cute.autovec_copy(vpair, cute.local_tile(sVo, (1, 2), (vi, vc // 2)))
-                            if length < C:
+                            if length < C:  # (the sequence's last chunk: never a warm-up one)
                                 if vi < length:
                                     cute.autovec_copy(vpair, cute.local_tile(gVn, (1, 2), (vi, (v0 + vc) // 2)))
                         elif vi < length:
-                            cute.autovec_copy(vpair, cute.local_tile(gVn, (1, 2), (vi, (v0 + vc) // 2)))
+                            if keep:
+                                cute.autovec_copy(vpair, cute.local_tile(gVn, (1, 2), (vi, (v0 + vc) // 2)))
                         spair = cute.make_rmem_tensor((1, 2), dtype)
                         spair[0] = (a0 * coef).to(dtype)
                         spair[1] = (a1 * coef).to(dtype)
@@ -365,7 +456,8 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     if cutlass.const_expr(vn_tma):  # a full chunk's vn rows, one TMA store (warp 0)
                         if warp0:
                             if length == C:
-                                cm.tma_store(aVo, cm.token_box(tVo, b, hv, t0, v0, C, VB), sVo)
+                                if keep:
+                                    cm.tma_store(aVo, cm.token_box(tVo, b, hv, t0, v0, C, VB), sVo)
 
                     for hf in cutlass.range_constexpr(KH):
                         gemm(mma_up, accS[hf], tAk[par][hf], tBvn, False)  # S += k^T vn_s
@@ -373,7 +465,11 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     warpgroup.wait_group(0)
 
         if cutlass.const_expr(out_final):
-            store_block(accS, cS, mHT, n, hv, v0, state_vk)
+            if cutlass.const_expr(SEG):
+                if seg == nseg - 1:  # the last segment's walk ends the sequence
+                    store_block(accS, cS, mHT, n, hv, v0, state_vk)
+            else:
+                store_block(accS, cS, mHT, n, hv, v0, state_vk)
         if cutlass.const_expr(hs_tma or vn_tma):  # every store done before the CTA's shared memory goes
             if warp0:
                 cute.arch.cp_async_bulk_wait_group(0)
@@ -389,7 +485,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         aVo, tVo = cm.make_tma_store(vn_tma, dtype, mVn, cm.TOKEN_ROWS, C, VB)
         kernel(mK, mW, mU, mGc, mH0, mHT, mCu, mCuC, mHs, mVn, T, NT, group, *atoms, *tmas, aHs, tHs, aVo,
                tVo).launch(
-            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
+            grid=[nseq * nseg, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
             **(dict(preferred_smem_carveout=100) if vn_tma else {}),  # 115.5 KB a CTA: two an SM only at the whole
         )
 
@@ -597,19 +693,21 @@ def chain_vn_tma() -> bool:
 
 
 def get_chain_kernel(dtype, K, V, VB, l2norm, varlen, has_h0, out_final, state_vk, tma=None, hs_tma=None,
-                     vn_tma=None):
+                     vn_tma=None, nseg=1):
     if VB not in CHAIN_VBLOCKS or V % VB:
         raise ValueError(f"VB={VB}: expected one of {CHAIN_VBLOCKS} dividing V={V}")
+    if nseg not in CHAIN_SEGMENTS or (nseg > 1 and not l2norm):
+        raise ValueError(f"nseg={nseg}: expected one of {CHAIN_SEGMENTS}, more than 1 only with l2norm")
     tma = chain_tma() if tma is None else bool(tma)
     hs_tma = chain_hs_tma() if hs_tma is None else bool(hs_tma)
     vn_tma = chain_vn_tma() if vn_tma is None else bool(vn_tma)
     key = ("chain", str(dtype), K, V, VB, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final),
            bool(state_vk)) + (("tma",) if tma else ()) + (("hs_tma",) if hs_tma else ()) + (
-        ("vn_tma",) if vn_tma else ())
+        ("vn_tma",) if vn_tma else ()) + ((("nseg", nseg),) if nseg > 1 else ())
 
     def build():
         return _build_chain(F._dt(dtype), K, V, VB, l2norm, varlen, has_h0, out_final, state_vk, tma, hs_tma,
-                            vn_tma)
+                            vn_tma, nseg)
 
     return kc.get_kernel("gdn_fwd_chain", key, build, _SOURCES)
 
@@ -669,8 +767,10 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, rows, NT, scale, l2norm
     B, T, HV, V = u.shape
     K = q.shape[-1]
     varlen = NT == 0
-    vb = chain_vblock(nseq, HV, V, q.device) if vb is None else vb
-    chain = get_chain_kernel(q.dtype, K, V, vb, l2norm, varlen, h0 is not None, ht is not None, state_vk)
+    nseg = chain_segments(nseq, HV, V, B * T, l2norm, q.device)
+    vb = chain_vblock(nseq * nseg, HV, V, q.device) if vb is None else vb
+    chain = get_chain_kernel(q.dtype, K, V, vb, l2norm, varlen, h0 is not None, ht is not None, state_vk,
+                             nseg=nseg)
     out = get_out_kernel(q.dtype, K, V, l2norm, varlen)
     if hs is None:
         hs = F._empty(rows, HV, K, V, dtype=q.dtype, device=q.device)

@@ -262,6 +262,31 @@ def test_split_chain_v_block_and_onfly_defaults(monkeypatch):
     assert os.environ.get("CUDNN_TRAIN_GDN_FWD_ONFLY", "").strip() or F90.ONFLY is None, "the default is unset"
 
 
+def test_split_chain_segments_switch(monkeypatch):
+    """The chain's sequence split (CUDNN_TRAIN_GDN_CHAIN_SEG): one segment unless asked (prepared, not yet GPU-run);
+    auto takes the fewest segments that give every SM a CTA of 64 columns, keeping segments of at least 16 chunks
+    of a sequence's average; a number forces it; never without l2norm; a bad value is a ValueError naming it."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+    monkeypatch.setattr(kc, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_CHAIN_SEG", raising=False)
+    assert SP.chain_segments(1, 32, 128, 16384, True, dev) == 1
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_SEG", "auto")
+    # (nseq, HV, tokens) -> segments: B1 T16384 HV32 -> 4 (256 CTAs); B4 T4096 -> 1 (256 already); B1 T4096 -> 4
+    # (segments of 16 chunks); B1 T2048 -> 2 (4 would make segments of 8); 3 sequences of 6000 tokens in all at HV 8
+    # -> 1 (31 chunks on average: halves would be under 16)
+    got = [SP.chain_segments(n, hv, 128, t, True, dev) for n, hv, t in
+           ((1, 32, 16384), (4, 32, 16384), (1, 32, 4096), (1, 32, 2048), (3, 8, 6000))]
+    assert got == [4, 1, 4, 2, 1], got
+    assert SP.chain_segments(1, 32, 128, 16384, False, dev) == 1  # no l2norm: never split
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_CHAIN_SEG",
+                        lambda: SP.chain_segments(1, 32, 128, 16384, True, dev), "8", 8, ("3", "x", "32"))
+    with pytest.raises(ValueError, match="nseg=4"):
+        SP.get_chain_kernel(torch.bfloat16, 128, 128, 64, False, False, True, True, False, nseg=4)
+
+
 def test_specialized_warpgroups_load_and_output_defaults(monkeypatch):
     """CUDNN_TRAIN_GDN_FWD_WS_TMA / _WG3 unset: TMA loads where K == V (the configurations their GPU cases ran),
     two output warpgroups with them at 64 columns a CTA, never for the training forward's call or the profile
@@ -756,6 +781,75 @@ def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
         outs = [(o[:, :end], ht, hs[:rows]) for o, ht, hs in outs]
     names = ("o", "final_state", "chunk_states")
     _assert_bitwise(f"{case}, VB {vb}", dict(zip(names, outs[1])), dict(zip(names, outs[0])), "the chain's TMA loads")
+
+
+# per-token log decay of each value head in the chain's segment cases: head 0 never decays by e^-20 over a
+# sequence (every segment walks from the start: the unsplit chain's bits), head 1 needs about 8 chunks of warm-up
+# (-2.56 a chunk), heads 2 and 3 one chunk
+SEG_RATES = (1e-4, 0.04, 0.3, 0.5)
+
+
+@pytest.mark.compile
+def test_split_chain_segments_compile_for_sm90a(kernel_cache):
+    """The chain split into segments (CUDNN_TRAIN_GDN_CHAIN_SEG, prepared): dense with the initial and final states
+    at VB 32, varlen without them at VB 16, the most segments."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+    assert callable(SP.get_chain_kernel(*CHAIN_VARIANTS[0], nseg=4))
+    assert callable(SP.get_chain_kernel(*CHAIN_VARIANTS[2], nseg=16))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, nseg", [("dense", 4), ("dense_inference", 4), ("varlen", 4), ("vb32", 16)])
+def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
+    """The chain split into ``nseg`` segments a sequence, each after a warm-up from a zero state reaching back until
+    the chunks' decay is below e^-20 (CUDNN_TRAIN_GDN_CHAIN_SEG), against the unsplit chain: the value head that
+    never decays that far (SEG_RATES) bitwise in o, the final state, every chunk-start state and vn; every head
+    within 1e-4 relative L2 of the unsplit outputs (1e-5 for the float32 final state; a warm-up a chunk too short
+    would leave e^-2.56 of head 1's state out), and o and the final state against the float32 oracle under the
+    FLA-compat rule. Dense B2 T2000 (32 chunks: segments of 8, a partial last chunk), the inference forward's call,
+    varlen with empty, one-token and partial sequences, 16 segments of 2 chunks at VB 32."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setattr(F90, "SPLIT", True)  # the split pass, whatever CUDNN_TRAIN_GDN_FWD_SPLIT / _WS say
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", "32" if case == "vb32" else "64")
+    H, HV, K, V, dtype, cu = 2, 4, 128, 128, torch.bfloat16, None
+    if case == "varlen":
+        lengths = [0, 1, 1300, 63, 700, 5]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 2000, H, HV, K, V, dtype)
+    g = -torch.tensor(SEG_RATES, device="cuda") * (1 + 0.1 * torch.rand_like(g))
+    training = case != "dense_inference"
+    args = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu, store_states=training, keep_vn=training)
+    outs = []
+    for n in ("1", str(nseg)):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_SEG", n)
+        res = F90.forward(q, k, v, g, beta, **args).value
+        outs.append(dict(o=res[0], final_state=res[1]) | (dict(chunk_states=res[2][3], vn=res[2][4]) if training else {}))
+    end = q.shape[1]
+    if cu is not None:  # rows past the varlen chunk count are never written
+        rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
+        end = int(cu[-1])
+        for out in outs:
+            out["o"] = out["o"][:, :end]
+            if training:
+                out["chunk_states"], out["vn"] = out["chunk_states"][:rows], out["vn"][:, :end]
+    base, split = outs
+    head = dict(o=lambda x: x[:, :, 0], final_state=lambda x: x[:, 0], chunk_states=lambda x: x[:, 0],
+                vn=lambda x: x[:, :, 0])
+    for name, a in split.items():
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the split chain did not write"
+        assert torch.equal(head[name](a), head[name](base[name])), f"{case}: {name} of the slow head differs"
+        tol = 1e-5 if name == "final_state" else 1e-4
+        err = rel_l2(a.float(), base[name].float())
+        assert err <= tol, f"{case}: {name} {err:.2e} from the unsplit chain's"
+    ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=True)
+    _check("o", split["o"].float(), ref_o, None)
+    _check("final_state", split["final_state"], ref_h, None)
 
 
 def _chain_case(case, vb, monkeypatch):
