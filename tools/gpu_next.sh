@@ -65,8 +65,8 @@
 #   bash tools/gpu_next.sh s38      # the forward chain's hs / vn by TMA stores (now the default): its cases, timing
 #   bash tools/gpu_next.sh s39      # the split sweep's dchain dH / dvn and the out kernel's o by TMA stores
 #                                   # (prepared): their cases, timings
-#   bash tools/gpu_next.sh s40      # the chain split into segments after a decay-truncated warm-up (prepared): its
-#                                   # cases, then time_gdn_fwd.py --chain-seg
+#   bash tools/gpu_next.sh s40      # the forward chain and the fused sweep split into segments after a
+#                                   # decay-truncated warm-up (prepared): their cases, then their timings
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
@@ -440,10 +440,12 @@ s34)
   # the per-tile kernel (the helpers changed in both), then the two-chain cases (GDN_S limit)
   tier s34 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "persistent or two_chain" ;;
 s40)
-  # the twenty-third session's prepared chain split into segments (CUDNN_TRAIN_GDN_CHAIN_SEG): its cases, then its
-  # timing at both shapes (each segment count, the whole forwards 1 / auto)
-  tier s40 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py -k "chain_segments"
-  timed chain_seg ${TIME_S:-200} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} --chain-seg ;;
+  # the twenty-third session's prepared segments (CUDNN_TRAIN_GDN_CHAIN_SEG, _SWEEP_SEG): their cases, then the
+  # chain's timing at both shapes (each segment count, the whole forwards 1 / auto), then the sweep's
+  tier s40 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+    -k "segments"
+  timed chain_seg ${TIME_S:-200} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} --chain-seg
+  timed sweep_seg ${TIME_S:-200} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} --seg ;;
 fqnorm)
   # FlashQLA's l2norm (torch.compile, dynamic rows) in fresh processes: does its speed move between them
   timed fqnorm ${FQ_S:-150} python3 tools/diag_flashqla_l2norm.py --procs ${PROCS:-3} ;;

@@ -4,7 +4,11 @@ with synchronous loads, on the same inputs, as the training path calls it (bf16 
 l2norm in kernel, no final-state gradient).
 
     python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2 | --ws | --tma |
-                                     --dchain-tma | --dchain-stores | --vh2 | --dh-tma | --dvn-tma]
+                                     --dchain-tma | --dchain-stores | --vh2 | --dh-tma | --dvn-tma | --seg]
+
+``--seg``: the sweep as called (the split pair where few sequences leave SMs idle) against the fused kernel cut
+into segments a sequence (``CUDNN_TRAIN_GDN_SWEEP_SEG=auto``, and 2, 4, 8 forced) and the unsplit fused kernel:
+relative L2 of the outputs against the unsplit fused kernel's, then timed twice each, alternating.
 
 Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 16, 32 and
 64; ``CUDNN_TRAIN_GDN_SWEEP_SPLIT=1`` forces it) against the fused kernel's defaults; ``--split-only``: the default and the
@@ -68,6 +72,8 @@ def main():
                     help="the fused kernel with dH by stmatrix and TMA stores against per-element stores: bitwise, time")
     ap.add_argument("--dvn-tma", action="store_true",
                     help="the fused kernel with dvn by TMA stores too against dH's alone: bitwise, time")
+    ap.add_argument("--seg", action="store_true",
+                    help="the sweep as called against the fused kernel in segments (auto, 2, 4, 8) and unsplit")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         K = V = 128
@@ -102,6 +108,31 @@ def main():
 
         if args.profile:
             profile(run, run_profiled, B, T, HV, V, NT)
+            continue
+        if args.seg:  # the fused sweep in segments (CUDNN_TRAIN_GDN_SWEEP_SEG) against the call's default
+            def seg_sweep(nseg):
+                kw = {} if nseg == "called" else dict(split=False, ws=False, nseg=nseg)
+                if nseg == "auto":
+                    os.environ["CUDNN_TRAIN_GDN_SWEEP_SEG"] = "auto"
+                    kw["nseg"] = None
+                try:
+                    return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,
+                                             out_dtype=dt, **kw)
+                finally:
+                    os.environ.pop("CUDNN_TRAIN_GDN_SWEEP_SEG", None)
+
+            names = ("called", 1, "auto", 2, 4, 8)
+            ref = [t.clone() for t in seg_sweep(1)]
+            for nseg in names:
+                out = seg_sweep(nseg)
+                torch.cuda.synchronize()
+                diffs = ", ".join(f"{n} {rel_l2(y.float(), x.float()):.1e}" for n, x, y in zip(("dvn", "dH", "dh0"),
+                                                                                                ref, out))
+                print(f"B{B} T{T} H{H} HV{HV}: sweep, segments {nseg}: vs the unsplit fused kernel {diffs}; finite "
+                      f"{all(bool(torch.isfinite(y).all()) for y in out)}")
+            for _ in range(2):
+                for nseg in names:
+                    print(f"  sweep, segments {str(nseg):8s} {bench(lambda: seg_sweep(nseg), warmup=10, rep=50):.3f} ms")
             continue
         if args.ws:
             def sweep_ws(ws, tma=False):

@@ -76,7 +76,7 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None,
                   WGS: int = 1, PREFETCH: bool = False, PROFILE: bool = False, EARLY_QK: bool = False,
-                  TMA: bool = False, VH: int = 1, DHTMA: bool = False, DVNTMA: bool = False):
+                  TMA: bool = False, VH: int = 1, DHTMA: bool = False, DVNTMA: bool = False, NSEG: int = 1):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -115,6 +115,18 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
 
     zero_tail = cm.make_zero_rows(dtype, THREADS)  # (TMA) the first chunk taken's rows past its end
     init_barriers = cm.make_tma_init()
+    # NSEG > 1 (:func:`sweep_segments`): NSEG CTAs a (sequence, value head, V block); segment s stores the chunks
+    # [s n / NSEG, (s + 1) n / NSEG) = [c_lo, c_hi) of the sequence's n. Its walk starts from a zero dH at the end
+    # of the earliest chunk c_e - 1 >= c_hi whose chunks c_hi .. c_e - 1 decay by less than e^-20 in all
+    # (cm.make_decay_reach), or, where none does, at the sequence's end from the final state's gradient (every chunk
+    # the unsplit sweep takes: the same bits for those outputs). The warm-up chunks c_hi .. c_e - 1 store nothing;
+    # the segment holding chunk 0 stores dh0. The dropped part is dH leaving c_e - 1 times the transposed
+    # transitions of those chunks, of norm at most their decay with unit-norm keys and beta in [0, 2] (as in the
+    # forward chain's split, ``gated_delta_rule_fwd_split_sm90``): only with l2norm.
+    SEG = NSEG > 1
+    if SEG and not (l2norm and NSEG in cm.SEGMENTS and PREFETCH and not PROFILE):
+        raise ValueError(f"NSEG={NSEG}: with l2norm and the prefetch, not the profile variant")
+    reach = cm.make_decay_reach()
 
     @cute.jit
     def next_qk(gm: cutlass.Constexpr, sQ: cute.Tensor, sK: cute.Tensor, ta: cutlass.Constexpr, mbar, b: Int32, h: Int32,
@@ -161,6 +173,10 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
+        seg = Int32(0)
+        if cutlass.const_expr(SEG):  # segment seg of sequence n
+            seg = n % NSEG
+            n = n // NSEG
         h = hv // group
         v0 = vb * VB
         pstart, pmark, pfinish = fwd.make_profile(PROFILE, len(SWEEP_PHASES))
@@ -241,22 +257,39 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         ta = (aQ, aK, aW, aDo, tQ, tK, tW, tDo)
         gm = (mQ, mK, mW, mDO, mGc)
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
+        # the chunks this CTA walks, c_e - 1 down to c_lo, of which it stores those below c_hi (SEG: a segment)
+        c_lo = Int32(0)
+        c_hi = nchunks
+        c_e = nchunks
+        if cutlass.const_expr(SEG):
+            c_lo = nchunks * seg // NSEG
+            c_hi = nchunks * (seg + 1) // NSEG
+            m = reach(mGc, sRk, b, hv, ts, te, c_hi, nchunks - c_hi, 1, tidx)  # sRk: free until the first barrier
+            c_e = cutlass.select_(m > 0, c_hi + m, nchunks)  # none: from the sequence's end
+            c_e = cutlass.select_(c_hi > c_lo, c_e, c_lo)  # an empty segment walks nothing
 
         accD = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
         start_state(accD, cS, mDHT, n, hv, v0, state_vk, has_dht)
+        if cutlass.const_expr(SEG):  # a walk from a chunk before the end starts from zero (a select: no branch)
+            for e in cutlass.range_constexpr(cute.size(accD)):
+                accD[e] = Float32(cutlass.select_(c_e == nchunks, accD[e], Float32(0.0)))
         pend = Int32(-1)  # (DVNTMA) the first row of the chunk whose dvn waits in sDVo for its store, or -1
 
-        if cutlass.const_expr(PREFETCH):  # the first chunk of the sweep (the sequence's last)
-            if nchunks > 0:
-                t1 = ts + (nchunks - 1) * C
+        nwalk = c_e - c_lo
+        if cutlass.const_expr(PREFETCH):  # the first chunk of the sweep (the sequence's last, or a segment's)
+            if nwalk > 0:
+                t1 = ts + (c_e - 1) * C
                 next_qk(gm, sQ, sK, ta, mbar, b, h, t1, te - t1, tidx)
                 next_wdg(gm, sWb[0], sDob[0], sGcb[0], ta, mbar, b, hv, t1, v0, te - t1, tidx)
             cute.arch.cp_async_commit_group()
-        for cp in cutlass.range((nchunks + NBUF - 1) // NBUF, unroll=1):
+        for cp in cutlass.range((nwalk + NBUF - 1) // NBUF, unroll=1):
             for par in cutlass.range_constexpr(NBUF):  # one chunk a buffer, so every tile stays static
                 cr = cp * NBUF + par
-                if cr < nchunks:
-                    ci = nchunks - 1 - cr
+                if cr < nwalk:
+                    ci = c_e - 1 - cr
+                    keep = True
+                    if cutlass.const_expr(SEG):
+                        keep = ci < c_hi  # a warm-up chunk stores nothing
                     t0 = ts + ci * C
                     length = cutlass.min(te - t0, C)
                     sW, sDo, sGc = sWb[par], sDob[par], sGcb[par]
@@ -280,7 +313,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                             if warp0:
                                 if pend >= 0:
                                     cm.tma_store(aDV, cm.token_box(tDV, b, hv, pend, v0, C, VB), sDVo)
-                        if cr + 1 < nchunks:  # w, do, gc of chunk cr + 1 into the buffers chunk cr - 1 used
+                        if cr + 1 < nwalk:  # w, do, gc of chunk cr + 1 into the buffers chunk cr - 1 used
                             next_wdg(gm, sWb[1 - par], sDob[1 - par], sGcb[1 - par], ta,
                                      None if mbar is None else mbar + (1 - par), b, hv, t0 - C, v0, C, tidx)
                         cute.arch.cp_async_commit_group()
@@ -308,7 +341,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     cute.arch.sync_threads()
                     if cutlass.const_expr(DHTMA):  # ... and to dH[chunk, hv, :, v0 : v0 + VB] by TMA (warp 0)
                         if warp0:
-                            cm.tma_store(aDH, cm.token_box(tDH, cbase + ci, hv, 0, v0, K, VB), sDHo)
+                            if keep:
+                                cm.tma_store(aDH, cm.token_box(tDH, cbase + ci, hv, 0, v0, K, VB), sDHo)
                     pmark(prof, 1)
 
                     # ---- dH^T k^T, q k^T, and the q term of the update: dH^T <- e^(gc_C) dH^T + do_s^T q
@@ -317,7 +351,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         for f in cutlass.range_constexpr(cute.size(rD)):
                             rD[f] = accD[map_s[f]].to(dtype)
                     if cutlass.const_expr(not DHTMA):  # this chunk's dH (before the update), for stage 3
-                        store_state(accD, cS, mDH, cbase + ci, hv, v0, False)
+                        if keep:
+                            store_state(accD, cS, mDH, cbase + ci, hv, v0, False)
                     glast = sGc[C - 1]
                     decay = cute.math.exp2(glast * LOG2E, fastmath=True)
                     for e in cutlass.range_constexpr(cute.size(accD)):
@@ -334,7 +369,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         # are in sRq, sRk), so once every warpgroup's products on them are done they load
                         # during P and do^T P too
                         cute.arch.sync_threads()
-                        if cr + 1 < nchunks:
+                        if cr + 1 < nwalk:
                             next_qk(gm, sQ, sK, ta, mbar, b, h, t0 - C, C, tidx)
                         cute.arch.cp_async_commit_group()
                     pmark(prof, 2)
@@ -354,7 +389,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     cute.arch.sync_threads()  # P visible to the async proxy; every product on q, k is done
                     pmark(prof, 3)
                     if cutlass.const_expr(PREFETCH and not EARLY_QK):  # q, k of chunk cr + 1 (done with them)
-                        if cr + 1 < nchunks:
+                        if cr + 1 < nwalk:
                             next_qk(gm, sQ, sK, ta, mbar, b, h, t0 - C, C, tidx)
                         cute.arch.cp_async_commit_group()
 
@@ -368,11 +403,15 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                             rDVo.store(accX.load().to(dtype))
                             cm.stmatrix_acc_t(r2x, rDVo, cm.transpose_view(sDVo), tidx)
                             pend = t0
+                            if cutlass.const_expr(SEG):
+                                pend = cutlass.select_(keep, t0, Int32(-1))
                         else:  # a sequence's partial last chunk (the first taken): rows past its end untouched
-                            store_dvn_rows(accX, cX, mDVN, b, t0, hv, v0, length)
+                            if keep:  # (SEG: it may be a warm-up chunk)
+                                store_dvn_rows(accX, cX, mDVN, b, t0, hv, v0, length)
                             pend = Int32(-1)
                     else:
-                        store_dvn_rows(accX, cX, mDVN, b, t0, hv, v0, length)
+                        if keep:
+                            store_dvn_rows(accX, cX, mDVN, b, t0, hv, v0, length)
                     if cutlass.const_expr(regs_a):
                         for f in cutlass.range_constexpr(cute.size(rVd)):
                             rVd[f] = (-accX[map_vd[f]]).to(dtype)
@@ -388,7 +427,11 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     warpgroup.wait_group(0)
                     pmark(prof, 6)
 
-        store_state(accD, cS, mDH0, n, hv, v0, state_vk)
+        if cutlass.const_expr(SEG):  # dh0 from the segment holding chunk 0 (segment 0 when there is none)
+            if seg == cutlass.select_(nchunks > 0, (NSEG + nchunks - 1) // cutlass.max(nchunks, 1) - 1, Int32(0)):
+                store_state(accD, cS, mDH0, n, hv, v0, state_vk)
+        else:
+            store_state(accD, cS, mDH0, n, hv, v0, state_vk)
         if cutlass.const_expr(DVNTMA):  # the last chunk's dvn (the sequence's first chunk), if full
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
@@ -413,7 +456,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         aDV, tDV = cm.make_tma_store(DVNTMA, dtype, mDVN, cm.TOKEN_ROWS, C, VB)
         kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, mProf, *atoms,
                *tmas, aDH, tDH, aDV, tDV).launch(
-            grid=[nseq, HV, V // VB], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
+            grid=[nseq * NSEG, HV, V // VB], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
         )
 
     f = fwd._fakes()
@@ -519,8 +562,21 @@ def dvn_tma_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_DVNTMA", True)
 
 
+def sweep_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> int:
+    """The fused sweep's CTAs a (sequence, value head, V block), each storing one segment of the sequence's chunks
+    after a warm-up from a zero dH that reaches forward until the chunks' decay is below e^-20 (or from the
+    sequence's end: the unsplit sweep's bits); see ``_build_dstate``. ``CUDNN_TRAIN_GDN_SWEEP_SEG``: unset or 1, one
+    (the twenty-third session's prepared split, not yet GPU-run); ``auto``, the fewest of 2, 4, 8, 16 whose grid of
+    both-V-halves CTAs reaches 90% of the SMs, keeping segments of at least 16 chunks (B1 T16384 H16 HV32: 4, B4
+    T4096's grid, where the fused sweep takes 0.375 ms on an H100 against the split sweep's 0.89 at B1); 2 to 16
+    force that many (:func:`cm.segments`). With more than one the fused kernel serves the call (both V halves a
+    CTA where V = 128), never the split pair; without l2norm, the prefetch, or with the profile variant, one."""
+    return cm.segments("CUDNN_TRAIN_GDN_SWEEP_SEG", nseq, HV, T, l2norm, device, fill=0.9)
+
+
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
-                      prefetch=None, profile=False, early_qk=None, tma=None, vh=1, dh_tma=None, dvn_tma=None):
+                      prefetch=None, profile=False, early_qk=None, tma=None, vh=1, dh_tma=None, dvn_tma=None,
+                      nseg=1):
     prefetch = prefetch_default() if prefetch is None else bool(prefetch)
     early_qk = prefetch and (early_qk_default(wgs) if early_qk is None else bool(early_qk))
     tma = prefetch and (tma_default() if tma is None else bool(tma))
@@ -531,13 +587,16 @@ def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=
         () if out_dtype == torch.float32 else (str(out_dtype),)) + (() if wgs == 1 else (("wgs", wgs),)) + (
         ("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (("early_qk",) if early_qk else ()) + (
         ("tma",) if tma else ()) + (() if vh == 1 else (("vh", vh),)) + (("dh_tma",) if dh_tma else ()) + (
-        ("dvn_tma",) if dvn_tma else ())
+        ("dvn_tma",) if dvn_tma else ()) + ((("nseg", nseg),) if nseg > 1 else ())
+    if nseg not in cm.SEGMENTS or (nseg > 1 and not (l2norm and prefetch and not profile)):
+        raise ValueError(f"nseg={nseg}: one of {cm.SEGMENTS}; more than 1 only with l2norm and the prefetch, "
+                         "not the profile variant")
     if vh not in (1, 2) or (vh == 2 and (wgs != 1 or V != 2 * VBLOCK)):
         raise ValueError(f"vh={vh} with wgs={wgs} at V={V}: two V halves a CTA take one warpgroup each at V = 128")
 
     def build():
         return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs,
-                             prefetch, bool(profile), early_qk, tma, vh, dh_tma, dvn_tma)
+                             prefetch, bool(profile), early_qk, tma, vh, dh_tma, dvn_tma, nseg)
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 
@@ -569,7 +628,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
                   prefetch: bool | None = None, split: bool | None = None, profile: torch.Tensor | None = None,
                   early_qk: bool | None = None, ws: bool | None = None, ws_tma: bool | None = None,
                   tma: bool | None = None, vh2: bool | None = None, dh_tma: bool | None = None,
-                  dvn_tma: bool | None = None):
+                  dvn_tma: bool | None = None, nseg: int | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
@@ -593,7 +652,9 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     and is Unsupported at ``wgs=2`` or V = 64); ``dh_tma``: with the TMA loads and ``out_dtype`` the input dtype, dH
     leaves by stmatrix and TMA stores (default :func:`dh_tma_default`: on with both V halves a CTA; the same bits;
     ignored without the TMA loads or with float32 outputs); ``dvn_tma``: with ``dh_tma``, a full chunk's dvn
-    leaves the same way (default :func:`dvn_tma_default`, on; the same bits)."""
+    leaves the same way (default :func:`dvn_tma_default`, on; the same bits); ``nseg``: segments a sequence for
+    the fused kernel (default :func:`sweep_segments`; where more than one, the fused kernel runs whatever ``split``
+    and ``ws`` say, on both V halves a CTA unless ``vh2`` is False)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -609,12 +670,22 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     if out_dtype not in (torch.float32, q.dtype):
         raise Unsupported(f"out_dtype {out_dtype} (float32 or q's dtype)")
+    pf = prefetch_default() if prefetch is None else bool(prefetch)
+    if nseg is None:  # the env switch, where the segments' kernel can serve
+        nseg = sweep_segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
+        if not (pf and profile is None):
+            nseg = 1
+    nseg = int(nseg)
+    if nseg > 1:  # the fused kernel on the grid of nseg x more sequences
+        split, ws = False, False
+        if wgs is None and vh2 is None:
+            vh2 = vh2_default(nseq * nseg, HV, V, dev)
     if wgs is None and vh2:  # both V halves in one CTA asked for: one warpgroup a half
         wgs = 1
     if wgs is None:  # the env knob (a bad value is a ValueError naming it), else by the grid
         env = "CUDNN_TRAIN_GDN_SWEEP_WGS"
-        wgs = fwd._wgs_choice(env, os.environ.get(env, "").strip() or str(warpgroups(nseq, HV, V, dev)), None, K,
-                              None)
+        wgs = fwd._wgs_choice(env, os.environ.get(env, "").strip() or str(warpgroups(nseq * nseg, HV, V, dev)), None,
+                              K, None)
     elif wgs not in (1, 2) or (wgs == 2 and K != 128):
         raise Unsupported(f"wgs={wgs} at K={K} (1, or 2 at K = 128)")
     # dense: every token row of dvn is written; varlen: rows past the last sequence are not (zeros there)
@@ -642,7 +713,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         # the env switch never takes the profile variant (its phases are read per 64-column CTA)
         vh = 2 if vh_ok and (vh2 if vh2 is not None else profile is None and vh2_default(nseq, HV, V, dev)) else 1
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
-                               out_dtype, wgs, prefetch, profile is not None, early_qk, tma, vh, dh_tma, dvn_tma)
+                               out_dtype, wgs, prefetch, profile is not None, early_qk, tma, vh, dh_tma, dvn_tma, nseg)
     if T == 0 or nseq == 0:
         if dht is None:
             dh0.zero_()

@@ -711,6 +711,70 @@ def make_chunk_locator(varlen: bool):
     return locate
 
 
+# ---- sequences cut into segments after a decay-truncated warm-up (the forward chain, the reverse sweep)
+SEGMENTS = (1, 2, 4, 8, 16)
+SEG_LOG_DECAY = -20.0  # a warm-up reaches over chunks until their log decays sum below this (e^-20 = 2.1e-9)
+SEG_MIN_CHUNKS = 16  # auto: segments of at least this many chunks of a sequence's average length
+
+
+def segments(env_name: str, nseq: int, ctas_a_seq: int, T: int, l2norm: bool, device, fill: float = 1.0) -> int:
+    """Segments a sequence for a recurrence kernel of ``ctas_a_seq`` CTAs a sequence (value heads x V blocks):
+    ``env_name`` unset or 1, one; ``auto``, the fewest of :data:`SEGMENTS` whose grid reaches ``fill`` of the SMs,
+    keeping segments of at least :data:`SEG_MIN_CHUNKS` chunks of a sequence's average length ``T / nseq``; 2 to
+    16 force that many. Without l2norm always one: the warm-up's truncation bound needs unit-norm keys."""
+    env = os.environ.get(env_name, "").strip() or "1"
+    if env != "auto" and env not in tuple(str(c) for c in SEGMENTS):
+        raise ValueError(f"{env_name}={env!r}: expected auto or one of {SEGMENTS}")
+    if not l2norm or env == "1":
+        return 1
+    if env != "auto":
+        return int(env)
+    chunks = max(T // max(nseq, 1), 1) // CHUNK
+    for nseg in SEGMENTS:
+        if nseq * ctas_a_seq * nseg >= fill * kc.num_sms(device) or chunks // (2 * nseg) < SEG_MIN_CHUNKS:
+            return nseg
+    return SEGMENTS[-1]
+
+
+def make_decay_reach():
+    """``reach(mGc, sBuf, b, hv, ts, te, c0, count, step, tidx) -> m`` (every thread of the CTA; ``step`` +1 or
+    -1, a constant): how many of the chunks ``c0, c0 + step, ...`` (``count`` at most) of the sequence at rows
+    ``ts .. te`` it takes for their log decays to sum below :data:`SEG_LOG_DECAY`, or 0 if all ``count`` do not.
+    A chunk's log decay is gc (the in-chunk cumulative log decay, ``[B, T, HV]``) at its last row, the
+    sequence's last row for its partial last chunk. ``CHUNK`` chunks a round: threads below CHUNK bring one each
+    into ``sBuf`` (CHUNK float32), then every thread sums them in the same order (the same result everywhere,
+    no broadcast); two CTA barriers a round."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+
+    C = CHUNK
+
+    @cute.jit
+    def reach(mGc: cute.Tensor, sBuf: cute.Tensor, b: Int32, hv: Int32, ts: Int32, te: Int32, c0: Int32,
+              count: Int32, step: cutlass.Constexpr, tidx: Int32):
+        m = Int32(0)
+        run = Float32(0.0)
+        for blk in cutlass.range((count + C - 1) // C, unroll=1):
+            cute.arch.sync_threads()  # the previous round's reads are done
+            if tidx < C:
+                tot = Float32(0.0)
+                j = blk * C + tidx
+                if j < count:
+                    c = c0 + step * j
+                    tot = mGc[b, cutlass.min(ts + c * C + C - 1, te - 1), hv]
+                sBuf[tidx] = tot
+            cute.arch.sync_threads()
+            for i in cutlass.range(C, unroll=1):
+                if m == 0:
+                    if blk * C + i < count:
+                        run = run + sBuf[i]
+                        if run < SEG_LOG_DECAY:
+                            m = blk * C + i + 1
+        return m
+
+    return reach
+
+
 def make_seq_locator(varlen: bool):
     """``locate_seq(n, mCu, mCuC, T, NT) -> (b, ts, te, cbase, nchunks)``: for sequence ``n`` of a
     sweep kernel, its batch row, first and end token, the chunk row of its first chunk

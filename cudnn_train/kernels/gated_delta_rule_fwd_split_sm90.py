@@ -42,8 +42,6 @@ with the 16-byte rows: 0.85 ms whole training forward against 1.06 with the fuse
 stores).
 """
 
-import os
-
 import torch
 
 from . import compile as kc
@@ -53,9 +51,7 @@ from . import gated_delta_rule_fwd_sm90 as F
 CHUNK = cm.CHUNK
 THREADS = cm.THREADS
 CHAIN_VBLOCKS = (16, 32, 64)  # 16: only by CUDNN_TRAIN_GDN_CHAIN_VB=16 (GPU-run, slower at every measured grid)
-CHAIN_SEGMENTS = (1, 2, 4, 8, 16)  # chain CTAs a (sequence, value head, V block): :func:`chain_segments`
-SEG_LOG_DECAY = -20.0  # a segment's warm-up reaches back until its chunks' log decays sum below this (e^-20 = 2.1e-9)
-SEG_MIN_CHUNKS = 16  # auto: segments of at least this many chunks (a sequence's average, varlen)
+CHAIN_SEGMENTS = cm.SEGMENTS  # chain CTAs a (sequence, value head, V block): :func:`chain_segments`
 _SOURCES = (__file__, F.__file__, cm.__file__)
 
 
@@ -80,19 +76,8 @@ def chain_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device: tor
     1, one (the unsplit chain; the twenty-third session's prepared split is not yet GPU-run); ``auto``, the fewest of
     2, 4, 8, 16 that give every SM a CTA of 64 columns, keeping segments of at least ``SEG_MIN_CHUNKS`` chunks of a
     sequence's average length ``T / nseq`` (B1 T16384 H16 HV32: 4, the chain's grid of B4 T4096); 2 to 16 force
-    that many. Without l2norm always one: the truncation's bound needs unit-norm keys."""
-    env = os.environ.get("CUDNN_TRAIN_GDN_CHAIN_SEG", "").strip() or "1"
-    if env != "auto" and env not in tuple(str(c) for c in CHAIN_SEGMENTS):
-        raise ValueError(f"CUDNN_TRAIN_GDN_CHAIN_SEG={env!r}: expected auto or one of {CHAIN_SEGMENTS}")
-    if not l2norm or env == "1":
-        return 1
-    if env != "auto":
-        return int(env)
-    chunks = max(T // max(nseq, 1), 1) // CHUNK
-    for nseg in CHAIN_SEGMENTS:
-        if nseq * HV * (V // 64) * nseg >= kc.num_sms(device) or chunks // (2 * nseg) < SEG_MIN_CHUNKS:
-            return nseg
-    return CHAIN_SEGMENTS[-1]
+    that many (:func:`cm.segments`). Without l2norm always one: the truncation's bound needs unit-norm keys."""
+    return cm.segments("CUDNN_TRAIN_GDN_CHAIN_SEG", nseq, HV * (V // 64), T, l2norm, device)
 
 
 def preferred(nseq: int, HV: int, V: int, device: torch.device) -> bool:
@@ -232,37 +217,10 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     # (every chunk the unsplit chain takes, the same operations: the same bits). The warm-up chunks c_w .. c_lo - 1
     # store nothing. What the truncation drops is the state entering c_w times the chunks' transition, whose norm
     # is at most their decay when each I - beta_t k_t k_t^T has norm at most 1 (l2-normalized k, beta in [0, 2]):
-    # below 2.1e-9 of that state, under float32 rounding. Only with l2norm (asserted).
+    # below 2.1e-9 (cm.SEG_LOG_DECAY) of that state, under float32 rounding. Only with l2norm (asserted).
     assert nseg == 1 or (l2norm and nseg in CHAIN_SEGMENTS), (nseg, l2norm)
     SEG = nseg > 1
-
-    @cute.jit
-    def walk_start(mGc: cute.Tensor, sBuf: cute.Tensor, b: Int32, hv: Int32, ts: Int32, c_lo: Int32, tidx: Int32):
-        """(Every thread, SEG) The chunk a segment's walk starts at: the largest c < c_lo with the log decays of
-        chunks c .. c_lo - 1 summing below SEG_LOG_DECAY, else 0. A chunk's log decay is gc at its last row (gc
-        is the in-chunk cumulative log decay; the chunks before c_lo are full). C chunks a round: threads < C
-        bring one each into ``sBuf`` (C floats), then every thread scans them in the same order (no broadcast)."""
-        cw = Int32(0)
-        run = Float32(0.0)
-        done = Int32(0)
-        for blk in cutlass.range((c_lo + C - 1) // C, unroll=1):
-            base = c_lo - 1 - blk * C
-            cute.arch.sync_threads()  # the previous round's reads are done
-            if tidx < C:
-                tot = Float32(0.0)
-                c = base - tidx
-                if c >= 0:
-                    tot = mGc[b, ts + c * C + C - 1, hv]
-                sBuf[tidx] = tot
-            cute.arch.sync_threads()
-            for j in cutlass.range(C, unroll=1):
-                if done == 0:
-                    if base - j >= 0:
-                        run = run + sBuf[j]
-                        if run < SEG_LOG_DECAY:
-                            done = Int32(1)
-                            cw = base - j
-        return cw
+    reach = cm.make_decay_reach()
 
     @cute.jit
     def issue_chunk(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, sKs: cutlass.Constexpr,
@@ -345,7 +303,8 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         if cutlass.const_expr(SEG):
             c_lo = nchunks * seg // nseg
             c_hi = nchunks * (seg + 1) // nseg
-            c_w = walk_start(mGc, sRk, b, hv, ts, c_lo, tidx)  # sRk: free until the walk's first barrier
+            m = reach(mGc, sRk, b, hv, ts, te, c_lo - 1, c_lo, -1, tidx)  # sRk: free until the walk's first barrier
+            c_w = cutlass.select_(m > 0, c_lo - m, Int32(0))  # none: from the sequence's start
             c_w = cutlass.select_(c_hi > c_lo, c_w, c_hi)
 
         accS = [cute.make_rmem_tensor(thr_up.partition_shape_C((64, VB)), Float32) for _ in range(KH)]

@@ -61,6 +61,97 @@ def test_reverse_sweep_two_v_halves_compile_for_sm90a(kernel_cache):
 
 
 @pytest.mark.compile
+def test_reverse_sweep_segments_compile_for_sm90a(kernel_cache):
+    """The fused sweep split into segments (CUDNN_TRAIN_GDN_SWEEP_SEG, prepared): both V halves a CTA on the
+    training path's outputs, one half a CTA dense with the final state's gradient; not without l2norm or the
+    prefetch (a ValueError naming nseg)."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    assert callable(B90.get_dstate_kernel(*VARIANTS[2], prefetch=True, vh=2, nseg=4))
+    assert callable(B90.get_dstate_kernel(*VARIANTS[0], prefetch=True, nseg=16))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2
+    for v, kw in ((VARIANTS[1], dict(prefetch=True)), (VARIANTS[0], dict(prefetch=False))):
+        with pytest.raises(ValueError, match="nseg"):
+            B90.get_dstate_kernel(*v, **kw, nseg=4)
+
+
+def test_reverse_sweep_segments_switch(monkeypatch):
+    """CUDNN_TRAIN_GDN_SWEEP_SEG: one segment unless asked (prepared, not GPU-run); auto takes the fewest whose
+    grid of both-V-halves CTAs reaches 90% of the SMs, with segments of at least 16 chunks; never without l2norm;
+    a bad value is a ValueError naming it."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    monkeypatch.setattr(kc, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_SWEEP_SEG", raising=False)
+    assert B90.sweep_segments(1, 32, 128, 16384, True, dev) == 1
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SEG", "auto")
+    # (nseq, HV, tokens): B1 T16384 HV32 -> 4 (128 CTAs, 97% of the SMs); B4 T4096 -> 1; B1 T2048 -> 2 (4 would make
+    # segments of 8 chunks)
+    got = [B90.sweep_segments(n, hv, 128, t, True, dev) for n, hv, t in ((1, 32, 16384), (4, 32, 16384), (1, 32, 2048))]
+    assert got == [4, 1, 2], got
+    assert B90.sweep_segments(1, 32, 128, 16384, False, dev) == 1
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_SWEEP_SEG",
+                        lambda: B90.sweep_segments(1, 32, 128, 16384, True, dev), "2", 2, ("0", "5", "x"))
+
+
+# per-token log decay of each value head in the sweep's segment cases (as the forward chain's): head 0 never decays
+# by e^-20 over a sequence (every segment walks from its end: the unsplit sweep's bits), head 1 needs about 8
+# chunks of warm-up, heads 2 and 3 one
+SEG_RATES = (1e-4, 0.04, 0.3, 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, nseg", [("dense", 4), ("dense_vh1", 4), ("varlen", 4), ("no_dht", 16)])
+def test_reverse_sweep_segments(case, nseg):
+    """The fused sweep split into ``nseg`` segments a sequence, each after a warm-up from a zero dH reaching forward
+    until the chunks' decay is below e^-20, against the unsplit fused sweep: the value head that never decays that
+    far bitwise in dvn, every dH row and dh0; every head within 1e-4 relative L2 (1e-5 for the float32 dh0; a
+    warm-up a chunk too short would leave e^-2.56 of head 1's dH out); dense also against the float32 reference.
+    B2 T2000 (32 chunks, a partial last one that is a warm-up chunk of the segments before it) with both V halves
+    a CTA and one, varlen with empty, one-token and partial sequences, 16 segments of 2 chunks without the final
+    state's gradient."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    dev, dtype, H, HV, K, V = "cuda", torch.bfloat16, 2, 4, 128, 128
+    lens = [0, 1, 1300, 63, 700, 5] if case == "varlen" else None
+    B, T = (1, sum(lens)) if lens else (2, 2000)
+    nseq = len(lens) if lens else B
+    q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
+    g = -torch.tensor(SEG_RATES, device=dev) * (1 + 0.1 * torch.rand(B, T, HV, device=dev))
+    cu = None if lens is None else torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
+    scale = K**-0.5
+    _, _, (w, _, gc) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                   return_intermediates=True).value
+    do = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    dht = None if case == "no_dht" else torch.randn(nseq, HV, K, V, device=dev)
+    kw = dict(scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, out_dtype=dtype, wgs=1, prefetch=True,
+              split=False, ws=False, vh2=case != "dense_vh1")
+    outs = [B90.reverse_sweep(q, k, w, gc, do, dht, nseg=n, **kw) for n in (1, nseg)]
+    rows = None if cu is None else int(F90.chunk_map(cu, 1, T, q.device)[1][-1])
+    head = (lambda x: x[:, :, 0], lambda x: x[:, 0], lambda x: x[:, 0])
+    for i, name in enumerate(("dvn", "dH", "dh0")):
+        a, base = outs[1][i], outs[0][i]
+        if name == "dH" and rows is not None:
+            a, base = a[:rows], base[:rows]
+        assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
+        assert torch.equal(head[i](a), head[i](base)), f"{case}: {name} of the slow head differs"
+        err = rel_l2(a.float(), base.float())
+        assert err <= (1e-5 if name == "dh0" else 1e-4), f"{case}: {name} {err:.2e} from the unsplit sweep's"
+    if cu is None:
+        ref = _reference(q, k, g, beta, do, torch.zeros(B, HV, K, V, device=dev) if dht is None else dht, scale, HV,
+                         True)
+        ref_dH = ref[1].permute(0, 2, 1, 3, 4).reshape(outs[1][1].shape)  # chunk index b * NT + c
+        for name, a, b in (("dvn", outs[1][0], ref[0]), ("dH", outs[1][1], ref_dH), ("dh0", outs[1][2], ref[2])):
+            assert rel_l2(a.float(), b) <= 2e-2, (name, rel_l2(a.float(), b))
+
+
+@pytest.mark.compile
 def test_reverse_sweep_dh_tma_store_compiles_for_sm90a(kernel_cache):
     """dH by stmatrix and TMA stores (CUDNN_TRAIN_GDN_SWEEP_DHTMA, on by default; its stmatrix value order is
     asserted for every thread while tracing): both V halves in one CTA, two warpgroups splitting N, K = V = 64
