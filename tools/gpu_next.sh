@@ -444,8 +444,11 @@ s40)
   # chain's timing at both shapes (each segment count, the whole forwards 1 / auto), then the sweep's
   tier s40 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
     -k "segments"
-  timed chain_seg ${TIME_S:-200} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} --chain-seg
-  timed sweep_seg ${TIME_S:-200} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} --seg ;;
+  # (ONLY=i: only shape i, 1 = B1 T16384; SWEEP_FIRST=1: the sweep's timing before the chain's)
+  only=${ONLY:+--only $ONLY}
+  if [ -n "$SWEEP_FIRST" ]; then timed sweep_seg ${TIME_S:-200} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} $only --seg; fi
+  timed chain_seg ${TIME_S:-200} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} $only --chain-seg
+  if [ -z "$SWEEP_FIRST" ]; then timed sweep_seg ${TIME_S:-200} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} $only --seg; fi ;;
 fqnorm)
   # FlashQLA's l2norm (torch.compile, dynamic rows) in fresh processes: does its speed move between them
   timed fqnorm ${FQ_S:-150} python3 tools/diag_flashqla_l2norm.py --procs ${PROCS:-3} ;;

@@ -82,13 +82,15 @@ def main():
                     help="only the split pass's chain cut into segments against one, then whole forwards 1 / auto")
     ap.add_argument("--onfly", action="store_true",
                     help="only the whole forward with w and u formed in the chain against the default, twice, alternating")
+    ap.add_argument("--only", type=int, default=None, help="only the shape of this index (0: B4 T4096, 1: B1 T16384)")
     args = ap.parse_args()
+    shapes = SHAPES[: args.shapes] if args.only is None else [SHAPES[args.only]]
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fwd
     except Exception as e:  # noqa: BLE001
         print(f"FLA not importable: {e}")
         fla_fwd = None
-    for B, T, H, HV in SHAPES[: args.shapes]:
+    for B, T, H, HV in shapes:
         K = V = 128
         dev = "cuda"
         q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)

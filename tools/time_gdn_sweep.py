@@ -74,8 +74,10 @@ def main():
                     help="the fused kernel with dvn by TMA stores too against dH's alone: bitwise, time")
     ap.add_argument("--seg", action="store_true",
                     help="the sweep as called against the fused kernel in segments (auto, 2, 4, 8) and unsplit")
+    ap.add_argument("--only", type=int, default=None, help="only the shape of this index (0: B4 T4096, 1: B1 T16384)")
     args = ap.parse_args()
-    for B, T, H, HV in SHAPES[: args.shapes]:
+    shapes = SHAPES[: args.shapes] if args.only is None else [SHAPES[args.only]]
+    for B, T, H, HV in shapes:
         K = V = 128
         C = 64
         NT = -(-T // C)
