@@ -213,7 +213,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     # nseg > 1 (:func:`chain_segments`): nseg CTAs a (sequence, value head, V block), segment s writing the chunks
     # [s n / nseg, (s + 1) n / nseg) of the sequence's n. Its walk starts from a zero state at the latest chunk c_w
     # before its first, c_lo, whose chunks c_w .. c_lo - 1 decay by less than e^SEG_LOG_DECAY in all
-    # (:func:`walk_start`), or, where no such chunk exists, from the sequence's first chunk and its initial state
+    # (cm.make_decay_reach), or, where no such chunk exists, from the sequence's first chunk and its initial state
     # (every chunk the unsplit chain takes, the same operations: the same bits). The warm-up chunks c_w .. c_lo - 1
     # store nothing. What the truncation drops is the state entering c_w times the chunks' transition, whose norm
     # is at most their decay when each I - beta_t k_t k_t^T has norm at most 1 (l2-normalized k, beta in [0, 2]):
