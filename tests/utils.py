@@ -32,3 +32,10 @@ def assert_env_override(monkeypatch, name: str, pick, good: str, want, bads) -> 
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=name):
             pick()
+
+
+# per-token log decay of each of four value heads in the GDN segment-split cases (the SM90 chain's and sweep's
+# CUDNN_TRAIN_GDN_CHAIN_SEG / _SWEEP_SEG, and their plan on the CPU): head 0 never decays by e^-20 over a sequence of
+# a few thousand tokens (every segment walks from the sequence's start or end: the unsplit kernel's bits), head 1
+# needs about 8 chunks of warm-up (-2.56 a chunk), heads 2 and 3 one
+GDN_SEG_RATES = (1e-4, 0.04, 0.3, 0.5)

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from cudnn_train.fused.delta_rule_bwd import reverse_sweep_ref
 from cudnn_train.fused.gated_delta_rule import chunked_core
 from cudnn_train.kernels import gated_delta_rule_common_sm90 as cm
+from tests.utils import GDN_SEG_RATES
 
 C = cm.CHUNK
-RATES = (1e-4, 0.04, 0.3, 0.5)  # per-token log decay of each head, as the GPU cases' SEG_RATES
 
 
 def reach(tot: list[float], c0: int, count: int, step: int) -> int:
@@ -66,7 +66,7 @@ def _inputs(T, HV=4, K=16, seed=0):
     k = F.normalize(torch.randn(1, T, HV, K, generator=gen, dtype=torch.float64), dim=-1)
     v = torch.randn(1, T, HV, K, generator=gen, dtype=torch.float64)
     beta = torch.rand(1, T, HV, generator=gen, dtype=torch.float64)
-    rates = torch.tensor(RATES[:HV], dtype=torch.float64)
+    rates = torch.tensor(GDN_SEG_RATES[:HV], dtype=torch.float64)
     g = -rates * (1 + 0.1 * torch.rand(1, T, HV, generator=gen, dtype=torch.float64))
     h0 = torch.randn(1, HV, K, K, generator=gen, dtype=torch.float64)
     do = torch.randn(1, T, HV, K, generator=gen, dtype=torch.float64)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import assert_env_override, rel_l2
+from tests.utils import GDN_SEG_RATES, assert_env_override, rel_l2
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -96,12 +96,6 @@ def test_reverse_sweep_segments_switch(monkeypatch):
                         lambda: B90.sweep_segments(1, 32, 128, 16384, True, dev), "2", 2, ("0", "5", "x"))
 
 
-# per-token log decay of each value head in the sweep's segment cases (as the forward chain's): head 0 never decays
-# by e^-20 over a sequence (every segment walks from its end: the unsplit sweep's bits), head 1 needs about 8
-# chunks of warm-up, heads 2 and 3 one
-SEG_RATES = (1e-4, 0.04, 0.3, 0.5)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, nseg", [("dense", 4), ("dense_vh1", 4), ("varlen", 4), ("no_dht", 16)])
 def test_reverse_sweep_segments(case, nseg):
@@ -123,7 +117,7 @@ def test_reverse_sweep_segments(case, nseg):
     k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
     v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
-    g = -torch.tensor(SEG_RATES, device=dev) * (1 + 0.1 * torch.rand(B, T, HV, device=dev))
+    g = -torch.tensor(GDN_SEG_RATES, device=dev) * (1 + 0.1 * torch.rand(B, T, HV, device=dev))
     cu = None if lens is None else torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
     scale = K**-0.5
     _, _, (w, _, gc) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,

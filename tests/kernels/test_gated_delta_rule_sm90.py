@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import assert_env_override, fla_compat_ok, rel_l2
+from tests.utils import GDN_SEG_RATES, assert_env_override, fla_compat_ok, rel_l2
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -106,8 +106,8 @@ def test_chain_tma_store_switches_parse(monkeypatch):
     else names it."""
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
 
-    for name, pick in (("CUDNN_TRAIN_GDN_CHAIN_HSTMA", SP.chain_hs_tma), ("CUDNN_TRAIN_GDN_CHAIN_VNTMA", SP.chain_vn_tma),
-                       ("CUDNN_TRAIN_GDN_OUT_OTMA", SP.out_o_tma)):
+    for name, pick in (("CUDNN_TRAIN_GDN_CHAIN_HSTMA", SP.chain_hs_tma),
+                       ("CUDNN_TRAIN_GDN_CHAIN_VNTMA", SP.chain_vn_tma), ("CUDNN_TRAIN_GDN_OUT_OTMA", SP.out_o_tma)):
         monkeypatch.delenv(name, raising=False)
         assert pick() is True
         assert_env_override(monkeypatch, name, pick, "0", False, ("2", "off"))
@@ -783,12 +783,6 @@ def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
     _assert_bitwise(f"{case}, VB {vb}", dict(zip(names, outs[1])), dict(zip(names, outs[0])), "the chain's TMA loads")
 
 
-# per-token log decay of each value head in the chain's segment cases: head 0 never decays by e^-20 over a
-# sequence (every segment walks from the start: the unsplit chain's bits), head 1 needs about 8 chunks of warm-up
-# (-2.56 a chunk), heads 2 and 3 one chunk
-SEG_RATES = (1e-4, 0.04, 0.3, 0.5)
-
-
 @pytest.mark.compile
 def test_split_chain_segments_compile_for_sm90a(kernel_cache):
     """The chain split into segments (CUDNN_TRAIN_GDN_CHAIN_SEG, prepared): dense with the initial and final states
@@ -803,13 +797,13 @@ def test_split_chain_segments_compile_for_sm90a(kernel_cache):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, nseg", [("dense", 4), ("dense_inference", 4), ("varlen", 4), ("vb32", 16)])
 def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
-    """The chain split into ``nseg`` segments a sequence, each after a warm-up from a zero state reaching back until
-    the chunks' decay is below e^-20 (CUDNN_TRAIN_GDN_CHAIN_SEG), against the unsplit chain: the value head that
-    never decays that far (SEG_RATES) bitwise in o, the final state, every chunk-start state and vn; every head
-    within 1e-4 relative L2 of the unsplit outputs (1e-5 for the float32 final state; a warm-up a chunk too short
-    would leave e^-2.56 of head 1's state out), and o and the final state against the float32 oracle under the
-    FLA-compat rule. Dense B2 T2000 (32 chunks: segments of 8, a partial last chunk), the inference forward's call,
-    varlen with empty, one-token and partial sequences, 16 segments of 2 chunks at VB 32."""
+    """The chain split into ``nseg`` segments a sequence, each after a warm-up from a zero state reaching back until the
+    chunks' decay is below e^-20 (CUDNN_TRAIN_GDN_CHAIN_SEG), against the unsplit chain: the value head that never
+    decays that far (GDN_SEG_RATES, tests/utils.py) bitwise in o, the final state, every chunk-start state and vn; every
+    head within 1e-4 relative L2 of the unsplit outputs (1e-5 for the float32 final state; a warm-up a chunk too short
+    would leave e^-2.56 of head 1's state out), and o and the final state against the float32 oracle under the FLA-
+    compat rule. Dense B2 T2000 (32 chunks: segments of 8, a partial last chunk), the inference forward's call, varlen
+    with empty, one-token and partial sequences, 16 segments of 2 chunks at VB 32."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     monkeypatch.setattr(F90, "SPLIT", True)  # the split pass, whatever CUDNN_TRAIN_GDN_FWD_SPLIT / _WS say
@@ -821,7 +815,7 @@ def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
     else:
         q, k, v, g, beta, h0 = _inputs(2, 2000, H, HV, K, V, dtype)
-    g = -torch.tensor(SEG_RATES, device="cuda") * (1 + 0.1 * torch.rand_like(g))
+    g = -torch.tensor(GDN_SEG_RATES, device="cuda") * (1 + 0.1 * torch.rand_like(g))
     training = case != "dense_inference"
     args = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
                 cu_seqlens=cu, store_states=training, keep_vn=training)
@@ -829,7 +823,10 @@ def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
     for n in ("1", str(nseg)):
         monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_SEG", n)
         res = F90.forward(q, k, v, g, beta, **args).value
-        outs.append(dict(o=res[0], final_state=res[1]) | (dict(chunk_states=res[2][3], vn=res[2][4]) if training else {}))
+        out = dict(o=res[0], final_state=res[1])
+        if training:
+            out.update(chunk_states=res[2][3], vn=res[2][4])
+        outs.append(out)
     end = q.shape[1]
     if cu is not None:  # rows past the varlen chunk count are never written
         rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
