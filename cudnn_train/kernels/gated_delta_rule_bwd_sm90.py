@@ -676,10 +676,12 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         if not (pf and profile is None):
             nseg = 1
     nseg = int(nseg)
-    if nseg > 1:  # the fused kernel on the grid of nseg x more sequences
-        split, ws = False, False
+    if nseg > 1:  # the fused kernel on the grid of nseg x more sequences, one warpgroup a V half (two warpgroups
+        split, ws = False, False  # splitting N spill 60 bytes with the segments' registers at their 128)
         if wgs is None and vh2 is None:
             vh2 = vh2_default(nseq * nseg, HV, V, dev)
+        if wgs is None:
+            wgs = 1
     if wgs is None and vh2:  # both V halves in one CTA asked for: one warpgroup a half
         wgs = 1
     if wgs is None:  # the env knob (a bad value is a ValueError naming it), else by the grid
