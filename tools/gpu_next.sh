@@ -67,6 +67,7 @@
 #                                   # (prepared): their cases, timings
 #   bash tools/gpu_next.sh s40      # the forward chain and the fused sweep split into segments after a
 #                                   # decay-truncated warm-up (prepared): their cases, then their timings
+#   bash tools/gpu_next.sh s40train # the training tier's kernel half with both recurrences in 4 segments
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
@@ -449,6 +450,10 @@ s40)
   if [ -n "$SWEEP_FIRST" ]; then timed sweep_seg ${TIME_S:-200} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} $only --seg; fi
   timed chain_seg ${TIME_S:-200} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} $only --chain-seg
   if [ -z "$SWEEP_FIRST" ]; then timed sweep_seg ${TIME_S:-200} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} $only --seg; fi ;;
+s40train)
+  # then the training path through the op with both recurrences in 4 segments (forced: the tier's shapes are too short
+  # for auto), kernel half (TRAIN_S limit)
+  CUDNN_TRAIN_GDN_CHAIN_SEG=4 CUDNN_TRAIN_GDN_SWEEP_SEG=4 TRAIN_K=1 bash "$0" gdn_train ;;
 fqnorm)
   # FlashQLA's l2norm (torch.compile, dynamic rows) in fresh processes: does its speed move between them
   timed fqnorm ${FQ_S:-150} python3 tools/diag_flashqla_l2norm.py --procs ${PROCS:-3} ;;
