@@ -9,7 +9,9 @@ kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
 ``--chain-seg``: only the split pass's chain cut into 1, 2, 4 and 8 segments a sequence (``CUDNN_TRAIN_GDN_CHAIN_SEG``,
 each at the V block its grid takes): hs and vn against one segment's (bitwise, and the relative L2 where not),
-then timed twice each, alternating; then the whole inference and training forwards with the switch 1 / auto.
+then timed twice each, alternating; then the whole inference forward unsplit, with the chain in segments and with
+the specialized warpgroups in segments (``CUDNN_TRAIN_GDN_FWD_WS_SEG=auto``: o's relative L2 to the unsplit one
+first), and the training forward unsplit and with the chain in segments.
 
 ``--out-otma``: only the split pass's out kernel with o leaving by one TMA store (``CUDNN_TRAIN_GDN_OUT_OTMA``)
 against the pair stores, on one chain's hs and vn: o bitwise, then timed twice each, alternating.
@@ -228,15 +230,24 @@ def main():
             for _ in range(2):
                 for nseg in runs:
                     print(f"  chain kernel, {nseg} segments, VB={runs[nseg][3]}: {bench(runs[nseg][0], 10, 40):.3f} ms")
+            train = dict(store_states=True, keep_vn=True, keep_tm=True)
+            rows = (("inference, unsplit", {}, {}), ("inference, chain in segments", {"CHAIN_SEG": "auto"}, {}),
+                    ("inference, specialized warpgroups in segments", {"FWD_WS_SEG": "auto"}, {}),
+                    ("training, unsplit", {}, train), ("training, chain in segments", {"CHAIN_SEG": "auto"}, train))
+            o_ref = F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True).value[0]
+            for name, env, kw in rows[1:3]:
+                os.environ.update({f"CUDNN_TRAIN_GDN_{key}": val for key, val in env.items()})
+                o_seg = F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True).value[0]
+                print(f"  {name}: o vs unsplit rel L2 {rel_l2(o_seg.float(), o_ref.float()):.1e}")
+                for key in env:
+                    os.environ.pop(f"CUDNN_TRAIN_GDN_{key}", None)
             for _ in range(2):
-                for mode in ("1", "auto"):
-                    os.environ["CUDNN_TRAIN_GDN_CHAIN_SEG"] = mode
-                    for name, kw in (("inference", {}), ("training", dict(store_states=True, keep_vn=True,
-                                                                          keep_tm=True))):
-                        ms = bench(lambda kw=kw: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw),
-                                   10, 40)
-                        print(f"  whole {name} forward, CUDNN_TRAIN_GDN_CHAIN_SEG={mode}: {ms:.3f} ms")
-            os.environ.pop("CUDNN_TRAIN_GDN_CHAIN_SEG", None)
+                for name, env, kw in rows:
+                    os.environ.update({f"CUDNN_TRAIN_GDN_{key}": val for key, val in env.items()})
+                    ms = bench(lambda kw=kw: F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw), 10, 40)
+                    print(f"  whole {name} forward: {ms:.3f} ms")
+                    for key in env:
+                        os.environ.pop(f"CUDNN_TRAIN_GDN_{key}", None)
             continue
 
         if args.chain_stores:  # the chain's hs / vn TMA stores on one wy output: bitwise, then alternating times

@@ -1228,18 +1228,27 @@ def forward(
     # against 0.721 for the fused kernel with the stores); CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0:
     # never; not where the split's chunk states would not be int32-addressable
     split = grid_chunks * HV * K * V < 2**31
-    if split and SPLIT is None:
+    # the inference forward's specialized warpgroups in segments (CUDNN_TRAIN_GDN_FWD_WS_SEG, prepared, off): where
+    # asked and more than one, they take the call the split pass would (few sequences), on nseg x the grid
+    ws_nseg = 1
+    if not store_states and not return_intermediates and SPLIT is not True and STATE_WS is not False:
+        from . import gated_delta_rule_fwd_ws_sm90 as WS
+
+        ws_nseg = WS.segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
+    if ws_nseg > 1:
+        split = False
+    elif split and SPLIT is None:
         from . import gated_delta_rule_fwd_split_sm90 as sp
 
         split = (store_states and STATE_WS is not True) or sp.preferred(nseq, HV, V, dev)
     elif split:
         split = SPLIT
-    ws = not split and (not store_states if STATE_WS is None else STATE_WS)
+    ws = ws_nseg > 1 or (not split and (not store_states if STATE_WS is None else STATE_WS))
     onfly = ws and not store_states and not return_intermediates
     if onfly and ONFLY is None:  # the measured default: where one CTA holds all of V (the vb state_pass_onfly takes)
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
-        onfly = onfly_default(K, V, WS.v_block(V, nseq, HV, dev))
+        onfly = onfly_default(K, V, WS.v_block(V, nseq * ws_nseg, HV, dev))
     elif onfly:
         onfly = bool(ONFLY)
     # kernel 1: w, u, gc (with onfly its variant writing only the gate-free chunk inverses, gc and beta)
@@ -1285,7 +1294,7 @@ def forward(
         beta_eff = _empty(B, T, HV, dtype=torch.float32, device=dev)
         wy(k, g, beta, alog, dtb, cu, cu_chunks, gc, a0, beta_eff, T, NT, nseq, group, grid_chunks, i64_dummy)
         WS.state_pass_onfly(q, k, v, a0, gc, beta_eff, o, initial_state, ht, cu, cu_chunks, NT, scale,
-                            use_qk_l2norm_in_kernel, state_v_first, group, nseq)
+                            use_qk_l2norm_in_kernel, state_v_first, group, nseq, nseg=ws_nseg)
     else:
         wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, w[..., :CHUNK] if tm is None else tm, T, NT, nseq, group,
            grid_chunks, i64_dummy)
@@ -1298,7 +1307,7 @@ def forward(
             from . import gated_delta_rule_fwd_ws_sm90 as WS
 
             WS.state_pass(q, k, w, u, gc, o, initial_state, ht, cu, cu_chunks, NT, scale, use_qk_l2norm_in_kernel,
-                          state_v_first, group, nseq, hs=hs, vn=vn)
+                          state_v_first, group, nseq, hs=hs, vn=vn, nseg=ws_nseg)
         else:
             st(q, k, w, u, gc, state_dummy if initial_state is None else initial_state, o,
                state_dummy if ht is None else ht, cu, cu_chunks, state_dummy if hs is None else hs, float(scale),

@@ -123,6 +123,16 @@ def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False) -> i
     return 128 if 2 * nseq * HV > kc.num_sms(device) else 64
 
 
+def segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> int:
+    """The inference forward's specialized-warpgroup CTAs a (sequence, value head, V block), each writing o for one
+    segment of the sequence's chunks after a decay-truncated warm-up (see ``_build``). ``CUDNN_TRAIN_GDN_FWD_WS_SEG``:
+    unset or 1, one (prepared in the twenty-third session, not yet GPU-run); ``auto``, the fewest of 2, 4, 8, 16
+    whose grid of 128-column CTAs reaches 90% of the SMs, keeping segments of at least 16 chunks (B1 T16384 H16
+    HV32: 4, B4 T4096's grid, where this kernel takes 0.389 ms on an H100 with w, u formed in its chain, against
+    the split pass's 0.66 at B1); 2 to 16 force that many (:func:`cm.segments`). Without l2norm, one."""
+    return cm.segments("CUDNN_TRAIN_GDN_FWD_WS_SEG", nseq, HV * max(V // 128, 1), T, l2norm, device, fill=0.9)
+
+
 # Phases timed by the profile variant (``tools/time_gdn_fwd.py --ws-only --profile``), per warpgroup
 WS_PHASES = (
     ("S -> registers + sS", "loads wait + CTA barrier", "S w^T issued, next chunk's copies", "k norms, S w^T wait",
@@ -134,7 +144,7 @@ WS_PHASES = (
 
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
            store_states: bool, keep_vn: bool, profile: bool = False, tma: bool = False, onfly: bool = False,
-           wg3: bool = False, vb: int = VB):
+           wg3: bool = False, vb: int = VB, nseg: int = 1):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -189,6 +199,17 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     locate_seq = cm.make_seq_locator(varlen)
     NPH = len(WS_PHASES[0])
     pstart, pmark, _ = F.make_profile(profile, NPH)
+    # nseg > 1 (:func:`segments`, the inference forward only): nseg CTAs a (sequence, value head, V block), segment s
+    # writing o for the chunks [s n / nseg, (s + 1) n / nseg) = [c_lo, c_hi) of the sequence's n, after a warm-up
+    # from a zero state at the latest chunk c_w < c_lo whose chunks c_w .. c_lo - 1 decay by less than e^-20 in all
+    # (cm.make_decay_reach), or from the sequence's start with the initial state where none does (the unsplit
+    # kernel's instructions: the same bits). The kernel walks the rows ts + c_w C .. min(ts + c_hi C, te) as if they
+    # were the sequence (its rows rebased: every load, mask and store below is unchanged), storing o from local
+    # chunk c_lo - c_w on; the last segment stores the final state. The bound is the forward chain's split's
+    # (``gated_delta_rule_fwd_split_sm90``): only with l2norm.
+    SEG = nseg > 1
+    assert not SEG or (l2norm and nseg in cm.SEGMENTS and not store_states and not profile), (nseg, l2norm)
+    reach = cm.make_decay_reach()
 
     @cute.jit
     def issue_rows(mGc: cute.Tensor, mBe: cute.Tensor, sGc: cute.Tensor, sBe: cute.Tensor, b: Int32, hv: Int32,
@@ -346,6 +367,10 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                tQ: cute.Tensor, tK: cute.Tensor, tW: cute.Tensor, tU: cute.Tensor, mBe: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
+        seg = Int32(0)
+        if cutlass.const_expr(SEG):  # segment seg of sequence n
+            seg = n % nseg
+            n = n // nseg
         wg = cute.arch.make_warp_uniform(tidx // 128)
         lt = tidx % 128  # thread within its warpgroup
         prof = pstart()
@@ -399,6 +424,18 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             init_barriers(mbar, 2, (aQ, aK, aW, aU), TMA_WARP)
 
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
+        c_w = Int32(0)  # (SEG) the walk's first chunk, and the first local chunk whose o is stored
+        keep_from = Int32(0)
+        if cutlass.const_expr(SEG):
+            c_lo = nchunks * seg // nseg
+            c_hi = nchunks * (seg + 1) // nseg
+            m = reach(mGc, sRq, b, hv, ts, te, c_lo - 1, c_lo, -1, tidx)  # sRq: free until the first barrier
+            c_w = cutlass.select_(m > 0, c_lo - m, Int32(0))  # none: from the sequence's start
+            c_w = cutlass.select_(c_hi > c_lo, c_w, c_hi)
+            keep_from = c_lo - c_w
+            te = cutlass.min(ts + c_hi * C, te)  # the walk's rows, rebased
+            ts = ts + c_w * C
+            nchunks = c_hi - c_w
         niter = nchunks + cutlass.min(nchunks, 1)  # the output finishes chunk c in iteration c + 1
 
         if nchunks > 0:
@@ -430,6 +467,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
             accS = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
             start_state(accS, cS, mH0, n, hv, v0, state_vk, has_h0)
+            if cutlass.const_expr(SEG and has_h0):  # a walk from a later chunk starts from zero (a select)
+                for e in cutlass.range_constexpr(cute.size(accS)):
+                    accS[e] = Float32(cutlass.select_(c_w == 0, accS[e], Float32(0.0)))
             for cp in cutlass.range((niter + 1) // 2, unroll=1):
                 for par in cutlass.range_constexpr(2):  # chunk ci in buffer par: every tile stays static
                     ci = cp * 2 + par
@@ -509,7 +549,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             warpgroup.wait_group(0)
                             pmark(prof, 5)
             if cutlass.const_expr(out_final):
-                store_state(accS, cS, mHT, n, hv, v0, state_vk)
+                if cutlass.const_expr(SEG):
+                    if seg == nseg - 1:  # the last segment's walk ends the sequence
+                        store_state(accS, cS, mHT, n, hv, v0, state_vk)
+                else:
+                    store_state(accS, cS, mHT, n, hv, v0, state_vk)
         elif cutlass.const_expr(wg3):
             # ---------------------------------------------------------------- two outputs, alternate chunks
             cute.arch.setmaxregister_decrease(OUT_REGS)
@@ -545,7 +589,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                 warpgroup.commit_group()
                                 warpgroup.wait_group(0)
                                 tp = ts + (ci - 1) * C
-                                store_o_rows(accO, cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0)
+                                if cutlass.const_expr(SEG):
+                                    if ci - 1 >= keep_from:  # not a warm-up chunk's
+                                        store_o_rows(accO, cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0)
+                                else:
+                                    store_o_rows(accO, cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0)
         else:
             # ---------------------------------------------------------------- the output
             thr_p, thr_o, thr_ov, tAq, tBk, tAqo, tBs, tBvo, cP, cO = output_operands(
@@ -590,7 +638,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         if ci > 0:
                             # ---- chunk ci - 1's o rows
                             tp = ts + (ci - 1) * C
-                            store_o_rows(accOb[1 - par], cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0)
+                            if cutlass.const_expr(SEG):
+                                if ci - 1 >= keep_from:  # not a warm-up chunk's
+                                    store_o_rows(accOb[1 - par], cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0)
+                            else:
+                                store_o_rows(accOb[1 - par], cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0)
                         pmark(prof, 4)
                         if cutlass.const_expr(tma):  # in the last iteration too (unused there): with the P
                             # registers written under a branch, ptxas serializes this kernel's products (C7520)
@@ -617,7 +669,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             tma, dtype, ((mQ, C, K), (mK, C, K), (mW, C, WCOLS), (mU, C, VB)))
         kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group, mProf,
                aQ, aK, aW, aU, tQ, tK, tW, tU, mBe).launch(
-            grid=[nseq, HV, V // VB], block=[NTHR, 1, 1], stream=stream,
+            grid=[nseq * nseg, HV, V // VB], block=[NTHR, 1, 1], stream=stream,
         )
 
     f = F._fakes()
@@ -631,7 +683,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
-               profile=False, tma=None, onfly=False, wg3=None, vb=VB):
+               profile=False, tma=None, onfly=False, wg3=None, vb=VB, nseg=1):
     tma = (K == V if TMA is None else TMA) if tma is None else bool(tma)
     if wg3 is None:
         want = (vb == 64 and K == V) if WG3 is None else (WG3 and not (vb == 128 and onfly))
@@ -644,27 +696,32 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
                          f"formed in the chain (V={V}, wg3={wg3}, onfly={onfly})")
     if keep_vn and not store_states:
         raise ValueError("keep_vn: only with store_states (the training forward)")
+    if nseg not in cm.SEGMENTS or (nseg > 1 and not (l2norm and not store_states and not profile)):
+        raise ValueError(f"nseg={nseg}: one of {cm.SEGMENTS}; more than 1 only with l2norm, for inference, not the "
+                         "profile variant")
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
-           bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ()) + (("vb", vb) if vb != VB else ())
+           bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ()) + (("vb", vb) if vb != VB else ()) + (
+        (("nseg", nseg),) if nseg > 1 else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb)
+                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb, nseg)
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 
 
 def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq, hs=None,
-               vn=None, vb=None):
+               vn=None, vb=None, nseg=1):
     """Fill ``o`` (and ``ht`` when given) from the wy kernel's w, u, gc: the fused state kernel's job.
     ``h0`` / ``ht``: float32 states or None. The training forward's ``hs`` (the chunk-start states, input dtype
     ``[rows, HV, K, V]``) and ``vn`` (input dtype ``[B, T, HV, V]``, only with ``hs``), when given, are
-    written too. ``vb``: V columns per CTA (None: :func:`v_block`)."""
+    written too. ``vb``: V columns per CTA (None: :func:`v_block`); ``nseg``: segments a sequence (:func:`segments`;
+    inference only)."""
     B, T, HV, V = u.shape
     K = q.shape[-1]
-    vb = v_block(V, nseq, HV, q.device, hs is not None) if vb is None else vb
+    vb = v_block(V, nseq * nseg, HV, q.device, hs is not None) if vb is None else vb
     fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, hs is not None,
-                    vn is not None, vb=vb)
+                    vn is not None, vb=vb, nseg=nseg)
     f32_dummy, _, i64_dummy = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)
     fn(q, k, w, u, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
@@ -672,14 +729,15 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, stat
 
 
 def state_pass_onfly(q, k, v, a0, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq,
-                     vb=None):
+                     vb=None, nseg=1):
     """The inference state pass from the wy kernel's INV outputs (``a0``: the gate-free chunk inverses, input
     dtype ``[B, T, HV, 64]``; ``gc``, ``beta_eff``: float32 ``[B, T, HV]``) and v: w and u are formed in the chain.
-    Fills ``o`` (and ``ht`` when given)."""
+    Fills ``o`` (and ``ht`` when given). ``nseg``: segments a sequence (:func:`segments`)."""
     B, T, HV, V = v.shape
     K = q.shape[-1]
-    vb = v_block(V, nseq, HV, q.device) if vb is None else vb
-    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, onfly=True, vb=vb)
+    vb = v_block(V, nseq * nseg, HV, q.device) if vb is None else vb
+    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, onfly=True, vb=vb,
+                    nseg=nseg)
     f32_dummy, _, i64_dummy = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)
     fn(q, k, a0, v, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks, d4, d4, float(scale),

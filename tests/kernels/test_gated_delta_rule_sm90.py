@@ -849,6 +849,79 @@ def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
     _check("final_state", split["final_state"], ref_h, None)
 
 
+@pytest.mark.compile
+def test_ws_segments_compile_for_sm90a(kernel_cache):
+    """The inference forward's specialized warpgroups split into segments (CUDNN_TRAIN_GDN_FWD_WS_SEG, prepared): 128
+    columns with w and u formed in the chain, 64 columns varlen with the initial and final states (two output
+    warpgroups); not for the training forward or without l2norm (a ValueError naming nseg)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    assert callable(WS.get_kernel(torch.bfloat16, 128, 128, True, False, False, False, False, onfly=True, vb=128,
+                                  nseg=4))
+    assert callable(WS.get_kernel(torch.bfloat16, 128, 128, True, True, True, True, False, vb=64, nseg=16))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2
+    for kw in (dict(l2norm=False), dict(store_states=True)):
+        args = dict(l2norm=True, store_states=False) | kw
+        with pytest.raises(ValueError, match="nseg"):
+            WS.get_kernel(torch.bfloat16, 128, 128, args["l2norm"], False, False, False, False,
+                          store_states=args["store_states"], nseg=4)
+
+
+def test_ws_segments_switch(monkeypatch):
+    """CUDNN_TRAIN_GDN_FWD_WS_SEG: one segment unless asked (prepared); auto: the fewest whose grid of 128-column
+    CTAs reaches 90% of the SMs, with segments of at least 16 chunks; a bad value is a ValueError naming it."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    monkeypatch.setattr(kc, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_FWD_WS_SEG", raising=False)
+    assert WS.segments(1, 32, 128, 16384, True, dev) == 1
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_WS_SEG", "auto")
+    assert [WS.segments(n, 32, 128, t, True, dev) for n, t in ((1, 16384), (4, 16384))] == [4, 1]
+    assert WS.segments(1, 32, 128, 16384, False, dev) == 1
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_FWD_WS_SEG", lambda: WS.segments(1, 32, 128, 16384, True, dev),
+                        "16", 16, ("3", "x"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, nseg", [("dense", 4), ("dense_vb128", 4), ("varlen", 4), ("vb128", 16)])
+def test_ws_segments(case, nseg, monkeypatch, poisoned):
+    """The inference forward's specialized warpgroups split into ``nseg`` segments a sequence (CUDNN_TRAIN_GDN_FWD_
+    WS_SEG), each after a decay-truncated warm-up, against the unsplit kernel of the same columns: the head that
+    never decays by e^-20 bitwise in o and the final state, every head within 1e-4 relative L2 (1e-5 for the
+    float32 final state), and against the float32 oracle. 64 columns (two output warpgroups) dense and varlen with
+    empty, one-token and partial sequences; 128 columns with w and u formed in the chain, also in 16 segments."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    monkeypatch.setattr(F90, "SPLIT", False)  # the specialized warpgroups, whatever the grid would pick
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(WS, "VB_MODE", "128" if "vb128" in case else "64")
+    H, HV, K, V, dtype, cu = 2, 4, 128, 128, torch.bfloat16, None
+    if case == "varlen":
+        lengths = [0, 1, 1300, 63, 700, 5]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 2000, H, HV, K, V, dtype)
+    g = -torch.tensor(GDN_SEG_RATES, device="cuda") * (1 + 0.1 * torch.rand_like(g))
+    args = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    outs = []
+    for n in ("1", str(nseg)):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_WS_SEG", n)
+        outs.append(F90.forward(q, k, v, g, beta, **args).value)
+    end = q.shape[1] if cu is None else int(cu[-1])
+    (o1, h1), (o2, h2) = ((o[:, :end], ht) for o, ht in outs)
+    assert torch.isfinite(o2).all(), f"{case}: o has elements the split kernel did not write"
+    assert torch.equal(o2[:, :, 0], o1[:, :, 0]) and torch.equal(h2[:, 0], h1[:, 0]), f"{case}: the slow head differs"
+    assert rel_l2(o2.float(), o1.float()) <= 1e-4, f"{case}: o {rel_l2(o2.float(), o1.float()):.2e}"
+    assert rel_l2(h2, h1) <= 1e-5, f"{case}: final state {rel_l2(h2, h1):.2e}"
+    ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=True)
+    _check("o", o2.float(), ref_o, None)
+    _check("final_state", h2, ref_h, None)
+
+
 def _chain_case(case, vb, monkeypatch):
     """The chain cases' inputs (the split pass at V block ``vb``): ``(F90, (q, k, v, g, beta), forward's kwargs)``
     for the training forward's call (chunk-start states stored)."""
