@@ -794,6 +794,20 @@ def test_split_chain_segments_compile_for_sm90a(kernel_cache):
     assert len(list(kernel_cache.rglob("*.o"))) == 2
 
 
+def _segment_inputs(varlen: bool):
+    """The segment cases' inputs, ``(K, (q, k, v, g, beta, h0), cu)``: H2 HV4 K = V = 128 bf16, dense B2 T2000 or
+    varlen with empty, one-token and partial sequences, each value head's gates at its GDN_SEG_RATES rate."""
+    H, HV, K, V, dtype, cu = 2, 4, 128, 128, torch.bfloat16, None
+    if varlen:
+        lengths = [0, 1, 1300, 63, 700, 5]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
+    else:
+        q, k, v, g, beta, h0 = _inputs(2, 2000, H, HV, K, V, dtype)
+    g = -torch.tensor(GDN_SEG_RATES, device="cuda") * (1 + 0.1 * torch.rand_like(g))
+    return K, (q, k, v, g, beta, h0), cu
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, nseg", [("dense", 4), ("dense_inference", 4), ("varlen", 4), ("vb32", 16)])
 def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
@@ -808,14 +822,7 @@ def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
 
     monkeypatch.setattr(F90, "SPLIT", True)  # the split pass, whatever CUDNN_TRAIN_GDN_FWD_SPLIT / _WS say
     monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", "32" if case == "vb32" else "64")
-    H, HV, K, V, dtype, cu = 2, 4, 128, 128, torch.bfloat16, None
-    if case == "varlen":
-        lengths = [0, 1, 1300, 63, 700, 5]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
-    else:
-        q, k, v, g, beta, h0 = _inputs(2, 2000, H, HV, K, V, dtype)
-    g = -torch.tensor(GDN_SEG_RATES, device="cuda") * (1 + 0.1 * torch.rand_like(g))
+    K, (q, k, v, g, beta, h0), cu = _segment_inputs(case == "varlen")
     training = case != "dense_inference"
     args = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
                 cu_seqlens=cu, store_states=training, keep_vn=training)
@@ -898,14 +905,7 @@ def test_ws_segments(case, nseg, monkeypatch, poisoned):
     monkeypatch.setattr(F90, "SPLIT", False)  # the specialized warpgroups, whatever the grid would pick
     monkeypatch.setattr(F90, "STATE_WS", True)
     monkeypatch.setattr(WS, "VB_MODE", "128" if "vb128" in case else "64")
-    H, HV, K, V, dtype, cu = 2, 4, 128, 128, torch.bfloat16, None
-    if case == "varlen":
-        lengths = [0, 1, 1300, 63, 700, 5]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
-    else:
-        q, k, v, g, beta, h0 = _inputs(2, 2000, H, HV, K, V, dtype)
-    g = -torch.tensor(GDN_SEG_RATES, device="cuda") * (1 + 0.1 * torch.rand_like(g))
+    K, (q, k, v, g, beta, h0), cu = _segment_inputs(case == "varlen")
     args = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     outs = []
     for n in ("1", str(nseg)):
