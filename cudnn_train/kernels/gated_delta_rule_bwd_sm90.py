@@ -654,7 +654,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     ignored without the TMA loads or with float32 outputs); ``dvn_tma``: with ``dh_tma``, a full chunk's dvn
     leaves the same way (default :func:`dvn_tma_default`, on; the same bits); ``nseg``: segments a sequence for
     the fused kernel (default :func:`sweep_segments`; where more than one, the fused kernel runs whatever ``split``
-    and ``ws`` say, on both V halves a CTA unless ``vh2`` is False)."""
+    and ``ws`` say, on one warpgroup a V half unless ``wgs`` says otherwise, both halves a CTA where
+    :func:`vh2_default` on the segments' grid says so, unless ``vh2`` decides)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -691,9 +692,12 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     elif wgs not in (1, 2) or (wgs == 2 and K != 128):
         raise Unsupported(f"wgs={wgs} at K={K} (1, or 2 at K = 128)")
     # dense: every token row of dvn is written; varlen: rows past the last sequence are not (zeros there)
-    dvn = (torch.zeros if varlen else torch.empty)(B, T, HV, V, dtype=out_dtype, device=dev)
-    dH = torch.empty(total_chunks, HV, K, V, dtype=out_dtype, device=dev)
-    dh0 = torch.empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
+    # (the dense outputs NaN-filled under the forward module's POISON, as the tests that check every element is
+    # written set it)
+    dvn = torch.zeros(B, T, HV, V, dtype=out_dtype, device=dev) if varlen else fwd._empty(B, T, HV, V, dtype=out_dtype,
+                                                                                            device=dev)
+    dH = fwd._empty(total_chunks, HV, K, V, dtype=out_dtype, device=dev)
+    dh0 = fwd._empty(*((nseq, HV, V, K) if state_v_first else (nseq, HV, K, V)), dtype=torch.float32, device=dev)
     from . import gated_delta_rule_bwd_split_sm90 as sp
 
     split = (split_default(nseq, HV, V, dev) if split is None else bool(split)) and sp.serves(out_dtype, q.dtype)
@@ -713,7 +717,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         if vh2 and not vh_ok:
             raise Unsupported(f"vh2 with wgs={wgs} at V={V} (one warpgroup a 64-column half, V = 128)")
         # the env switch never takes the profile variant (its phases are read per 64-column CTA)
-        vh = 2 if vh_ok and (vh2 if vh2 is not None else profile is None and vh2_default(nseq, HV, V, dev)) else 1
+        vh = 2 if vh_ok and (vh2 if vh2 is not None else profile is None and vh2_default(nseq * nseg, HV, V, dev)) else 1
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
                                out_dtype, wgs, prefetch, profile is not None, early_qk, tma, vh, dh_tma, dvn_tma, nseg)
     if T == 0 or nseq == 0:

@@ -721,7 +721,10 @@ def segments(env_name: str, nseq: int, ctas_a_seq: int, T: int, l2norm: bool, de
     """Segments a sequence for a recurrence kernel of ``ctas_a_seq`` CTAs a sequence (value heads x V blocks):
     ``env_name`` unset or 1, one; ``auto``, the fewest of :data:`SEGMENTS` whose grid reaches ``fill`` of the SMs,
     keeping segments of at least :data:`SEG_MIN_CHUNKS` chunks of a sequence's average length ``T / nseq``; 2 to
-    16 force that many. Without l2norm always one: the warm-up's truncation bound needs unit-norm keys."""
+    16 force that many. Without l2norm always one: the warm-up's truncation bound needs unit-norm keys. The bound
+    also needs beta in [0, 2] (each ``I - beta k k^T`` of norm at most 1), which holds for GDN's beta (a sigmoid,
+    twice one with ``allow_neg_eigval``) but is not checked on a caller's beta tensor (that would read the
+    device): outside it the recurrence itself grows without bound."""
     env = os.environ.get(env_name, "").strip() or "1"
     if env != "auto" and env not in tuple(str(c) for c in SEGMENTS):
         raise ValueError(f"{env_name}={env!r}: expected auto or one of {SEGMENTS}")
@@ -743,7 +746,7 @@ def make_decay_reach():
     A chunk's log decay is gc (the in-chunk cumulative log decay, ``[B, T, HV]``) at its last row, the
     sequence's last row for its partial last chunk. ``CHUNK`` chunks a round: threads below CHUNK bring one each
     into ``sBuf`` (CHUNK float32), then every thread sums them in the same order (the same result everywhere,
-    no broadcast); two CTA barriers a round."""
+    no broadcast); two CTA barriers a round, no round once the sum is reached."""
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
 
@@ -755,21 +758,22 @@ def make_decay_reach():
         m = Int32(0)
         run = Float32(0.0)
         for blk in cutlass.range((count + C - 1) // C, unroll=1):
-            cute.arch.sync_threads()  # the previous round's reads are done
-            if tidx < C:
-                tot = Float32(0.0)
-                j = blk * C + tidx
-                if j < count:
-                    c = c0 + step * j
-                    tot = mGc[b, cutlass.min(ts + c * C + C - 1, te - 1), hv]
-                sBuf[tidx] = tot
-            cute.arch.sync_threads()
-            for i in cutlass.range(C, unroll=1):
-                if m == 0:
-                    if blk * C + i < count:
-                        run = run + sBuf[i]
-                        if run < SEG_LOG_DECAY:
-                            m = blk * C + i + 1
+            if m == 0:  # the same m in every thread: a uniform branch around the barriers
+                cute.arch.sync_threads()  # the previous round's reads are done
+                if tidx < C:
+                    tot = Float32(0.0)
+                    j = blk * C + tidx
+                    if j < count:
+                        c = c0 + step * j
+                        tot = mGc[b, cutlass.min(ts + c * C + C - 1, te - 1), hv]
+                    sBuf[tidx] = tot
+                cute.arch.sync_threads()
+                for i in cutlass.range(C, unroll=1):
+                    if m == 0:
+                        if blk * C + i < count:
+                            run = run + sBuf[i]
+                            if run < SEG_LOG_DECAY:
+                                m = blk * C + i + 1
         return m
 
     return reach
