@@ -126,7 +126,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     SEG = NSEG > 1
     if SEG and not (l2norm and NSEG in cm.SEGMENTS and PREFETCH and not PROFILE):
         raise ValueError(f"NSEG={NSEG}: with l2norm and the prefetch, not the profile variant")
-    reach = cm.make_decay_reach()
+    walk = cm.make_segment_walk(forward=False)
+    zero_unless = cm.make_zero_unless()
 
     @cute.jit
     def next_qk(gm: cutlass.Constexpr, sQ: cute.Tensor, sK: cute.Tensor, ta: cutlass.Constexpr, mbar, b: Int32, h: Int32,
@@ -261,18 +262,13 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         c_lo = Int32(0)
         c_hi = nchunks
         c_e = nchunks
-        if cutlass.const_expr(SEG):
-            c_lo = nchunks * seg // NSEG
-            c_hi = nchunks * (seg + 1) // NSEG
-            m = reach(mGc, sRk, b, hv, ts, te, c_hi, nchunks - c_hi, 1, tidx)  # sRk: free until the first barrier
-            c_e = cutlass.select_(m > 0, c_hi + m, nchunks)  # none: from the sequence's end
-            c_e = cutlass.select_(c_hi > c_lo, c_e, c_lo)  # an empty segment walks nothing
+        if cutlass.const_expr(SEG):  # sRk: free until the first barrier
+            c_e, c_lo, c_hi = walk(mGc, sRk, b, hv, ts, te, nchunks, seg, NSEG, tidx)
 
         accD = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
         start_state(accD, cS, mDHT, n, hv, v0, state_vk, has_dht)
-        if cutlass.const_expr(SEG):  # a walk from a chunk before the end starts from zero (a select: no branch)
-            for e in cutlass.range_constexpr(cute.size(accD)):
-                accD[e] = Float32(cutlass.select_(c_e == nchunks, accD[e], Float32(0.0)))
+        if cutlass.const_expr(SEG):  # a walk from a chunk before the end starts from zero
+            zero_unless(accD, c_e == nchunks)
         pend = Int32(-1)  # (DVNTMA) the first row of the chunk whose dvn waits in sDVo for its store, or -1
 
         nwalk = c_e - c_lo

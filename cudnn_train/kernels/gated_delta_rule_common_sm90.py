@@ -779,6 +779,50 @@ def make_decay_reach():
     return reach
 
 
+def make_segment_walk(forward: bool):
+    """``walk(mGc, sBuf, b, hv, ts, te, nchunks, seg, nseg, tidx) -> (edge, c_lo, c_hi)`` (every thread of the
+    CTA): segment ``seg`` of ``nseg`` of a sequence of ``nchunks`` chunks owns ``[c_lo, c_hi)``. A forward walk
+    starts at chunk ``edge`` <= c_lo: the first of the chunks before c_lo whose log decays sum below
+    :data:`SEG_LOG_DECAY` (:func:`make_decay_reach`), else 0 (the sequence's start, where the initial state
+    enters). A reverse walk starts at the end of chunk ``edge - 1`` >= c_hi - 1, likewise after c_hi, else at the
+    sequence's end. An empty segment walks nothing (``edge`` its c_hi, or its c_lo in reverse)."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Int32
+
+    reach = make_decay_reach()
+
+    @cute.jit
+    def walk(mGc: cute.Tensor, sBuf: cute.Tensor, b: Int32, hv: Int32, ts: Int32, te: Int32, nchunks: Int32,
+             seg: Int32, nseg: cutlass.Constexpr, tidx: Int32):
+        c_lo = nchunks * seg // nseg
+        c_hi = nchunks * (seg + 1) // nseg
+        if cutlass.const_expr(forward):
+            m = reach(mGc, sBuf, b, hv, ts, te, c_lo - 1, c_lo, -1, tidx)
+            edge = cutlass.select_(m > 0, c_lo - m, Int32(0))
+            edge = cutlass.select_(c_hi > c_lo, edge, c_hi)
+        else:
+            m = reach(mGc, sBuf, b, hv, ts, te, c_hi, nchunks - c_hi, 1, tidx)
+            edge = cutlass.select_(m > 0, c_hi + m, nchunks)
+            edge = cutlass.select_(c_hi > c_lo, edge, c_lo)
+        return edge, c_lo, c_hi
+
+    return walk
+
+
+def make_zero_unless():
+    """``zero_unless(acc, keep)``: every element of the float32 register tensor ``acc`` zeroed unless ``keep``, by
+    selects (no branch around accumulator registers: ptxas would serialize the products that write them)."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32
+
+    @cute.jit
+    def zero_unless(acc: cute.Tensor, keep):
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            acc[e] = Float32(cutlass.select_(keep, acc[e], Float32(0.0)))
+
+    return zero_unless
+
+
 def make_seq_locator(varlen: bool):
     """``locate_seq(n, mCu, mCuC, T, NT) -> (b, ts, te, cbase, nchunks)``: for sequence ``n`` of a
     sweep kernel, its batch row, first and end token, the chunk row of its first chunk

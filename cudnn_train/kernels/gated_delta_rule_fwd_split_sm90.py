@@ -220,7 +220,8 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     # below 2.1e-9 (cm.SEG_LOG_DECAY) of that state, under float32 rounding. Only with l2norm (asserted).
     assert nseg == 1 or (l2norm and nseg in CHAIN_SEGMENTS), (nseg, l2norm)
     SEG = nseg > 1
-    reach = cm.make_decay_reach()
+    walk = cm.make_segment_walk(forward=True)
+    zero_unless = cm.make_zero_unless()
 
     @cute.jit
     def issue_chunk(mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor, sKs: cutlass.Constexpr,
@@ -300,20 +301,15 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         c_w = Int32(0)
         c_lo = Int32(0)
         c_hi = nchunks
-        if cutlass.const_expr(SEG):
-            c_lo = nchunks * seg // nseg
-            c_hi = nchunks * (seg + 1) // nseg
-            m = reach(mGc, sRk, b, hv, ts, te, c_lo - 1, c_lo, -1, tidx)  # sRk: free until the walk's first barrier
-            c_w = cutlass.select_(m > 0, c_lo - m, Int32(0))  # none: from the sequence's start
-            c_w = cutlass.select_(c_hi > c_lo, c_w, c_hi)
+        if cutlass.const_expr(SEG):  # sRk: free until the walk's first barrier
+            c_w, c_lo, c_hi = walk(mGc, sRk, b, hv, ts, te, nchunks, seg, nseg, tidx)
 
         accS = [cute.make_rmem_tensor(thr_up.partition_shape_C((64, VB)), Float32) for _ in range(KH)]
         if cutlass.const_expr(has_h0):
             load_block(accS, cS, mH0, n, hv, v0, state_vk)
-            if cutlass.const_expr(SEG):  # a walk from a later chunk starts from zero (a select: no branch)
+            if cutlass.const_expr(SEG):  # a walk from a later chunk starts from zero
                 for hf in cutlass.range_constexpr(KH):
-                    for e in cutlass.range_constexpr(cute.size(accS[hf])):
-                        accS[hf][e] = Float32(cutlass.select_(c_w == 0, accS[hf][e], Float32(0.0)))
+                    zero_unless(accS[hf], c_w == 0)
         else:
             for hf in cutlass.range_constexpr(KH):
                 accS[hf].fill(0.0)

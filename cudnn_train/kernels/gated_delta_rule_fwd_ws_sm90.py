@@ -209,7 +209,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     # (``gated_delta_rule_fwd_split_sm90``): only with l2norm.
     SEG = nseg > 1
     assert not SEG or (l2norm and nseg in cm.SEGMENTS and not store_states and not profile), (nseg, l2norm)
-    reach = cm.make_decay_reach()
+    walk = cm.make_segment_walk(forward=True)
+    zero_unless = cm.make_zero_unless()
 
     @cute.jit
     def issue_rows(mGc: cute.Tensor, mBe: cute.Tensor, sGc: cute.Tensor, sBe: cute.Tensor, b: Int32, hv: Int32,
@@ -426,12 +427,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
         c_w = Int32(0)  # (SEG) the walk's first chunk, and the first local chunk whose o is stored
         keep_from = Int32(0)
-        if cutlass.const_expr(SEG):
-            c_lo = nchunks * seg // nseg
-            c_hi = nchunks * (seg + 1) // nseg
-            m = reach(mGc, sRq, b, hv, ts, te, c_lo - 1, c_lo, -1, tidx)  # sRq: free until the first barrier
-            c_w = cutlass.select_(m > 0, c_lo - m, Int32(0))  # none: from the sequence's start
-            c_w = cutlass.select_(c_hi > c_lo, c_w, c_hi)
+        if cutlass.const_expr(SEG):  # sRq: free until the first barrier
+            c_w, c_lo, c_hi = walk(mGc, sRq, b, hv, ts, te, nchunks, seg, nseg, tidx)
             keep_from = c_lo - c_w
             te = cutlass.min(ts + c_hi * C, te)  # the walk's rows, rebased
             ts = ts + c_w * C
@@ -467,9 +464,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
             accS = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
             start_state(accS, cS, mH0, n, hv, v0, state_vk, has_h0)
-            if cutlass.const_expr(SEG and has_h0):  # a walk from a later chunk starts from zero (a select)
-                for e in cutlass.range_constexpr(cute.size(accS)):
-                    accS[e] = Float32(cutlass.select_(c_w == 0, accS[e], Float32(0.0)))
+            if cutlass.const_expr(SEG and has_h0):  # a walk from a later chunk starts from zero
+                zero_unless(accS, c_w == 0)
             for cp in cutlass.range((niter + 1) // 2, unroll=1):
                 for par in cutlass.range_constexpr(2):  # chunk ci in buffer par: every tile stays static
                     ci = cp * 2 + par

@@ -822,38 +822,7 @@ def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
 
     monkeypatch.setattr(F90, "SPLIT", True)  # the split pass, whatever CUDNN_TRAIN_GDN_FWD_SPLIT / _WS say
     monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_VB", "32" if case == "vb32" else "64")
-    K, (q, k, v, g, beta, h0), cu = _segment_inputs(case == "varlen")
-    training = case != "dense_inference"
-    args = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                cu_seqlens=cu, store_states=training, keep_vn=training)
-    outs = []
-    for n in ("1", str(nseg)):
-        monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_SEG", n)
-        res = F90.forward(q, k, v, g, beta, **args).value
-        out = dict(o=res[0], final_state=res[1])
-        if training:
-            out.update(chunk_states=res[2][3], vn=res[2][4])
-        outs.append(out)
-    end = q.shape[1]
-    if cu is not None:  # rows past the varlen chunk count are never written
-        rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
-        end = int(cu[-1])
-        for out in outs:
-            out["o"] = out["o"][:, :end]
-            if training:
-                out["chunk_states"], out["vn"] = out["chunk_states"][:rows], out["vn"][:, :end]
-    base, split = outs
-    head = dict(o=lambda x: x[:, :, 0], final_state=lambda x: x[:, 0], chunk_states=lambda x: x[:, 0],
-                vn=lambda x: x[:, :, 0])
-    for name, a in split.items():
-        assert torch.isfinite(a).all(), f"{case}: {name} has elements the split chain did not write"
-        assert torch.equal(head[name](a), head[name](base[name])), f"{case}: {name} of the slow head differs"
-        tol = 1e-5 if name == "final_state" else 1e-4
-        err = rel_l2(a.float(), base[name].float())
-        assert err <= tol, f"{case}: {name} {err:.2e} from the unsplit chain's"
-    ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=True)
-    _check("o", split["o"].float(), ref_o, None)
-    _check("final_state", split["final_state"], ref_h, None)
+    _check_segments(case, "CUDNN_TRAIN_GDN_CHAIN_SEG", nseg, monkeypatch, training=case != "dense_inference")
 
 
 @pytest.mark.compile
@@ -905,21 +874,45 @@ def test_ws_segments(case, nseg, monkeypatch, poisoned):
     monkeypatch.setattr(F90, "SPLIT", False)  # the specialized warpgroups, whatever the grid would pick
     monkeypatch.setattr(F90, "STATE_WS", True)
     monkeypatch.setattr(WS, "VB_MODE", "128" if "vb128" in case else "64")
+    _check_segments(case, "CUDNN_TRAIN_GDN_FWD_WS_SEG", nseg, monkeypatch, training=False)
+
+
+def _check_segments(case, switch, nseg, monkeypatch, training):
+    """The segment cases' check: the forward with ``switch`` at 1 and at ``nseg`` (with ``training``, also the
+    chunk-start states and vn): the slow head (GDN_SEG_RATES) bitwise, every head within 1e-4 relative L2 (1e-5
+    for the float32 final state), every output written, and o and the final state against the float32 oracle."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
     K, (q, k, v, g, beta, h0), cu = _segment_inputs(case == "varlen")
-    args = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    args = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu, store_states=training, keep_vn=training)
     outs = []
     for n in ("1", str(nseg)):
-        monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_WS_SEG", n)
-        outs.append(F90.forward(q, k, v, g, beta, **args).value)
-    end = q.shape[1] if cu is None else int(cu[-1])
-    (o1, h1), (o2, h2) = ((o[:, :end], ht) for o, ht in outs)
-    assert torch.isfinite(o2).all(), f"{case}: o has elements the split kernel did not write"
-    assert torch.equal(o2[:, :, 0], o1[:, :, 0]) and torch.equal(h2[:, 0], h1[:, 0]), f"{case}: the slow head differs"
-    assert rel_l2(o2.float(), o1.float()) <= 1e-4, f"{case}: o {rel_l2(o2.float(), o1.float()):.2e}"
-    assert rel_l2(h2, h1) <= 1e-5, f"{case}: final state {rel_l2(h2, h1):.2e}"
+        monkeypatch.setenv(switch, n)
+        res = F90.forward(q, k, v, g, beta, **args).value
+        out = dict(o=res[0], final_state=res[1])
+        if training:
+            out.update(chunk_states=res[2][3], vn=res[2][4])
+        outs.append(out)
+    if cu is not None:  # rows past the varlen chunk count are never written, nor o and vn past the last sequence
+        rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
+        end = int(cu[-1])
+        for out in outs:
+            out["o"] = out["o"][:, :end]
+            if training:
+                out["chunk_states"], out["vn"] = out["chunk_states"][:rows], out["vn"][:, :end]
+    base, split = outs
+    head = dict(o=lambda x: x[:, :, 0], final_state=lambda x: x[:, 0], chunk_states=lambda x: x[:, 0],
+                vn=lambda x: x[:, :, 0])
+    for name, a in split.items():
+        assert torch.isfinite(a).all(), f"{case}: {name} has elements the split kernel did not write"
+        assert torch.equal(head[name](a), head[name](base[name])), f"{case}: {name} of the slow head differs"
+        tol = 1e-5 if name == "final_state" else 1e-4
+        err = rel_l2(a.float(), base[name].float())
+        assert err <= tol, f"{case}: {name} {err:.2e} from the unsplit kernel's"
     ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=True)
-    _check("o", o2.float(), ref_o, None)
-    _check("final_state", h2, ref_h, None)
+    _check("o", split["o"].float(), ref_o, None)
+    _check("final_state", split["final_state"], ref_h, None)
 
 
 def _chain_case(case, vb, monkeypatch):
