@@ -380,6 +380,9 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     store_p(accP, cP, sP, sGc, sRq, sRk, scale)
                     if cutlass.const_expr(DVNTMA):  # chunk cr - 1's dvn store has read sDVo (this chunk's dH
                         if warp0:  # store, the newest group, may still run)
+                            # (with SEG a warm-up chunk issues no dH store, so the newest group is then another's;
+                            # this holds because every warm-up chunk comes before every kept one in the walk: a
+                            # dvn store pending here means chunk cr - 1 was kept, so this chunk is kept too)
                             cute.arch.cp_async_bulk_wait_group(1, read=True)
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_threads()  # P visible to the async proxy; every product on q, k is done

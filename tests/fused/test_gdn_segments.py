@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from cudnn_train.fused.delta_rule_bwd import reverse_sweep_ref
 from cudnn_train.fused.gated_delta_rule import chunked_core
 from cudnn_train.kernels import gated_delta_rule_common_sm90 as cm
-from tests.utils import GDN_SEG_RATES
+from tests.utils import gdn_seg_gates
 
 C = cm.CHUNK
 
@@ -66,8 +66,7 @@ def _inputs(T, HV=4, K=16, seed=0):
     k = F.normalize(torch.randn(1, T, HV, K, generator=gen, dtype=torch.float64), dim=-1)
     v = torch.randn(1, T, HV, K, generator=gen, dtype=torch.float64)
     beta = torch.rand(1, T, HV, generator=gen, dtype=torch.float64)
-    rates = torch.tensor(GDN_SEG_RATES[:HV], dtype=torch.float64)
-    g = -rates * (1 + 0.1 * torch.rand(1, T, HV, generator=gen, dtype=torch.float64))
+    g = gdn_seg_gates(1, T, "cpu", torch.float64, gen)[..., :HV]
     h0 = torch.randn(1, HV, K, K, generator=gen, dtype=torch.float64)
     do = torch.randn(1, T, HV, K, generator=gen, dtype=torch.float64)
     dht = torch.randn(1, HV, K, K, generator=gen, dtype=torch.float64)
@@ -85,7 +84,7 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-@pytest.mark.parametrize("T, nseg", [(2000, 4), (2000, 16), (65, 4), (1, 2), (0, 4), (700, 8)])
+@pytest.mark.parametrize("T, nseg", [(2000, 4), (2000, 16), (65, 4), (1, 2), (0, 4), (700, 8), (128, 4), (150, 4)])
 def test_segmented_forward_matches_the_unsplit_chain(T, nseg):
     """o and the final state of the chain walked segment by segment from each plan's start (zero state, or the
     initial state from the sequence's start) equal the unsplit chain's to the truncation's bound, per head."""
@@ -115,7 +114,8 @@ def test_segmented_forward_matches_the_unsplit_chain(T, nseg):
         assert _rel(ht, ht_ref[:, h]) < 1e-8, (h, _rel(ht, ht_ref[:, h]))
 
 
-@pytest.mark.parametrize("T, nseg", [(2000, 4), (2000, 16), (1990, 4), (65, 4), (1, 2), (700, 8)])
+@pytest.mark.parametrize("T, nseg", [(2000, 4), (2000, 16), (1990, 4), (65, 4), (1, 2), (700, 8), (128, 4),
+                                     (150, 4)])
 def test_segmented_sweep_matches_the_unsplit_sweep(T, nseg):
     """dvn, every chunk's dH and dh0 of the reverse sweep walked segment by segment from each plan's end (zero dH,
     or the final state's gradient from the sequence's end) equal the unsplit sweep's to the truncation's bound,

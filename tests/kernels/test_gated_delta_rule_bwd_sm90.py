@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import GDN_SEG_RATES, assert_env_override, rel_l2
+from tests.utils import SEG_VARLEN, assert_env_override, gdn_seg_gates, rel_l2
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -101,23 +101,25 @@ def test_reverse_sweep_segments_switch(monkeypatch):
 def test_reverse_sweep_segments(case, nseg, monkeypatch):
     """The fused sweep split into ``nseg`` segments a sequence, each after a warm-up from a zero dH reaching forward
     until the chunks' decay is below e^-20, against the unsplit fused sweep: the value head that never decays that
-    far bitwise in dvn, every dH row and dh0; every head within 1e-4 relative L2 (1e-5 for the float32 dh0; a
-    warm-up a chunk too short would leave e^-2.56 of head 1's dH out); dense also against the float32 reference.
-    B2 T2000 (32 chunks, a partial last one that is a warm-up chunk of the segments before it) with both V halves
-    a CTA and one, varlen with empty, one-token and partial sequences, 16 segments of 2 chunks without the final
+    far (head 0 of gdn_seg_gates, tests/utils.py) bitwise in dvn, every dH row and dh0; every head within 1e-4
+    relative L2 (1e-5 for the float32 dh0; a warm-up a chunk too short is no warm-up at all for head 2, an O(1)
+    error, and a search off by a chunk starts head 3 from a zero dH before a spike instead of after one); dense also
+    against the float32 reference. B2 T2000 (32 chunks, a partial last one that is a warm-up chunk of the segments
+    before it) with both V halves a CTA and one, varlen (SEG_VARLEN: empty, one-token and partial sequences, and
+    sequences of 2 and 3 chunks, whose dh0 the second segment owns), 16 segments of 2 chunks without the final
     state's gradient."""
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     dev, dtype, H, HV, K, V = "cuda", torch.bfloat16, 2, 4, 128, 128
-    lens = [0, 1, 1300, 63, 700, 5] if case == "varlen" else None
+    lens = SEG_VARLEN if case == "varlen" else None
     B, T = (1, sum(lens)) if lens else (2, 2000)
     nseq = len(lens) if lens else B
     q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
     k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
     v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
-    g = -torch.tensor(GDN_SEG_RATES, device=dev) * (1 + 0.1 * torch.rand(B, T, HV, device=dev))
+    g = gdn_seg_gates(B, T, dev)
     cu = None if lens is None else torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
     scale = K**-0.5
     _, _, (w, _, gc) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,

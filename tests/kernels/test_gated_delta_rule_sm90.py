@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import GDN_SEG_RATES, assert_env_override, fla_compat_ok, rel_l2
+from tests.utils import SEG_VARLEN, assert_env_override, fla_compat_ok, gdn_seg_gates, rel_l2
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -796,15 +796,16 @@ def test_split_chain_segments_compile_for_sm90a(kernel_cache):
 
 def _segment_inputs(varlen: bool):
     """The segment cases' inputs, ``(K, (q, k, v, g, beta, h0), cu)``: H2 HV4 K = V = 128 bf16, dense B2 T2000 or
-    varlen with empty, one-token and partial sequences, each value head's gates at its GDN_SEG_RATES rate."""
+    varlen (SEG_VARLEN: empty, one-token and partial sequences, some of fewer chunks than segments), the gates of
+    gdn_seg_gates (tests/utils.py: three steady rates, one with random spikes)."""
     H, HV, K, V, dtype, cu = 2, 4, 128, 128, torch.bfloat16, None
     if varlen:
-        lengths = [0, 1, 1300, 63, 700, 5]
+        lengths = SEG_VARLEN
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
     else:
         q, k, v, g, beta, h0 = _inputs(2, 2000, H, HV, K, V, dtype)
-    g = -torch.tensor(GDN_SEG_RATES, device="cuda") * (1 + 0.1 * torch.rand_like(g))
+    g = gdn_seg_gates(*g.shape[:2], "cuda")
     return K, (q, k, v, g, beta, h0), cu
 
 
@@ -813,11 +814,13 @@ def _segment_inputs(varlen: bool):
 def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
     """The chain split into ``nseg`` segments a sequence, each after a warm-up from a zero state reaching back until the
     chunks' decay is below e^-20 (CUDNN_TRAIN_GDN_CHAIN_SEG), against the unsplit chain: the value head that never
-    decays that far (GDN_SEG_RATES, tests/utils.py) bitwise in o, the final state, every chunk-start state and vn; every
-    head within 1e-4 relative L2 of the unsplit outputs (1e-5 for the float32 final state; a warm-up a chunk too short
-    would leave e^-2.56 of head 1's state out), and o and the final state against the float32 oracle under the FLA-
-    compat rule. Dense B2 T2000 (32 chunks: segments of 8, a partial last chunk), the inference forward's call, varlen
-    with empty, one-token and partial sequences, 16 segments of 2 chunks at VB 32."""
+    decays that far (head 0 of gdn_seg_gates, tests/utils.py) bitwise in o, the final state, every chunk-start state
+    and vn; every head within 1e-4 relative L2 of the unsplit outputs (1e-5 for the float32 final state; a warm-up a
+    chunk too short is no warm-up at all for head 2, an O(1) error, and a search off by a chunk starts head 3 from zero
+    before a spike instead of after one), and o and the final state against the float32 oracle under the FLA-compat
+    rule. Dense B2 T2000 (32 chunks: segments of 8, a partial last chunk), the inference forward's call, varlen with
+    empty, one-token and partial sequences and some of fewer chunks than segments, 16 segments of 2 chunks at VB
+    32."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     monkeypatch.setattr(F90, "SPLIT", True)  # the split pass, whatever CUDNN_TRAIN_GDN_FWD_SPLIT / _WS say
@@ -879,7 +882,7 @@ def test_ws_segments(case, nseg, monkeypatch, poisoned):
 
 def _check_segments(case, switch, nseg, monkeypatch, training):
     """The segment cases' check: the forward with ``switch`` at 1 and at ``nseg`` (with ``training``, also the
-    chunk-start states and vn): the slow head (GDN_SEG_RATES) bitwise, every head within 1e-4 relative L2 (1e-5
+    chunk-start states and vn): the slow head (head 0) bitwise, every head within 1e-4 relative L2 (1e-5
     for the float32 final state), every output written, and o and the final state against the float32 oracle."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
