@@ -67,6 +67,7 @@
 #                                   # (prepared): their cases, timings
 #   bash tools/gpu_next.sh s40      # the forward chain and the fused sweep split into segments after a
 #                                   # decay-truncated warm-up (prepared): their cases, then their timings
+#                                   # (ours alone: the 2-part bundle without --peers serves it, two calls fewer)
 #   bash tools/gpu_next.sh s40train # the training tier's kernel half with both recurrences in 4 segments
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
