@@ -34,6 +34,14 @@ def assert_env_override(monkeypatch, name: str, pick, good: str, want, bads) -> 
             pick()
 
 
+def cu_seqlens(lengths, device="cpu", dtype=torch.int32) -> torch.Tensor:
+    """FLA's ``cu_seqlens`` for these sequence lengths: ``[0, l0, l0 + l1, ...]`` (``len(lengths) + 1`` entries)."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + int(n))
+    return torch.tensor(cu, dtype=dtype, device=device)
+
+
 # per-token log decay of the first three of four value heads in the GDN segment-split cases (the SM90 chain's, sweep's
 # and specialized warpgroups' CUDNN_TRAIN_GDN_CHAIN_SEG / _SWEEP_SEG / _FWD_WS_SEG, and their plan on the CPU): head 0
 # never decays by e^-20 over a sequence of a few thousand tokens (every segment walks from the sequence's start or end:

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 import cudnn_train
 from cudnn_train.fused.causal_conv1d import causal_conv1d, causal_conv1d_ref
 from cudnn_train.fused.gated_delta_rule import fla_original
-from tests.fused.test_gated_delta_rule import _single_thread, cu_of, leaf  # noqa: F401  (autouse fixture)
-from tests.utils import fla_compat_ok, rel_l2
+from tests.fused.test_gated_delta_rule import _single_thread, leaf  # noqa: F401  (autouse fixture)
+from tests.utils import cu_seqlens, fla_compat_ok, rel_l2
 
 
 def oracle64(x, weight, bias, activation, lens, initial_state):
@@ -71,7 +71,7 @@ def test_matches_float64_conv1d(case, fn):
     inp = _inputs(D=6, **c)
     kw = dict(activation=act)
     if lens is not None:
-        kw["cu_seqlens"] = cu_of(lens)
+        kw["cu_seqlens"] = cu_seqlens(lens, dtype=torch.long)
     ours = _run(fn, inp, **kw)
     oracle = _run(lambda **a: oracle64(a["x"], a["weight"], a.get("bias"), act, lens, a.get("initial_state")), inp,
                   cot=ours[3])
@@ -95,7 +95,7 @@ def test_short_sequence_keeps_initial_state_tail():
 
 def test_no_leakage_across_sequences():
     inp = _inputs(1, 0, 5, 4, [6, 3, 7], True, True)
-    y, ht = causal_conv1d(**inp, cu_seqlens=cu_of([6, 3, 7]), output_final_state=True)
+    y, ht = causal_conv1d(**inp, cu_seqlens=cu_seqlens([6, 3, 7], dtype=torch.long), output_final_state=True)
     y2, ht2 = causal_conv1d(inp["x"][:, 6:9], inp["weight"], inp["bias"], initial_state=inp["initial_state"][1:2],
                             output_final_state=True)
     assert rel_l2(y[:, 6:9], y2) <= 1e-7 and rel_l2(ht[1:2], ht2) <= 1e-7
@@ -118,7 +118,7 @@ def test_gradcheck(varlen):
     inp = _inputs(2, 3, 2, 3, lens, True, True)
     inp = {n: leaf(t.double()) for n, t in inp.items()}
     names = list(inp)
-    kw = dict(cu_seqlens=cu_of(lens)) if varlen else {}
+    kw = dict(cu_seqlens=cu_seqlens(lens, dtype=torch.long)) if varlen else {}
 
     def f(*ts):
         return causal_conv1d(**dict(zip(names, ts)), output_final_state=True, **kw)
@@ -163,7 +163,7 @@ def test_gpu_matches_reference_like_fla(dtype, varlen):
     inp = _inputs(2, 300, 256, 4, lens, True, True, dtype=dtype, device="cuda")
     kw = dict(activation="silu")
     if varlen:
-        kw["cu_seqlens"] = cu_of(lens, "cuda")
+        kw["cu_seqlens"] = cu_seqlens(lens, "cuda", torch.long)
     peer = _run(lambda **a: fla_conv(**a), inp, **kw)
     ref = _run(causal_conv1d_ref, {n: leaf(t.float()) for n, t in inp.items()}, cot=peer[3], **kw)
     for force in (None, "torch"):

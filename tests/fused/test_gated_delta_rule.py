@@ -15,7 +15,7 @@ from cudnn_train.fused.gated_delta_rule import (
     fused_recurrent_gated_delta_rule,
     naive_gated_delta_rule_ref,
 )
-from tests.utils import fla_compat_ok, rel_l2
+from tests.utils import cu_seqlens, fla_compat_ok, rel_l2
 
 fla_naive = pytest.importorskip("fla.ops.gated_delta_rule.naive", reason="FLA 0.6 (the oracle) is not installed")
 
@@ -71,9 +71,6 @@ def make_inputs(*, B=2, T=16, H=2, G=1, K=16, V=16, lens=None, h0=True, gate=Fal
         out[name] = out[name].to(dtype)
     return {n: leaf(t) for n, t in out.items()}
 
-
-def cu_of(lens, device="cpu"):
-    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.long, device=device)
 
 
 def outputs_and_grads(fn, inputs, cot=None, **kwargs):
@@ -203,7 +200,7 @@ def test_varlen_matches_fla_naive(h0, name, chunk_size):
     flags = FLAG_SETS.get(name, {})
     lens = [0, 1, 63, 0, 65, 7]
     inp = _inputs_for(flags, name, H=2, G=2, lens=lens, h0=h0)
-    check_ref_fla_chunked(inp, chunk_size, what=f"varlen {name}", cu_seqlens=cu_of(lens), **flags)
+    check_ref_fla_chunked(inp, chunk_size, what=f"varlen {name}", cu_seqlens=cu_seqlens(lens, dtype=torch.long), **flags)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 5])
@@ -218,7 +215,7 @@ def test_varlen_equals_separate_calls():
     """No leakage across sequences: each packed sequence equals its own unpacked call."""
     lens = [5, 0, 1, 9]
     inp = make_inputs(H=1, G=2, lens=lens)
-    o, ht = chunk_gated_delta_rule(**inp, output_final_state=True, cu_seqlens=cu_of(lens), chunk_size=4)
+    o, ht = chunk_gated_delta_rule(**inp, output_final_state=True, cu_seqlens=cu_seqlens(lens, dtype=torch.long), chunk_size=4)
     start = 0
     for n, L in enumerate(lens):
         parts = {key: val[:, start : start + L] for key, val in inp.items() if key != "initial_state"}
@@ -245,7 +242,7 @@ def test_no_final_state_and_defaults():
 def test_cu_seqlens_cpu_copy_and_int32():
     lens = [3, 0, 4]
     inp = make_inputs(H=1, lens=lens)
-    cu = cu_of(lens)
+    cu = cu_seqlens(lens, dtype=torch.long)
     o1, h1 = chunk_gated_delta_rule(**inp, output_final_state=True, cu_seqlens=cu.int(), cu_seqlens_cpu=cu)
     o2, h2 = naive_gated_delta_rule_ref(**inp, output_final_state=True, cu_seqlens=cu)
     assert rel_l2(o1, o2) <= TOL and rel_l2(h1, h2) <= TOL
@@ -284,7 +281,7 @@ def test_gradcheck(varlen):
                       l2norm=True)
     inp = {n: leaf(t.double()) for n, t in inp.items()}
     names = list(inp)
-    extra = dict(cu_seqlens=cu_of(lens)) if varlen else {}
+    extra = dict(cu_seqlens=cu_seqlens(lens, dtype=torch.long)) if varlen else {}
 
     def f(*ts):
         o, ht = chunk_gated_delta_rule(**dict(zip(names, ts)), output_final_state=True, chunk_size=2, **flags, **extra)
@@ -310,7 +307,7 @@ def test_fused_recurrent_matches_reference():
     flags = FLAG_SETS["layer"]
     lens = [0, 1, 30, 9]
     inp = _inputs_for(flags, "layer", H=2, G=2, lens=lens)
-    cu = cu_of(lens)
+    cu = cu_seqlens(lens, dtype=torch.long)
     ours = outputs_and_grads(fused_recurrent_gated_delta_rule, inp, cu_seqlens=cu, **flags)
     ref = outputs_and_grads(naive_gated_delta_rule_ref, inp, cot=ours[3], cu_seqlens=cu, **flags)
     assert_close(ours, ref, what="fused_recurrent")
@@ -453,7 +450,7 @@ def _gpu_case(dtype, *, lens=None, G=2, T=256, flags=None, K=64, V=64):
     inp = _inputs_for(flags, "layer", B=2, T=T, H=2, G=G, K=K, V=V, lens=lens, dtype=dtype, device="cuda")
     extra = dict(flags)
     if lens is not None:
-        extra["cu_seqlens"] = cu_of(lens, "cuda")
+        extra["cu_seqlens"] = cu_seqlens(lens, "cuda", torch.long)
     return inp, extra
 
 

@@ -11,14 +11,11 @@ import torch.nn.functional as F
 from cudnn_train.fused import delta_rule_bwd as db
 from cudnn_train.fused.gated_delta_rule import _gdn_torch_math, l2norm
 from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
-from tests.utils import rel_l2
+from tests.utils import cu_seqlens, rel_l2
 
 C = 64
 LENS = [0, 1, 63, 64, 65, 130, 0, 7]
 
-
-def _cu(lens):
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("lens", [None, LENS, [0, 0]])
@@ -27,7 +24,7 @@ def test_chunk_layout_round_trip_and_zero_padding(lens):
     if lens is None:
         B, T, cu = 2, 130, None
     else:
-        B, T, cu = 1, sum(lens), _cu(lens)
+        B, T, cu = 1, sum(lens), cu_seqlens(lens)
     x = torch.randn(B, T, 3, 5, dtype=torch.float64)
     lay = db.ChunkLayout(B, T, C, cu)
     xc = lay.to_chunks(x)
@@ -37,7 +34,7 @@ def test_chunk_layout_round_trip_and_zero_padding(lens):
     assert torch.isclose(xc.abs().sum(), x.abs().sum())
     if lens is not None:
         assert xc.shape[2] == T // C + len(lens)
-        starts = _cu(lens)
+        starts = cu_seqlens(lens)
         c0 = 0
         for n, ln in enumerate(lens):  # chunk c0 + j of sequence n starts at token cu[n] + 64 j
             for j in range(-(-ln // C)):
@@ -104,7 +101,7 @@ def test_training_path_matches_autograd_of_the_torch_op(monkeypatch, name, varle
                     allow_neg_eigval=False, state_v_first=False), **FLAGS[name]}
     H, HV, K, V = 1, 2, 16, 8
     if varlen:
-        B, T, cu = 1, sum(LENS), _cu(LENS)
+        B, T, cu = 1, sum(LENS), cu_seqlens(LENS)
         N = len(LENS)
     else:
         B, T, cu, N = 2, 130, None, 2
@@ -309,7 +306,7 @@ def test_the_kernels_chunk_rows_agree_with_chunk_layout(lens):
     the chunk rows the same way."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    B, T, cu = (3, 130, None) if lens is None else (1, sum(LENS), _cu(LENS))
+    B, T, cu = (3, 130, None) if lens is None else (1, sum(LENS), cu_seqlens(LENS))
     _, cu_chunks, rows, NT = F90.chunk_map(cu, B, T, torch.device("cpu"))
     lay = db.ChunkLayout(B, T, C, cu)
     assert rows == B * lay.NC if lens is None else rows == lay.NC

@@ -13,7 +13,6 @@ from tests.fused.test_gated_delta_rule import (  # noqa: F401  (_single_thread: 
     T_LIST,
     _single_thread,
     assert_close,
-    cu_of,
     l2n64,
     leaf,
     make_inputs,
@@ -21,7 +20,7 @@ from tests.fused.test_gated_delta_rule import (  # noqa: F401  (_single_thread: 
     run_gpu_compat,
     split_varlen,
 )
-from tests.utils import rel_l2
+from tests.utils import cu_seqlens, rel_l2
 
 fla_naive = pytest.importorskip("fla.ops.kda.naive", reason="FLA 0.6 (the oracle) is not installed")
 
@@ -121,7 +120,7 @@ def test_varlen_matches_fla_naive(h0, name, chunk_size):
     flags = FLAG_SETS[name]
     lens = [0, 1, 63, 0, 65, 7]
     inp = kda_inputs(flags, name, H=2, G=2, K=32, lens=lens, h0=h0)
-    check_ref_fla_chunked(inp, chunk_size, what=f"varlen {name}", cu_seqlens=cu_of(lens), **flags)
+    check_ref_fla_chunked(inp, chunk_size, what=f"varlen {name}", cu_seqlens=cu_seqlens(lens, dtype=torch.long), **flags)
 
 
 @pytest.mark.parametrize("chunk_size", [64, 48, 7])
@@ -156,7 +155,7 @@ def test_gradcheck(lb):
     names = list(inp)
 
     def f(*ts):
-        return chunk_kda(**dict(zip(names, ts)), output_final_state=True, chunk_size=2, cu_seqlens=cu_of(lens), **flags)
+        return chunk_kda(**dict(zip(names, ts)), output_final_state=True, chunk_size=2, cu_seqlens=cu_seqlens(lens, dtype=torch.long), **flags)
 
     assert torch.autograd.gradcheck(f, tuple(inp[n] for n in names))
 
@@ -165,7 +164,7 @@ def test_fused_recurrent_matches_reference():
     flags = dict(FLAG_SETS["layer"], lower_bound=-5.0)
     lens = [0, 1, 30, 9]
     inp = kda_inputs(flags, "layer", H=2, G=2, K=32, lens=lens)
-    cu = cu_of(lens)
+    cu = cu_seqlens(lens, dtype=torch.long)
     ours = outputs_and_grads(fused_recurrent_kda, inp, cu_seqlens=cu, **flags)
     ref = outputs_and_grads(naive_kda_ref, inp, cot=ours[3], cu_seqlens=cu, **flags)
     assert_close(ours, ref, what="fused_recurrent")
@@ -231,7 +230,7 @@ def test_gpu_matches_reference_like_fla(dtype, shape):
                      dtype=dtype, device="cuda")
     extra = dict(flags)
     if lens is not None:
-        extra["cu_seqlens"] = cu_of(lens, "cuda")
+        extra["cu_seqlens"] = cu_seqlens(lens, "cuda", torch.long)
     run_gpu_compat(chunk_kda, naive_kda_ref, _fla_kda, inp, extra, slack=5.0, slack_grad=8.0)
 
 
@@ -240,7 +239,7 @@ def test_gpu_torch_backend_empty_and_short_sequences():
     flags = FLAG_SETS["layer"]
     lens = [0, 1, 2, 0, 100]
     inp = kda_inputs(flags, "layer", H=2, G=2, K=64, V=64, lens=lens, dtype=torch.bfloat16, device="cuda")
-    extra = dict(flags, cu_seqlens=cu_of(lens, "cuda"))
+    extra = dict(flags, cu_seqlens=cu_seqlens(lens, "cuda", torch.long))
     with cudnn_train.use_backend("torch"):
         ours = outputs_and_grads(chunk_kda, inp, **extra)
     ref = outputs_and_grads(naive_kda_ref, {n: leaf(t.float()) for n, t in inp.items()}, cot=ours[3], **extra)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import rel_l2
+from tests.utils import cu_seqlens, rel_l2
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -131,7 +131,7 @@ def _case(B, T, HV, K, V, dtype, lens=None, H=None, l2norm=False, with_vn=False)
     do = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
     beta = torch.rand(B, T, HV, device=dev)
-    cu = None if lens is None else torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
+    cu = None if lens is None else cu_seqlens(lens, dev)
     N = B if cu is None else len(lens)
     h0 = torch.randn(N, HV, K, V, device=dev) * 0.5
     dht = torch.randn(N, HV, K, V, device=dev)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import SEG_VARLEN, assert_env_override, gdn_seg_gates, rel_l2
+from tests.utils import SEG_VARLEN, assert_env_override, cu_seqlens, gdn_seg_gates, rel_l2
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -120,7 +120,7 @@ def test_reverse_sweep_segments(case, nseg, monkeypatch):
     v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
     g = gdn_seg_gates(B, T, dev)
-    cu = None if lens is None else torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
+    cu = None if lens is None else cu_seqlens(lens, dev)
     scale = K**-0.5
     _, _, (w, _, gc) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                                    return_intermediates=True).value
@@ -298,7 +298,7 @@ def _case(B, T, H, HV, K, V, dtype, l2norm, lens=None):
     v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
     beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
-    cu = None if lens is None else torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.int32)
+    cu = None if lens is None else cu_seqlens(lens, dev)
     scale = K**-0.5
     o, _, (w, u, gc) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu,
                                    return_intermediates=True).value

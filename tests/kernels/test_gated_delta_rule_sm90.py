@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import SEG_VARLEN, assert_env_override, fla_compat_ok, gdn_seg_gates, rel_l2
+from tests.utils import SEG_VARLEN, assert_env_override, cu_seqlens, fla_compat_ok, gdn_seg_gates, rel_l2
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -502,7 +502,7 @@ def _ws_inputs(case, K, V, dtype, **kw):
     """The specialized-warpgroup cases' inputs, ``(q, k, v, g, beta, h0, cu)``: ``varlen*`` nine sequences of
     VARLEN_LENGTHS (H2 HV4), ``dense`` B2 T333 H2 HV4, any other case B2 T333 H1 HV2 with ``kw`` for _inputs."""
     if case.startswith("varlen"):
-        cu = torch.tensor([0] + torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(VARLEN_LENGTHS, "cuda")
         return (*_inputs(1, sum(VARLEN_LENGTHS), 2, 4, K, V, dtype, nseq=len(VARLEN_LENGTHS)), cu)
     if case == "dense":
         return (*_inputs(2, 333, 2, 4, K, V, dtype), None)
@@ -569,7 +569,7 @@ def test_forward_gva(poisoned, ratio, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lengths", [[0, 1, 63, 130, 1, 257, 64, 0], [1000], [5, 0, 0, 77]])
 def test_forward_varlen(poisoned, dtype, lengths):
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    cu = cu_seqlens(lengths, "cuda")
     q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, dtype, nseq=len(lengths))
     _run_and_compare(q, k, v, g, beta, h0, cu)
 
@@ -670,7 +670,7 @@ def test_forward_varlen_is_graph_capturable(poisoned):
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     lengths = [3, 0, 200, 64, 1]
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    cu = cu_seqlens(lengths, "cuda")
     q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths))
     args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     F90.forward(q, k, v, g, beta, **args)  # compile and warm up outside the capture
@@ -702,7 +702,7 @@ def test_state_prefetch_matches_synchronous_loads_bitwise(case, monkeypatch, poi
         K, vk = 64, True
     if case in ("varlen", "store_states"):
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, torch.bfloat16, nseq=len(lengths),
                                        state_v_first=vk)
     else:
@@ -742,7 +742,7 @@ def test_split_state_pass_matches_oracle_and_fused_kernel(case, vb, monkeypatch,
         l2, dtype = False, torch.float16
     if case == "varlen":
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, dtype, nseq=len(lengths))
     else:
         q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, K, V, dtype, l2norm=l2, state_v_first=vk)
@@ -801,7 +801,7 @@ def _segment_inputs(varlen: bool):
     H, HV, K, V, dtype, cu = 2, 4, 128, 128, torch.bfloat16, None
     if varlen:
         lengths = SEG_VARLEN
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
     else:
         q, k, v, g, beta, h0 = _inputs(2, 2000, H, HV, K, V, dtype)
@@ -930,7 +930,7 @@ def _chain_case(case, vb, monkeypatch):
         K, vk, dtype = 64, True, torch.float16
     if case.startswith("varlen"):  # the last sequence (5 tokens) is one partial chunk
         lengths = VARLEN_LENGTHS
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         T = sum(lengths) + (37 if case == "varlen_tail" else 0)
         q, k, v, g, beta, h0 = _inputs(1, T, 2, 4, K, 128, dtype, nseq=len(lengths))
     else:
@@ -1004,7 +1004,7 @@ def _check_out_switch(case, monkeypatch, switch, label):
         K, H = 64, 1
     if case.startswith("varlen"):  # the last sequence (5 tokens) is one partial chunk
         lengths = VARLEN_LENGTHS
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         T = sum(lengths) + (37 if case == "varlen_tail" else 0)
         q, k, v, g, beta, h0 = _inputs(1, T, H, HV, K, V, dtype, nseq=len(lengths))
     else:
@@ -1046,7 +1046,7 @@ def test_specialized_warpgroups_match_oracle_and_fused_kernel(case, monkeypatch,
     monkeypatch.setattr(F90, "ONFLY", False)  # w, u from the wy kernel (the onfly test covers the other)
     if case == "varlen":
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, V, dtype, nseq=len(lengths))
     else:
         q, k, v, g, beta, h0 = _inputs(2, 333, H, HV, K, V, dtype, l2norm=l2, state_v_first=vk)
@@ -1076,7 +1076,7 @@ def test_specialized_warpgroups_training_forward(case, monkeypatch, poisoned):
     K, V, l2, dtype, cu = 128, 128, True, torch.bfloat16, None
     if case == "varlen":
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, K, V, dtype, nseq=len(lengths))
     else:
         K, V, l2, dtype = 64, 64, False, torch.float16
@@ -1209,7 +1209,7 @@ def test_specialized_warpgroups_ignore_rows_past_the_last_sequence(case, monkeyp
     monkeypatch.setattr(WS, "VB_MODE", "128" if case.endswith("vb128") else "64")
     lengths = [63, 130, 5]
     n = sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    cu = cu_seqlens(lengths, "cuda")
     q, k, v, g, beta, h0 = _inputs(1, n + 40, 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths))
     for x in (q, k, v, g, beta):
         x[:, n:] = float("nan")
@@ -1313,7 +1313,7 @@ def test_p_select_is_bitwise_the_branches(kernel, case, monkeypatch, poisoned):
     l2, dtype, cu = case != "fp16_no_l2norm", (torch.float16 if case == "fp16_no_l2norm" else torch.bfloat16), None
     if case == "varlen":
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, dtype, nseq=len(lengths))
     else:
         q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, 128, 128, dtype, l2norm=l2)
@@ -1343,7 +1343,7 @@ def test_two_warpgroup_state_kernel_matches_oracle_and_one_warpgroup(case, prefe
     l2, dtype, cu = case != "fp16_no_l2norm", (torch.float16 if case == "fp16_no_l2norm" else torch.bfloat16), None
     if case in ("varlen", "store_states"):
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, dtype, nseq=len(lengths))
     else:
         q, k, v, g, beta, h0 = _inputs(2, 333, 2, 4, 128, 128, dtype, l2norm=l2)
@@ -1379,7 +1379,7 @@ def test_store_states_fused_kernel_matches_the_split_chain(wgs, monkeypatch, poi
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    cu = cu_seqlens(lengths, "cuda")
     q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths))
     args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                 store_states=True)
@@ -1406,7 +1406,7 @@ def test_two_warpgroup_wy_kernel_matches_one_warpgroup(case, monkeypatch, poison
     cu, extra = None, {}
     if case == "varlen_gate_sigmoid":
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         # raw gate and beta logits: the kernel applies -exp(A_log) softplus(g + dt_bias) and the sigmoid
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths),
                                        raw_gate=True, beta_logits=True)
@@ -1438,7 +1438,7 @@ def _wy_case(case):
     sigmoid; otherwise K = V = 128, B 2, T 333, fp16 for ``*_fp16``, no l2norm for ``no_l2norm_*``."""
     if case == "varlen_gate_sigmoid_k64":
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         flags = dict(use_gate_in_kernel=True, A_log=torch.log(torch.empty(4, device="cuda").uniform_(1, 16)),
                      dt_bias=torch.randn(4, device="cuda"), use_beta_sigmoid_in_kernel=True)
         return (*_inputs(1, sum(lengths), 2, 4, 64, 64, torch.bfloat16, nseq=len(lengths), raw_gate=True,
@@ -1664,7 +1664,7 @@ def test_training_forward_keeps_the_chunk_inverses(case, poisoned):
     if case == "varlen_64_fp16":
         K, dtype = 64, torch.float16
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         q, k, v, g, beta, h0 = _inputs(1, sum(lengths), H, HV, K, K, dtype, nseq=len(lengths))
     else:
         if case == "no_l2norm_gva4":

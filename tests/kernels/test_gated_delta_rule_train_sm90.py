@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.kernels.test_gated_delta_rule_sm90 import _check, _inputs, oracle
+from tests.utils import cu_seqlens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -134,7 +135,7 @@ def test_train_stage3_reads_the_forwards_vn(case, monkeypatch):
         (kw.get("vn") is not None, kw.get("tm") is not None)) or orig(*a, **kw))
     if case == "varlen":
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         _compare(*_inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths)), cu)
     elif case == "gate_no_l2norm":
         q, k, v, g, beta, h0 = _inputs(2, 150, 2, 4, 128, 128, torch.bfloat16, raw_gate=True, beta_logits=True,
@@ -149,7 +150,7 @@ def test_train_stage3_reads_the_forwards_vn(case, monkeypatch):
 
 @pytest.mark.parametrize("lengths", [[0, 1, 63, 130, 1, 257, 64, 0], [5, 0, 0, 77]])
 def test_train_varlen(lengths):
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    cu = cu_seqlens(lengths, "cuda")
     _compare(*_inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths)), cu)
 
 
@@ -160,7 +161,7 @@ def test_train_head_dim_64(case):
         _compare(*_inputs(2, 200, 2, 4, 64, 64, torch.bfloat16))
     else:
         lengths = [0, 1, 63, 130, 1, 257, 64, 0]
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+        cu = cu_seqlens(lengths, "cuda")
         _compare(*_inputs(1, sum(lengths), 2, 4, 64, 64, torch.float16, nseq=len(lengths)), cu)
 
 
@@ -196,7 +197,7 @@ def test_train_varlen_forward_backward_replays_in_a_cuda_graph():
     from cudnn_train.fused.gated_delta_rule import chunk_gated_delta_rule
 
     lengths = [3, 0, 200, 64, 1]
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    cu = cu_seqlens(lengths, "cuda")
     q, k, v, g, beta, h0 = _inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths))
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
     do = torch.randn_like(v)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from cudnn_train.backend import use_backend
 from cudnn_train.layers.gated_deltanet import GatedDeltaNet, ShortConvolution
-from tests.utils import fla_compat_ok, rel_l2
+from tests.utils import cu_seqlens, fla_compat_ok, rel_l2
 
 fla_layers = pytest.importorskip("fla.layers", reason="flash-linear-attention (fla) is not installed")
 fla_naive = pytest.importorskip("fla.ops.gated_delta_rule.naive", reason="fla has no naive gated delta rule")
@@ -290,7 +290,7 @@ def check_packed_and_padded(fla_cls, cls, cfg):
     want_dx = torch.cat([s[1] for s in sep], dim=1)
     want_g = {n: sum(s[2][n] for s in sep) for n in sep[0][2]}
 
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_seqlens(lens)
     got = run(m, torch.cat(xs, 1), torch.cat(dys, 1), cu_seqlens=cu)
     assert_runs_close(got, (want_out, want_dx, want_g), 1e-5, "cu_seqlens")
 
@@ -439,7 +439,7 @@ def gpu_compare(fla_cls, our_cls, cfg, dtype, packing, slack_for):
     if packing == "cu_seqlens":
         lens = [1, 63, 64, 65, 7]  # lengths around FLA's chunk size
         x = torch.randn(1, sum(lens), D, device=dev)
-        kw = dict(cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev))
+        kw = dict(cu_seqlens=cu_seqlens(lens, dev, torch.long))
     elif packing == "mask":
         x = torch.randn(3, 100, D, device=dev)
         mask = torch.ones(3, 100, dtype=torch.long, device=dev)
