@@ -69,6 +69,7 @@
 #                                   # decay-truncated warm-up (prepared): their cases, then their timings
 #                                   # (ours alone: the 2-part bundle without --peers serves it, two calls fewer)
 #   bash tools/gpu_next.sh s40train # the training tier's kernel half with both recurrences in 4 segments
+#   bash tools/gpu_next.sh s41      # stage 3 with E in registers (prepared): its bitwise cases, timing
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
@@ -451,6 +452,11 @@ s40)
   if [ -n "$SWEEP_FIRST" ]; then timed sweep_seg ${TIME_S:-200} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} $only --seg; fi
   timed chain_seg ${TIME_S:-200} python3 tools/time_gdn_fwd.py --shapes ${SHAPES:-2} $only --chain-seg
   if [ -z "$SWEEP_FIRST" ]; then timed sweep_seg ${TIME_S:-200} python3 tools/time_gdn_sweep.py --shapes ${SHAPES:-2} $only --seg; fi ;;
+s41)
+  # the twenty-fifth session's prepared stage-3 variant with E in registers (CUDNN_TRAIN_GDN_DCHUNK_EREG): its bitwise
+  # cases, then its timing against the default (per tile and persistent, both shapes)
+  tier s41 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "ereg"
+  timed ereg ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes ${SHAPES:-2} --ereg ;;
 s40train)
   # then the training path through the op with both recurrences in 4 segments (forced: the tier's shapes are too short
   # for auto), kernel half (TRAIN_S limit)

@@ -4,7 +4,7 @@ two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs 
 the default call plus the training path's sum pass, on the same inputs.
 
     python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn] [--persist] [--k64]
-                                     [--tma] [--chains] [--relaxed]
+                                     [--tma] [--chains] [--relaxed] [--ereg]
 
 ``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
@@ -19,7 +19,8 @@ relative L2), then the two timings. ``--tma``: only the training path's call wit
 cp.async (``tma=``; per tile, persistent, on four warpgroups; outputs checked bitwise), then both loads'
 profiles. ``--relaxed``: only the training path's call (pair sum, vn and Tm read) with the
 relaxed first cluster arrive (``relaxed=True``) against the release form, bitwise, then both timed twice,
-alternating. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
+alternating. ``--ereg``: the same with E exponentiated once into registers (``ereg=True``) against the
+default, per tile and persistent. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
 a warpgroup for the q side and dk, one for the w side) and its variant with dv on the q side (``chains=2``):
 outputs compared (relative L2, since their row sums run in another order), the three timings, alternating, then
 both profiles (each side's phases).
@@ -79,6 +80,9 @@ def main():
     ap.add_argument("--relaxed", action="store_true",
                     help="only the training path's call with the relaxed first cluster arrive against the release "
                          "form: bitwise check, timed twice each, alternating")
+    ap.add_argument("--ereg", action="store_true",
+                    help="only the training path's call with E in registers against the default: bitwise check, "
+                         "timed twice each, alternating, per tile and persistent")
     args = ap.parse_args()
     for B, T, H, HV in SHAPES[: args.shapes]:
         if args.k64:
@@ -112,6 +116,13 @@ def main():
             kw = train_kw(x, H, HV, scale)
             rows = (("release arrive", False), ("relaxed arrive", True))
             compare_switch(x, kw, "relaxed", rows + rows, f"B{B} T{T} H{H} HV{HV}: relaxed arrive bitwise the release")
+            continue
+        if args.ereg:
+            for persist in (False, True):
+                kw = dict(train_kw(x, H, HV, scale), persist=persist)
+                rows = (("default", False), ("E in registers", True))
+                compare_switch(x, kw, "ereg", rows + rows,
+                               f"B{B} T{T} H{H} HV{HV}{' persistent' if persist else ''}: E in registers bitwise the default")
             continue
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))

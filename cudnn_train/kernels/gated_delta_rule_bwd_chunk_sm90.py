@@ -142,7 +142,7 @@ CHAIN_PHASES = ("loads q, k landed", "l2norm rows",
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
                   VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False, TMA: bool = False,
-                  CHAINS: int = 0, RELAXED: bool = False):
+                  CHAINS: int = 0, RELAXED: bool = False, EREG: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -199,6 +199,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         raise ValueError(f"CHAINS={CHAINS}: 0, 1 or 2")
     if RELAXED and not (PAIR and TMIN and not PERSIST and not CHAINS):
         raise ValueError("the relaxed first cluster arrive serves the pair sum per tile with Tm read")
+    if EREG and CHAINS:
+        raise ValueError("EREG (E in registers) serves the per-tile and persistent kernels, not the two-chain one")
     if CHAINS and not (TMA and not PERSIST and WGS == 2 and K == 128 and V == 128):
         raise ValueError("the two-chain stage 3 serves the training path's call per tile with the TMA loads, "
                          "two warpgroups, K = V = 128")
@@ -423,19 +425,26 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     # into a warpgroup's row of the sum buffers; by_row: one row_sums call a row, so that few temporaries are live)
     @cute.jit
     def dqk_tiles(accDP: cute.Tensor, accQK: cute.Tensor, cCC: cute.Tensor, sX1: cute.Tensor, sA: cute.Tensor,
-                  sGc: cute.Tensor, scale: Float32):
-        # dQK = scale dP E -> sX1 (input dtype) ; the pair terms dP * P -> sA (element pairs)
+                  sGc: cute.Tensor, scale: Float32, E: cute.Tensor, e_regs: cutlass.Constexpr):
+        # dQK = scale dP E -> sX1 (input dtype) ; the pair terms dP * P -> sA (element pairs); e_regs: E from the
+        # registers e_tile filled (the same values), else exponentiated here
         for e2 in cutlass.range_constexpr(cute.size(accDP) // 2):
             e = 2 * e2
             i, j = cCC[e]
-            gi_ = sGc[i]
-            gj0, gj1 = ld2v(sGc, j)
             dqk0 = Float32(0.0)
             dqk1 = Float32(0.0)
-            if j <= i:
-                dqk0 = scale * accDP[e] * cute.math.exp2((gi_ - gj0) * LOG2E, fastmath=True)
-            if j + 1 <= i:
-                dqk1 = scale * accDP[e + 1] * cute.math.exp2((gi_ - gj1) * LOG2E, fastmath=True)
+            if cutlass.const_expr(e_regs):
+                if j <= i:
+                    dqk0 = scale * accDP[e] * E[e]
+                if j + 1 <= i:
+                    dqk1 = scale * accDP[e + 1] * E[e + 1]
+            else:
+                gi_ = sGc[i]
+                gj0, gj1 = ld2v(sGc, j)
+                if j <= i:
+                    dqk0 = scale * accDP[e] * cute.math.exp2((gi_ - gj0) * LOG2E, fastmath=True)
+                if j + 1 <= i:
+                    dqk1 = scale * accDP[e + 1] * cute.math.exp2((gi_ - gj1) * LOG2E, fastmath=True)
             st2(sX1, i, j, dqk0, dqk1)
             st2(sA, i, j, dqk0 * accQK[e], dqk1 * accQK[e + 1])  # dP * P
 
@@ -519,16 +528,21 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     @cute.jit
     def da_terms(accDA: cute.Tensor, accKK: cute.Tensor, tdb: cute.Tensor, cCC: cute.Tensor, groups: cutlass.Constexpr,
                  sM: cute.Tensor, sA: cute.Tensor, sT: cute.Tensor, sGc: cute.Tensor, sB: cute.Tensor, sDb: cute.Tensor,
-                 tidx: Int32, kk_regs: cutlass.Constexpr):
+                 tidx: Int32, kk_regs: cutlass.Constexpr, E: cute.Tensor, e_regs: cutlass.Constexpr):
         # accDA = M1 Tm^T -> dA = -strictly_lower(.) ; Ae = KK * Es from sM (kk_regs: from k k^T's accumulator accKK,
-        # whose rows then go a row at a time) ; dbeta += rowsum(dA * Ae), sA += dA * A, dKK = beta dA * Es -> sT
+        # whose rows then go a row at a time) ; dbeta += rowsum(dA * Ae), sA += dA * A, dKK = beta dA * Es -> sT;
+        # e_regs: Es from the registers e_tile filled (the same values), else exponentiated here
         for gi in cutlass.range_constexpr(len(groups)):
             i, _ = cCC[groups[gi][0]]
-            gi_ = sGc[i]
+            gi_ = Float32(0.0)
+            if cutlass.const_expr(not e_regs):
+                gi_ = sGc[i]
             bi = sB[i]
             for e0 in pairs_of(groups[gi]):
                 _, j0 = cCC[e0]
-                gjs = ld2v(sGc, j0)
+                gjs = (gi_, gi_)
+                if cutlass.const_expr(not e_regs):
+                    gjs = ld2v(sGc, j0)
                 olds = ld2(sA, i, j0)
                 newA = [None, None]
                 newT = [None, None]
@@ -539,7 +553,10 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     es = Float32(0.0)
                     if i > j0 + u:
                         da = -accDA[e]
-                        es = cute.math.exp2((gi_ - gjs[u]) * LOG2E, fastmath=True)
+                        if cutlass.const_expr(e_regs):
+                            es = E[e]
+                        else:
+                            es = cute.math.exp2((gi_ - gjs[u]) * LOG2E, fastmath=True)
                         if cutlass.const_expr(kk_regs):
                             ae = accKK[e] * es
                         else:
@@ -549,9 +566,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     newT[u] = bi * da * es  # dKK
                 st2(sA, i, j0, newA[0], newA[1])
                 st2(sT, i, j0, newT[0], newT[1])
-            if cutlass.const_expr(kk_regs):
+            if cutlass.const_expr(kk_regs and not e_regs):
                 row_sums(tdb, cCC, sDb, (groups[gi],), tidx, True)
-        if cutlass.const_expr(not kk_regs):
+        if cutlass.const_expr(not kk_regs or e_regs):  # (e_regs: the default's sums, whose contractions it keeps)
             row_sums(tdb, cCC, sDb, groups, tidx, True)
 
     @cute.jit
@@ -863,9 +880,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc (not with VNIN: vn is given)
             accKK = acc_of(mma_cc, C, tidx)
             accY = acc_of(mma_cv, V, tidx)
-            mm1(accKK, C, sK, False, sK, False, True, tidx, WGS)
+            if cutlass.const_expr(not (EREG and TMIN)):  # (EREG with Tm read: k k^T only where dA needs it)
+                mm1(accKK, C, sK, False, sK, False, True, tidx, WGS)
             if cutlass.const_expr(VNIN):
-                mma_done()
+                if cutlass.const_expr(not (EREG and TMIN)):
+                    mma_done()
             else:
                 if cutlass.const_expr(OVERLAP):
                     commit()
@@ -922,6 +941,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     sTm[tidx, tidx] = Float32(1.0).to(dtype)
             else:
                 solve(sA, sT, sM, tidx)
+            E = acc_of(mma_cc, C, tidx)  # EREG: E = exp(gc_i - gc_j) on and below the diagonal, else 0
             for gi in cutlass.range_constexpr(len(grp_cc)):
                 i, _ = cCC[grp_cc[gi][0]]
                 gi_ = sGc[i]
@@ -930,11 +950,19 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     gj0, gj1 = ld2v(sGc, j)
                     a0 = Float32(0.0)
                     a1 = Float32(0.0)
-                    if i > j:
-                        a0 = accKK[e] * cute.math.exp2((gi_ - gj0) * LOG2E, fastmath=True)
-                    if i > j + 1:
-                        a1 = accKK[e + 1] * cute.math.exp2((gi_ - gj1) * LOG2E, fastmath=True)
-                    st2(sM, i, j, a0, a1)
+                    if cutlass.const_expr(EREG):  # once for dQK (here on the diagonal too) and dA's Ae and dKK
+                        if j <= i:
+                            a0 = cute.math.exp2((gi_ - gj0) * LOG2E, fastmath=True)
+                        if j + 1 <= i:
+                            a1 = cute.math.exp2((gi_ - gj1) * LOG2E, fastmath=True)
+                        E[e] = a0
+                        E[e + 1] = a1
+                    else:  # Ae -> sM
+                        if i > j:
+                            a0 = accKK[e] * cute.math.exp2((gi_ - gj0) * LOG2E, fastmath=True)
+                        if i > j + 1:
+                            a1 = accKK[e + 1] * cute.math.exp2((gi_ - gj1) * LOG2E, fastmath=True)
+                        st2(sM, i, j, a0, a1)
             if cutlass.const_expr(not TMIN):
                 for q in cutlass.range_constexpr(C * C // THREADS):
                     idx = q * THREADS + tidx
@@ -975,7 +1003,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             if cutlass.const_expr(not OVERLAP):
                 mm1(accDq, K, sDo, False, sS, False, True, tidx, WGS)  # B [N = d, K = v]: Sc [d, v] K-major
             mma_done()
-            dqk_tiles(accDP, accQK, cCC, sX1, sA, sGc, scale)
+            dqk_tiles(accDP, accQK, cCC, sX1, sA, sGc, scale, E, EREG)
             # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
             tmp = acc_of(mma_ck, K, tidx)  # one scratch array for every row-sum operand below
             scale_rows(accDq, tmp, cCK, grp_ck, sQ, sGc, scale, False, sDgc, tidx, False, True)
@@ -1049,6 +1077,10 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             accX2 = acc_of(mma_cc, C, tidx)
             mm1(accX1, C, sDw, False, sK, False, True, tidx, WGS)
             mm1(accX2, C, sDvn, False, sV, False, True, tidx, WGS)
+            accKK8 = accX1  # (unread without EREG)
+            if cutlass.const_expr(EREG):  # k k^T again (sK unchanged since the top), in flight with dTm's products
+                accKK8 = acc_of(mma_cc, C, tidx)
+                mm1(accKK8, C, sK, False, sK, False, True, tidx, WGS)
             mma_done()
             dtm_tile(accX1, accX2, cCC, sX2, sB, sGc)
             cute.arch.fence_view_async_shared()
@@ -1065,7 +1097,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             mm1(accDA, C, sX2, False, sTm, False, True, tidx, WGS)  # B [N = n, K = c]: Tm [n, c] K-major
             mma_done()
             tdb = acc_of(mma_cc, C, tidx)
-            da_terms(accDA, accDA, tdb, cCC, grp_cc, sM, sA, sT, sGc, sB, sDb, tidx, False)  # (accKK unread)
+            # (without EREG accKK8 and E unread: Ae from sM)
+            da_terms(accDA, accKK8, tdb, cCC, grp_cc, sM, sA, sT, sGc, sB, sDb, tidx, EREG, E, EREG)
             cute.arch.sync_threads()
             # dKK + dKK^T -> sX1 (dQK is no longer read)
             for q in cutlass.range_constexpr(C * C // THREADS):
@@ -1289,7 +1322,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             bar_arrive(BAR_DOSC)  # do and Sc read: the w side may write dw over do, dKK over Sc
             pmark(prof, 2)
             # dQK = scale dP E -> sX1 ; the pair terms dP * P -> sA
-            dqk_tiles(accDP, accQK, cCC, sX1, sA, sGc, scale)
+            dqk_tiles(accDP, accQK, cCC, sX1, sA, sGc, scale, accQK, False)  # (E unread)
             bar_arrive(BAR_PP)  # dP * P in sA: the w side adds dA * A
             # dgc += rowsum(scale eg q * dqg); then dq = scale eg dqg + dQK k
             tmp = acc_of(mma_ck, K, lt)
@@ -1415,7 +1448,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             bar_sync(BAR_PP)  # dP * P in sA
             pmark(prof, 16)
             tdb = acc_of(mma_cc, C, lt)
-            da_terms(accDA, accKK, tdb, cCC, grp_cc, sA, sA, sT, sGc, sB, sDb, tidx, True)  # (sM unread)
+            da_terms(accDA, accKK, tdb, cCC, grp_cc, sA, sA, sT, sGc, sB, sDb, tidx, True, accKK, False)  # (sM, E unread)
             bar_sync(BAR_W, 128)  # dKK whole in sT
             pmark(prof, 17)
             bar_sync(BAR_DQK)  # the q side is done with dQK
@@ -1590,9 +1623,25 @@ def relaxed_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_RELAXED", False)
 
 
+def ereg_default() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_EREG=1`` (off: GPU-run in the twenty-fifth session, not faster per tile): the per-tile
+    and persistent kernels compute ``E = exp(gc_i - gc_j)`` once, into 16 float32 registers a thread, in the window
+    where q k^T, do Sc^T and do vn^T are in flight, and both later users read it: dQK's tile (``dqk_tiles``) and dA's
+    terms (``da_terms``: Ae = KK E, dKK = beta dA E), which each exponentiated it again (71 ``ex2`` a thread in the
+    PTX, 39 with it; 38 shared loads and 8 stores fewer). Ae no longer goes through the float32 tile sM: ``da_terms``
+    forms it from k k^T's accumulator, and with the forward's Tm read that product moves from the top of the chunk
+    (issued and waited alone) to the dTm products' group, in flight with them. dq, dk, dv and dg are bitwise the
+    default's; dbeta differs in the last bits (rel L2 4.7e-10: its row sums of dA * Ae contract into FMAs, since
+    the branch holding Ae no longer loads or exponentiates and LLVM if-converts it). ptxas: 246 registers a thread
+    per tile against 145 (no spill; one CTA an SM either way), 255 and 44 bytes spilled persistent. H100, B4 T4096
+    H16 HV32, the training path's call (``tools/time_gdn_dchunk.py --ereg``, two alternating rounds): per tile
+    1.217 / 1.201 ms against 1.202 / 1.191; persistent 1.150 / 1.140 against 1.223 / 1.212."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_EREG", False)
+
+
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
                       profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False, tma=False,
-                      chains=0, relaxed=False):
+                      chains=0, relaxed=False, ereg=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     overlap = overlap and not chains  # (the two-chain kernel has no such variant: one cache entry)
@@ -1603,13 +1652,14 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
         () if dqk_dtype == torch.float32 else (("dqk", str(dqk_dtype)),)) + (("pair",) if pair else ()) + (
         ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ()) + (
         ("tm_in",) if tm_in else ()) + (("persist",) if persist else ()) + (("tma",) if tma else ()) + (
-        ("chains",) if chains else ()) + (("dvq",) if chains == 2 else ()) + (("relaxed",) if relaxed else ())
+        ("chains",) if chains else ()) + (("dvq",) if chains == 2 else ()) + (("relaxed",) if relaxed else ()) + (
+        ("ereg",) if ereg else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
                              async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma), int(chains),
-                             bool(relaxed))
+                             bool(relaxed), bool(ereg))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
@@ -1618,7 +1668,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
                 sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
                 tm=None, persist: bool | None = None, persist_ctas: int | None = None, tma: bool | None = None,
-                chains: bool | int | None = None, relaxed: bool | None = None):
+                chains: bool | int | None = None, relaxed: bool | None = None, ereg: bool | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -1649,7 +1699,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     same bits. ``chains``: the two-chain kernel (True or 1; 2: with dv on the q side; default :func:`chains_default`
     where it can serve: the TMA loads per tile on two warpgroups at K = V = 128); asked for where it cannot, a
     ValueError; its profile variant writes
-    ``len(CHAIN_PHASES) + 1`` elements a CTA (thread 0's phases and total, thread 128's "w:" phases)."""
+    ``len(CHAIN_PHASES) + 1`` elements a CTA (thread 0's phases and total, thread 128's "w:" phases). ``relaxed``:
+    the relaxed first cluster arrive (default :func:`relaxed_default`). ``ereg``: E exponentiated once into registers
+    (default :func:`ereg_default`; not the two-chain kernel, which ignores it); the same bits either way."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -1736,8 +1788,11 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     if relaxed is None:
         relaxed = relaxed_default()
     relaxed = bool(relaxed) and pair and tm is not None and not persist and not chains  # (elsewhere: nothing to relax)
+    if ereg is None:
+        ereg = ereg_default()
+    ereg = bool(ereg) and not chains  # (the two-chain kernel keeps k k^T in registers already)
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
-                           vn is not None, tm is not None, persist, bool(tma), int(chains), relaxed)
+                           vn is not None, tm is not None, persist, bool(tma), int(chains), relaxed, ereg)
     prof = fwd._dummies(dev)[2] if profile is None else profile
     pw = 2 if pair else 1
     if persist_ctas is not None and (not persist or persist_ctas < 1):

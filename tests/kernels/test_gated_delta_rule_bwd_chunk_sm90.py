@@ -72,7 +72,14 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(kernel_cache):
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, relaxed=True))
     with pytest.raises(ValueError, match="relaxed"):
         B3.get_dchunk_kernel(*VARIANTS[0], **train, persist=True, relaxed=True)
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 26
+    # E exponentiated once into registers (CUDNN_TRAIN_GDN_DCHUNK_EREG): the training path's call per tile and
+    # persistent, and with the chunk inverses solved (k k^T then computed at the top and again for dA)
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, ereg=True))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, persist=True, ereg=True))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[1], ereg=True))
+    with pytest.raises(ValueError, match="EREG"):
+        B3.get_dchunk_kernel(*VARIANTS[0], **train, chains=True, ereg=True)
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 29
 
 
 def test_two_chain_switch_is_off_by_default_and_parses(monkeypatch):
@@ -96,6 +103,17 @@ def test_relaxed_arrive_switch_is_off_by_default_and_parses(monkeypatch):
     monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_RELAXED", raising=False)
     assert B3.relaxed_default() is False
     assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_RELAXED", B3.relaxed_default, "1", True, ("2", "on"))
+
+
+def test_ereg_switch_is_off_by_default_and_parses(monkeypatch):
+    """CUDNN_TRAIN_GDN_DCHUNK_EREG is off by default (GPU-run: not faster per tile), 1 turns it on, a typo is a
+    ValueError naming it."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+    from tests.utils import assert_env_override
+
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_EREG", raising=False)
+    assert B3.ereg_default() is False
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_EREG", B3.ereg_default, "1", True, ("2", "on"))
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -380,6 +398,49 @@ def test_relaxed_first_arrive_is_bitwise_the_release_form(case):
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert torch.isfinite(a).all(), f"{case}: {name} has unwritten elements"
         assert torch.equal(a, b), f"{case}: {name} differs with the relaxed arrive"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["pair", "pair_T65_fp16", "pair_persistent", "varlen_64", "solve", "wgs4_vn",
+                                  "wgs1_T65"])
+def test_ereg_chunk_gradients_are_bitwise_the_default(case):
+    """E = exp(gc_i - gc_j) exponentiated once into registers (CUDNN_TRAIN_GDN_DCHUNK_EREG; dQK's tile and dA's
+    terms read it, Ae formed from k k^T's accumulator instead of the sM tile) gives dq, dk, dv and dg bit for bit as
+    the default and dbeta within float32 rounding (its row sums of dA * Ae contract into FMAs where the default's do
+    not: with no load or exp2 left in the branch LLVM if-converts it; measured rel L2 4.7e-10, max 1.5e-8 of 18 on
+    the first GPU run; a wrong E or Ae would be O(1)), over memory poisoned with NaN: the training path's call (pair sum, vn and Tm read, TMA loads) in bf16
+    at T 300, fp16 at T 65, persistent with several tiles a CTA; K = 64 varlen with empty and one-token sequences
+    (vn and Tm read); Tm solved in the kernel (k k^T then both at the top and for dA); four warpgroups with vn
+    read; one warpgroup at T 65."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
+    pair = case.startswith("pair")
+    K = 64 if lens else 128
+    dt = torch.float16 if lens or case.endswith("fp16") else torch.bfloat16
+    T = sum(lens) if lens else (65 if "T65" in case else 300)
+    args, _, vn, tm = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2 if pair or lens else None,
+                            l2norm=lens is None, with_vn=True)
+    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs4_vn": 4, "wgs1_T65": 1}.get(case),
+              vn=None if case in ("solve", "wgs1_T65") else vn, tm=None if case in ("solve", "wgs4_vn", "wgs1_T65") else tm,
+              persist=case.endswith("persistent"))
+    if pair:
+        kw.update(dqk_dtype=dt, sum_groups=True)
+    if case.endswith("persistent"):
+        kw.update(persist_ctas=3)
+    want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, ereg=False, **kw)
+    poison = torch.full((8 * v.numel(),), float("nan"), device=v.device)  # the caching allocator reuses it
+    del poison
+    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, ereg=True, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert torch.isfinite(a).all(), f"{case}: {name} has unwritten elements"
+        what = (f"{case}: {name} differs with E in registers: rel L2 {rel_l2(a, b):.1e}, "
+                f"max abs {(a.float() - b.float()).abs().max().item():.1e} of {b.abs().max().item():.1e}")
+        if name == "dbeta":
+            assert rel_l2(a, b) <= 1e-6, what
+        else:
+            assert torch.equal(a, b), what
 
 
 @pytest.mark.gpu
