@@ -376,25 +376,32 @@ def test_tma_chunk_gradients_are_bitwise_the_cp_async_loads(case):
         assert torch.equal(a, b), f"{case}: {name} differs with the TMA loads"
 
 
+def _off_then_on(args, kw, switch):
+    """``chunk_grads`` on a case's ``args`` (:func:`_case`) with the keyword ``switch`` False, then True over memory
+    poisoned with NaN (the caching allocator hands the freed block to the second call's outputs)."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    qn, kn, v, gc, beta, do, dvn, hs, dH = args[:9]
+    want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw, **{switch: False})
+    poison = torch.full((8 * v.numel(),), float("nan"), device=v.device)
+    del poison
+    return want, B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw, **{switch: True})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["pair", "pair_T65_fp16", "pair_varlen"])
 def test_relaxed_first_arrive_is_bitwise_the_release_form(case):
     """The relaxed first cluster arrive (CUDNN_TRAIN_GDN_DCHUNK_RELAXED) on the training path's call with the pair sum
     (vn and Tm read, TMA loads) gives every output bit for bit as the release form, over memory poisoned with NaN:
     bf16 at T 300, fp16 at T 65 (a partial last chunk), varlen with empty and one-token sequences at K = 64."""
-    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
-
     lens = [1, 63, 130, 64, 0, 7] if case.endswith("varlen") else None
     K = 64 if lens else 128
     dt = torch.float16 if lens or case.endswith("fp16") else torch.bfloat16
     T = sum(lens) if lens else (65 if "T65" in case else 300)
     args, _, vn, tm = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2, l2norm=lens is None, with_vn=True)
-    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    scale, cu, l2 = args[9:]
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, vn=vn, tm=tm, dqk_dtype=dt, sum_groups=True, persist=False)
-    want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, relaxed=False, **kw)
-    poison = torch.full((8 * v.numel(),), float("nan"), device=v.device)  # the caching allocator reuses it
-    del poison
-    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, relaxed=True, **kw)
+    want, got = _off_then_on(args, kw, "relaxed")
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert torch.isfinite(a).all(), f"{case}: {name} has unwritten elements"
         assert torch.equal(a, b), f"{case}: {name} differs with the relaxed arrive"
@@ -412,8 +419,6 @@ def test_ereg_chunk_gradients_are_bitwise_the_default(case):
     at T 300, fp16 at T 65, persistent with several tiles a CTA; K = 64 varlen with empty and one-token sequences
     (vn and Tm read); Tm solved in the kernel (k k^T then both at the top and for dA); four warpgroups with vn
     read; one warpgroup at T 65."""
-    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
-
     lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
     pair = case.startswith("pair")
     K = 64 if lens else 128
@@ -421,7 +426,7 @@ def test_ereg_chunk_gradients_are_bitwise_the_default(case):
     T = sum(lens) if lens else (65 if "T65" in case else 300)
     args, _, vn, tm = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2 if pair or lens else None,
                             l2norm=lens is None, with_vn=True)
-    qn, kn, v, gc, beta, do, dvn, hs, dH, scale, cu, l2 = args
+    scale, cu, l2 = args[9:]
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs4_vn": 4, "wgs1_T65": 1}.get(case),
               vn=None if case in ("solve", "wgs1_T65") else vn, tm=None if case in ("solve", "wgs4_vn", "wgs1_T65") else tm,
               persist=case.endswith("persistent"))
@@ -429,10 +434,7 @@ def test_ereg_chunk_gradients_are_bitwise_the_default(case):
         kw.update(dqk_dtype=dt, sum_groups=True)
     if case.endswith("persistent"):
         kw.update(persist_ctas=3)
-    want = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, ereg=False, **kw)
-    poison = torch.full((8 * v.numel(),), float("nan"), device=v.device)  # the caching allocator reuses it
-    del poison
-    got = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, ereg=True, **kw)
+    want, got = _off_then_on(args, kw, "ereg")
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert torch.isfinite(a).all(), f"{case}: {name} has unwritten elements"
         what = (f"{case}: {name} differs with E in registers: rel L2 {rel_l2(a, b):.1e}, "
