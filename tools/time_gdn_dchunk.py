@@ -121,8 +121,8 @@ def main():
             for persist in (False, True):
                 kw = dict(train_kw(x, H, HV, scale), persist=persist)
                 rows = (("default", False), ("E in registers", True))
-                compare_switch(x, kw, "ereg", rows + rows,
-                               f"B{B} T{T} H{H} HV{HV}{' persistent' if persist else ''}: E in registers bitwise the default")
+                what = f"B{B} T{T} H{H} HV{HV}{' persistent' if persist else ''}: E in registers bitwise the default"
+                compare_switch(x, kw, "ereg", rows + rows, what)
             continue
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))

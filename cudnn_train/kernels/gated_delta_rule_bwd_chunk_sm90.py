@@ -427,7 +427,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     def dqk_tiles(accDP: cute.Tensor, accQK: cute.Tensor, cCC: cute.Tensor, sX1: cute.Tensor, sA: cute.Tensor,
                   sGc: cute.Tensor, scale: Float32, E: cute.Tensor, e_regs: cutlass.Constexpr):
         # dQK = scale dP E -> sX1 (input dtype) ; the pair terms dP * P -> sA (element pairs); e_regs: E from the
-        # registers e_tile filled (the same values), else exponentiated here
+        # registers the EREG loop of the solve phase filled (the same values), else exponentiated here
         for e2 in cutlass.range_constexpr(cute.size(accDP) // 2):
             e = 2 * e2
             i, j = cCC[e]
@@ -531,18 +531,15 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                  tidx: Int32, kk_regs: cutlass.Constexpr, E: cute.Tensor, e_regs: cutlass.Constexpr):
         # accDA = M1 Tm^T -> dA = -strictly_lower(.) ; Ae = KK * Es from sM (kk_regs: from k k^T's accumulator accKK,
         # whose rows then go a row at a time) ; dbeta += rowsum(dA * Ae), sA += dA * A, dKK = beta dA * Es -> sT;
-        # e_regs: Es from the registers e_tile filled (the same values), else exponentiated here
+        # e_regs: Es from the registers the EREG loop of the solve phase filled (the same values), else exponentiated
+        # here (gc then read: gi_, gjs; None with e_regs, never traced)
         for gi in cutlass.range_constexpr(len(groups)):
             i, _ = cCC[groups[gi][0]]
-            gi_ = Float32(0.0)
-            if cutlass.const_expr(not e_regs):
-                gi_ = sGc[i]
+            gi_ = None if e_regs else sGc[i]
             bi = sB[i]
             for e0 in pairs_of(groups[gi]):
                 _, j0 = cCC[e0]
-                gjs = (gi_, gi_)
-                if cutlass.const_expr(not e_regs):
-                    gjs = ld2v(sGc, j0)
+                gjs = None if e_regs else ld2v(sGc, j0)
                 olds = ld2(sA, i, j0)
                 newA = [None, None]
                 newT = [None, None]
@@ -568,7 +565,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 st2(sT, i, j0, newT[0], newT[1])
             if cutlass.const_expr(kk_regs and not e_regs):
                 row_sums(tdb, cCC, sDb, (groups[gi],), tidx, True)
-        if cutlass.const_expr(not kk_regs or e_regs):  # (e_regs: the default's sums, whose contractions it keeps)
+        # (e_regs: grouped as the default's; a row at a time measured 1.161-1.172 ms persistent against 1.140-1.150,
+        # H100 B4, twenty-fifth session; dbeta's bits differ either way)
+        if cutlass.const_expr(not kk_regs or e_regs):
             row_sums(tdb, cCC, sDb, groups, tidx, True)
 
     @cute.jit
@@ -880,10 +879,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             # ---- KK = k k^T -> A = beta_i KK_ij Es_ij (float32) ; Y = k Sc (not with VNIN: vn is given)
             accKK = acc_of(mma_cc, C, tidx)
             accY = acc_of(mma_cv, V, tidx)
-            if cutlass.const_expr(not (EREG and TMIN)):  # (EREG with Tm read: k k^T only where dA needs it)
+            kk_top = not (EREG and TMIN)  # (EREG with Tm read: k k^T only where dA needs it, in the dTm group)
+            if cutlass.const_expr(kk_top):
                 mm1(accKK, C, sK, False, sK, False, True, tidx, WGS)
             if cutlass.const_expr(VNIN):
-                if cutlass.const_expr(not (EREG and TMIN)):
+                if cutlass.const_expr(kk_top):
                     mma_done()
             else:
                 if cutlass.const_expr(OVERLAP):
@@ -1448,7 +1448,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             bar_sync(BAR_PP)  # dP * P in sA
             pmark(prof, 16)
             tdb = acc_of(mma_cc, C, lt)
-            da_terms(accDA, accKK, tdb, cCC, grp_cc, sA, sA, sT, sGc, sB, sDb, tidx, True, accKK, False)  # (sM, E unread)
+            # (sM and E unread)
+            da_terms(accDA, accKK, tdb, cCC, grp_cc, sA, sA, sT, sGc, sB, sDb, tidx, True, accKK, False)
             bar_sync(BAR_W, 128)  # dKK whole in sT
             pmark(prof, 17)
             bar_sync(BAR_DQK)  # the q side is done with dQK
@@ -1701,7 +1702,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     ValueError; its profile variant writes
     ``len(CHAIN_PHASES) + 1`` elements a CTA (thread 0's phases and total, thread 128's "w:" phases). ``relaxed``:
     the relaxed first cluster arrive (default :func:`relaxed_default`). ``ereg``: E exponentiated once into registers
-    (default :func:`ereg_default`; not the two-chain kernel, which ignores it); the same bits either way."""
+    (default :func:`ereg_default`; not the two-chain kernel, which ignores it): dq, dk, dv, dg the same bits, dbeta's
+    last bits differ."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):

@@ -155,7 +155,8 @@ def test_gradcheck(lb):
     names = list(inp)
 
     def f(*ts):
-        return chunk_kda(**dict(zip(names, ts)), output_final_state=True, chunk_size=2, cu_seqlens=cu_seqlens(lens, dtype=torch.long), **flags)
+        return chunk_kda(**dict(zip(names, ts)), output_final_state=True, chunk_size=2,
+                         cu_seqlens=cu_seqlens(lens, dtype=torch.long), **flags)
 
     assert torch.autograd.gradcheck(f, tuple(inp[n] for n in names))
 

@@ -410,15 +410,15 @@ def test_relaxed_first_arrive_is_bitwise_the_release_form(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["pair", "pair_T65_fp16", "pair_persistent", "varlen_64", "solve", "wgs4_vn",
                                   "wgs1_T65"])
-def test_ereg_chunk_gradients_are_bitwise_the_default(case):
-    """E = exp(gc_i - gc_j) exponentiated once into registers (CUDNN_TRAIN_GDN_DCHUNK_EREG; dQK's tile and dA's
-    terms read it, Ae formed from k k^T's accumulator instead of the sM tile) gives dq, dk, dv and dg bit for bit as
-    the default and dbeta within float32 rounding (its row sums of dA * Ae contract into FMAs where the default's do
-    not: with no load or exp2 left in the branch LLVM if-converts it; measured rel L2 4.7e-10, max 1.5e-8 of 18 on
-    the first GPU run; a wrong E or Ae would be O(1)), over memory poisoned with NaN: the training path's call (pair sum, vn and Tm read, TMA loads) in bf16
-    at T 300, fp16 at T 65, persistent with several tiles a CTA; K = 64 varlen with empty and one-token sequences
-    (vn and Tm read); Tm solved in the kernel (k k^T then both at the top and for dA); four warpgroups with vn
-    read; one warpgroup at T 65."""
+def test_ereg_chunk_gradients_match_the_default(case):
+    """E = exp(gc_i - gc_j) exponentiated once into registers (CUDNN_TRAIN_GDN_DCHUNK_EREG; dQK's tile and dA's terms
+    read it, Ae formed from k k^T's accumulator instead of the sM tile) gives dq, dk, dv and dg bit for bit as the
+    default and dbeta within float32 rounding (its row sums of dA * Ae contract into FMAs where the default's do not:
+    with no load or exp2 left in the branch LLVM if-converts it; measured rel L2 4.7e-10, max 1.5e-8 of 18 on the
+    first GPU run; a wrong E or Ae would be O(1)), over memory poisoned with NaN: the training path's call (pair sum,
+    vn and Tm read, TMA loads) in bf16 at T 300, fp16 at T 65, persistent with several tiles a CTA; K = 64 varlen
+    with empty and one-token sequences (vn and Tm read); Tm solved in the kernel (k k^T then both at the top and for
+    dA); four warpgroups with vn read; one warpgroup at T 65."""
     lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
     pair = case.startswith("pair")
     K = 64 if lens else 128
@@ -428,8 +428,8 @@ def test_ereg_chunk_gradients_are_bitwise_the_default(case):
                             l2norm=lens is None, with_vn=True)
     scale, cu, l2 = args[9:]
     kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs4_vn": 4, "wgs1_T65": 1}.get(case),
-              vn=None if case in ("solve", "wgs1_T65") else vn, tm=None if case in ("solve", "wgs4_vn", "wgs1_T65") else tm,
-              persist=case.endswith("persistent"))
+              vn=None if case in ("solve", "wgs1_T65") else vn,
+              tm=None if case in ("solve", "wgs4_vn", "wgs1_T65") else tm, persist=case.endswith("persistent"))
     if pair:
         kw.update(dqk_dtype=dt, sum_groups=True)
     if case.endswith("persistent"):

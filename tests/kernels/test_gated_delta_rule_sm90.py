@@ -914,11 +914,12 @@ def _check_segments(case, switch, nseg, monkeypatch, training):
             f"{case}: {name} of the slow head differs"
         tol = 1e-5 if name == "final_state" else 1e-4
         err = rel_l2(a.float(), base[name].float())
-        if err > tol:  # what the next run needs to tell rounding from a wrong warm-up: each head's part, and the oracle's
+        if err > tol:  # to tell rounding from a wrong warm-up: each head's part, and both kernels' against the oracle
             heads = [rel_l2(a.select(hdim[name], i).float(), base[name].select(hdim[name], i).float())
                      for i in range(a.shape[hdim[name]])]
-            vs_ref = "" if name not in ref else (f"; against the float32 oracle: split {rel_l2(a.float(), ref[name]):.2e}, "
-                                                 f"unsplit {rel_l2(base[name].float(), ref[name]):.2e}")
+            vs_ref = "" if name not in ref else (
+                f"; against the float32 oracle: split {rel_l2(a.float(), ref[name]):.2e}, "
+                f"unsplit {rel_l2(base[name].float(), ref[name]):.2e}")
             raise AssertionError(f"{case}: {name} {err:.2e} from the unsplit kernel's (tolerance {tol:.0e}); by head "
                                  + ", ".join(f"{e:.1e}" for e in heads) + vs_ref)
     _check("o", split["o"].float(), ref_o, None)
