@@ -6,8 +6,9 @@ l2norm in kernel, no final-state gradient).
     python3 tools/time_gdn_sweep.py [--shapes N] [--split-only | --profile | --early-qk | --p2 | --ws | --tma |
                                      --dchain-tma | --dchain-stores | --vh2 | --dh-tma | --dvn-tma | --seg]
 
-``--seg``: the sweep as called (the split pair where few sequences leave SMs idle) against the fused kernel cut
-into segments a sequence (``CUDNN_TRAIN_GDN_SWEEP_SEG=auto``, and 2, 4, 8 forced) and the unsplit fused kernel:
+``--seg``: the sweep as called with whole sequences (``CUDNN_TRAIN_GDN_SWEEP_SEG=1``: the split pair where few
+sequences leave SMs idle) against the fused kernel cut into segments a sequence (``=auto``, the default since the
+twenty-sixth session, and 2, 4, 8 forced) and the unsplit fused kernel:
 relative L2 of the outputs against the unsplit fused kernel's, then timed twice each, alternating.
 
 Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 16, 32 and
@@ -114,8 +115,8 @@ def main():
         if args.seg:  # the fused sweep in segments (CUDNN_TRAIN_GDN_SWEEP_SEG) against the call's default
             def seg_sweep(nseg):
                 kw = {} if nseg == "called" else dict(split=False, ws=False, nseg=nseg)
-                if nseg == "auto":
-                    os.environ["CUDNN_TRAIN_GDN_SWEEP_SEG"] = "auto"
+                if nseg in ("auto", "called"):  # "called": the call with whole sequences, before auto was the default
+                    os.environ["CUDNN_TRAIN_GDN_SWEEP_SEG"] = "auto" if nseg == "auto" else "1"
                     kw["nseg"] = None
                 try:
                     return B90.reverse_sweep(q, k, w, gc, do, None, scale=K**-0.5, use_qk_l2norm_in_kernel=True,

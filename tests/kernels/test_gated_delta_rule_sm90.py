@@ -263,15 +263,17 @@ def test_split_chain_v_block_and_onfly_defaults(monkeypatch):
 
 
 def test_split_chain_segments_switch(monkeypatch):
-    """The chain's sequence split (CUDNN_TRAIN_GDN_CHAIN_SEG): one segment unless asked (prepared, not yet GPU-run);
-    auto takes the fewest segments that give every SM a CTA of 64 columns, keeping segments of at least 16 chunks
-    of a sequence's average; a number forces it; never without l2norm; a bad value is a ValueError naming it."""
+    """The chain's sequence split (CUDNN_TRAIN_GDN_CHAIN_SEG): auto, unset or asked, takes the fewest segments that
+    give every SM a CTA of 64 columns, keeping segments of at least 16 chunks of a sequence's average; a number
+    forces it (1: unsplit); never without l2norm; a bad value is a ValueError naming it."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
 
     monkeypatch.setattr(kc, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
     monkeypatch.delenv("CUDNN_TRAIN_GDN_CHAIN_SEG", raising=False)
+    assert SP.chain_segments(1, 32, 128, 16384, True, dev) == 4
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_SEG", "1")
     assert SP.chain_segments(1, 32, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_SEG", "auto")
     # (nseq, HV, tokens) -> segments: B1 T16384 HV32 -> 4 (256 CTAs); B4 T4096 -> 1 (256 already); B1 T4096 -> 4
@@ -785,7 +787,7 @@ def test_split_chain_tma_is_bitwise_cp_async(case, vb, monkeypatch, poisoned):
 
 @pytest.mark.compile
 def test_split_chain_segments_compile_for_sm90a(kernel_cache):
-    """The chain split into segments (CUDNN_TRAIN_GDN_CHAIN_SEG, prepared): dense with the initial and final states
+    """The chain split into segments (CUDNN_TRAIN_GDN_CHAIN_SEG): dense with the initial and final states
     at VB 32, varlen without them at VB 16, the most segments."""
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
 
@@ -815,10 +817,11 @@ def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
     """The chain split into ``nseg`` segments a sequence, each after a warm-up from a zero state reaching back until the
     chunks' decay is below e^-20 (CUDNN_TRAIN_GDN_CHAIN_SEG), against the unsplit chain: the value head that never
     decays that far (head 0 of gdn_seg_gates, tests/utils.py) bitwise in o, the final state, every chunk-start state
-    and vn; every head within 1e-4 relative L2 of the unsplit outputs (1e-5 for the float32 final state; a warm-up a
-    chunk too short is no warm-up at all for head 2, an O(1) error, and a search off by a chunk starts head 3 from zero
+    and vn; all heads within 1e-4 relative L2 of the unsplit outputs (a warm-up a chunk too short is no warm-up
+    at all for head 2, an O(1) error, and a search off by a chunk starts head 3 from zero
     before a spike instead of after one), and o and the final state against the float32 oracle under the FLA-compat
-    rule. Dense B2 T2000 (32 chunks: segments of 8, a partial last chunk), the inference forward's call, varlen with
+    rule and no more than 2% farther from it than the unsplit chain's (see ``_check_segments``). Dense B2 T2000
+    (32 chunks: segments of 8, a partial last chunk), the inference forward's call, varlen with
     empty, one-token and partial sequences and some of fewer chunks than segments, 16 segments of 2 chunks at VB
     32."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
@@ -830,7 +833,7 @@ def test_split_chain_segments(case, nseg, monkeypatch, poisoned):
 
 @pytest.mark.compile
 def test_ws_segments_compile_for_sm90a(kernel_cache):
-    """The inference forward's specialized warpgroups split into segments (CUDNN_TRAIN_GDN_FWD_WS_SEG, prepared): 128
+    """The inference forward's specialized warpgroups split into segments (CUDNN_TRAIN_GDN_FWD_WS_SEG): 128
     columns with w and u formed in the chain, 64 columns varlen with the initial and final states (two output
     warpgroups); not for the training forward or without l2norm (a ValueError naming nseg)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
@@ -847,14 +850,16 @@ def test_ws_segments_compile_for_sm90a(kernel_cache):
 
 
 def test_ws_segments_switch(monkeypatch):
-    """CUDNN_TRAIN_GDN_FWD_WS_SEG: one segment unless asked (prepared); auto: the fewest whose grid of 128-column
-    CTAs reaches 90% of the SMs, with segments of at least 16 chunks; a bad value is a ValueError naming it."""
+    """CUDNN_TRAIN_GDN_FWD_WS_SEG: auto, unset or asked, the fewest segments whose grid of 128-column CTAs reaches 90%
+    of the SMs, with segments of at least 16 chunks; 1 unsplit; a bad value is a ValueError naming it."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     monkeypatch.setattr(kc, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
     monkeypatch.delenv("CUDNN_TRAIN_GDN_FWD_WS_SEG", raising=False)
+    assert WS.segments(1, 32, 128, 16384, True, dev) == 4
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_WS_SEG", "1")
     assert WS.segments(1, 32, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_WS_SEG", "auto")
     assert [WS.segments(n, 32, 128, t, True, dev) for n, t in ((1, 16384), (4, 16384))] == [4, 1]
@@ -868,8 +873,9 @@ def test_ws_segments_switch(monkeypatch):
 def test_ws_segments(case, nseg, monkeypatch, poisoned):
     """The inference forward's specialized warpgroups split into ``nseg`` segments a sequence (CUDNN_TRAIN_GDN_FWD_
     WS_SEG), each after a decay-truncated warm-up, against the unsplit kernel of the same columns: the head that
-    never decays by e^-20 bitwise in o and the final state, every head within 1e-4 relative L2 (1e-5 for the
-    float32 final state), and against the float32 oracle. 64 columns (two output warpgroups) dense and varlen with
+    never decays by e^-20 bitwise in o and the final state, all heads within 1e-4 relative L2, and against the
+    float32 oracle (no more than 2% farther than the unsplit kernel). 64 columns (two output warpgroups) dense
+    and varlen with
     empty, one-token and partial sequences; 128 columns with w and u formed in the chain, also in 16 segments."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
@@ -882,8 +888,13 @@ def test_ws_segments(case, nseg, monkeypatch, poisoned):
 
 def _check_segments(case, switch, nseg, monkeypatch, training):
     """The segment cases' check: the forward with ``switch`` at 1 and at ``nseg`` (with ``training``, also the
-    chunk-start states and vn): the slow head (head 0) bitwise, every head within 1e-4 relative L2 (1e-5
-    for the float32 final state), every output written, and o and the final state against the float32 oracle."""
+    chunk-start states and vn): the slow head (head 0) bitwise, all heads within 1e-4 relative L2, every output
+    written, and o and the final state against the float32 oracle, the split no more than 2% farther from it
+    than the unsplit kernel. (The float32 final state was held to 1e-5 of the unsplit one until the twenty-sixth
+    session's H100 run: in 16 segments the head with an 8-chunk warm-up differed by 9.3e-5 and 1.4e-4, all
+    heads' state by 2.2e-5 and 2.9e-5, with split and unsplit both 3.39e-3 and 3.07e-3 from the oracle: a state that
+    differs in its last float32 bits after the warm-up rounds differently to bf16 for the chunk products, 2^-8 of
+    an element where it flips, so the float32 output is as close as the bf16 products make it, not closer.)"""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     K, (q, k, v, g, beta, h0), cu = _segment_inputs(case == "varlen")
@@ -912,7 +923,7 @@ def _check_segments(case, switch, nseg, monkeypatch, training):
         assert torch.isfinite(a).all(), f"{case}: {name} has elements the split kernel did not write"
         assert torch.equal(a.select(hdim[name], 0), base[name].select(hdim[name], 0)), \
             f"{case}: {name} of the slow head differs"
-        tol = 1e-5 if name == "final_state" else 1e-4
+        tol = 1e-4
         err = rel_l2(a.float(), base[name].float())
         if err > tol:  # to tell rounding from a wrong warm-up: each head's part, and both kernels' against the oracle
             heads = [rel_l2(a.select(hdim[name], i).float(), base[name].select(hdim[name], i).float())
@@ -922,8 +933,10 @@ def _check_segments(case, switch, nseg, monkeypatch, training):
                 f"unsplit {rel_l2(base[name].float(), ref[name]):.2e}")
             raise AssertionError(f"{case}: {name} {err:.2e} from the unsplit kernel's (tolerance {tol:.0e}); by head "
                                  + ", ".join(f"{e:.1e}" for e in heads) + vs_ref)
-    _check("o", split["o"].float(), ref_o, None)
-    _check("final_state", split["final_state"], ref_h, None)
+    for name, r in ref.items():
+        _check(name, split[name].float(), r, None)
+        err, err_base = rel_l2(split[name].float(), r), rel_l2(base[name].float(), r)
+        assert err <= 1.02 * err_base, f"{case}: {name} {err:.3e} from the oracle against the unsplit {err_base:.3e}"
 
 
 def _chain_case(case, vb, monkeypatch):
