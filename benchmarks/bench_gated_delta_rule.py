@@ -5,6 +5,11 @@
 
 Inputs as a GDN layer feeds the op: q, k, v bf16, ``use_qk_l2norm_in_kernel=True``,
 g = logsigmoid(.) float32, beta = sigmoid(.) bf16, no initial state, no final state.
+``--gates layer``: g from FLA's GatedDeltaNet layer at its initialization (:func:`fla_init_gate`: slow-decaying
+heads, which a decay-truncated sequence split cannot cut short) instead of ``logsigmoid(U(0, 1))``; with
+``--layer-flags`` the same A_log and dt_bias in the kernel. ``--seg`` adds the row ``op-seg``: the op with the
+SM90 recurrences' sequence split on (``CUDNN_TRAIN_GDN_CHAIN_SEG``, ``_SWEEP_SEG``, ``_FWD_WS_SEG`` = auto),
+forward+backward on the training path.
 ``--layer-flags``: the call FLA's and our GatedDeltaNet layers make instead (raw gate input and beta
 logits, bf16, ``use_gate_in_kernel`` with A_log and dt_bias, ``use_beta_sigmoid_in_kernel``; gradients
 also to A_log and dt_bias). ``--head-dim 64``: K = V = 64. FlashQLA serves neither, so its row is left out.
@@ -50,15 +55,18 @@ C = 64
 TRAIN_ENV = "CUDNN_TRAIN_GDN_SM90_TRAIN"
 STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"
 TRAIN_ROWS = {"sm90-train": "kernel"}  # row -> its stage 3 (main() adds "sm90-train-t3": "torch" on request)
+ROW_ENV: dict[str, dict[str, str]] = {}  # row -> environment set around its calls (main() adds "op-seg" on request)
 
 
-def with_train_path(f, stage3):
-    """``f`` with the SM90 training path forced on during the call, stage 3 as given."""
+SEG_ENVS = ("CUDNN_TRAIN_GDN_CHAIN_SEG", "CUDNN_TRAIN_GDN_SWEEP_SEG", "CUDNN_TRAIN_GDN_FWD_WS_SEG")
+
+
+def with_env(f, env: dict[str, str]):
+    """``f`` with the environment variables ``env`` set during the call (restored after)."""
 
     def g():
-        old = {k: os.environ.get(k) for k in (TRAIN_ENV, STAGE3_ENV)}
-        os.environ[TRAIN_ENV] = "1"
-        os.environ[STAGE3_ENV] = stage3
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             return f()
         finally:
@@ -71,14 +79,34 @@ def with_train_path(f, stage3):
     return g
 
 
+def with_train_path(f, stage3):
+    """``f`` with the SM90 training path forced on during the call, stage 3 as given."""
+    return with_env(f, {TRAIN_ENV: "1", STAGE3_ENV: stage3})
+
+
+def fla_init_gate(HV: int, device="cuda", generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A_log, dt_bias)`` float32 ``[HV]`` as FLA's GatedDeltaNet layer initializes them: ``A ~ U(0, 16)``,
+    ``dt_bias`` the inverse softplus of ``dt = exp(U(log 1e-3, log 1e-1))`` (at least 1e-4). Its decays
+    ``-A softplus(a + dt_bias)`` for a gate input ``a ~ N(0, 1)`` are far slower than ``logsigmoid(U(0, 1))``'s:
+    some heads never decay by e^-20 over thousands of tokens (``tools/diag_gdn_decay_split.py``)."""
+    A = torch.rand(HV, generator=generator, dtype=torch.float64) * 16
+    lo, hi = math.log(1e-3), math.log(1e-1)
+    dt = torch.exp(torch.rand(HV, generator=generator, dtype=torch.float64) * (hi - lo) + lo).clamp(min=1e-4)
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    return A.log().float().to(device), dt_bias.float().to(device)
+
+
 def flops_forward(lengths: list[int], HV: int, K: int, V: int) -> float:
     chunks = sum(math.ceil(n / C) for n in lengths)
     return chunks * HV * 2.0 * (3 * C * C * K + 2 * C * C * V + 2 * C * K * V)
 
 
-def make_inputs(B, T, H, HV, K, V, requires_grad=False, layer_flags=False):
+def make_inputs(B, T, H, HV, K, V, requires_grad=False, layer_flags=False, gate_params=None):
     """q, k, v, g, beta; with ``layer_flags`` g is the raw gate input and beta logits (bf16 projections, as a
-    GatedDeltaNet layer passes them with ``use_gate_in_kernel`` and ``use_beta_sigmoid_in_kernel``)."""
+    GatedDeltaNet layer passes them with ``use_gate_in_kernel`` and ``use_beta_sigmoid_in_kernel``). Without it,
+    ``gate_params`` ``(A_log, dt_bias)`` make g the layer's float32 decay ``-exp(A_log) softplus(a + dt_bias)`` of a
+    gate input ``a ~ N(0, 1)`` (the call FLA's layer would make with the gate computed outside the kernel) instead
+    of ``logsigmoid(U(0, 1))``."""
     dev = "cuda"
     q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
     k = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
@@ -87,7 +115,11 @@ def make_inputs(B, T, H, HV, K, V, requires_grad=False, layer_flags=False):
         g = torch.randn(B, T, HV, device=dev, dtype=torch.bfloat16)
         beta = torch.randn(B, T, HV, device=dev, dtype=torch.bfloat16)
     else:
-        g = F.logsigmoid(torch.rand(B, T, HV, device=dev, dtype=torch.float32))
+        if gate_params is not None:
+            A_log, dt_bias = gate_params
+            g = -A_log.exp() * F.softplus(torch.randn(B, T, HV, device=dev, dtype=torch.float32) + dt_bias)
+        else:
+            g = F.logsigmoid(torch.rand(B, T, HV, device=dev, dtype=torch.float32))
         beta = torch.rand(B, T, HV, device=dev, dtype=torch.bfloat16).sigmoid()
     ts = (q, k, v, g, beta)
     if requires_grad:
@@ -134,12 +166,21 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true",
                     help="after the rounds, each row's kernels of one forward and one forward+backward under "
                          "torch.profiler (GPU time each): where a row's time goes, e.g. when a peer's figure moves")
+    ap.add_argument("--gates", choices=("bench", "layer"), default="bench",
+                    help="g: logsigmoid(U(0, 1)) (bench, fast decay), or the decay of FLA's GatedDeltaNet layer at its "
+                         "initialization (layer: fla_init_gate; with --layer-flags its A_log and dt_bias)")
+    ap.add_argument("--seg", action="store_true",
+                    help="also time the op with the SM90 recurrences' sequence split on (row op-seg, forward+backward "
+                         "on the training path: CUDNN_TRAIN_GDN_CHAIN_SEG, _SWEEP_SEG, _FWD_WS_SEG = auto)")
     ap.add_argument("--graphed", action="store_true",
                     help="also time every row captured as a CUDA graph (GPU time, host cost left out; NaN where a "
                          "row cannot be captured)")
     args = ap.parse_args()
     if args.torch_stage3:
         TRAIN_ROWS["sm90-train-t3"] = "torch"
+    if args.seg:
+        TRAIN_ROWS["op-seg"] = "kernel"
+        ROW_ENV["op-seg"] = {name: "auto" for name in SEG_ENVS}
     if not torch.cuda.is_available():
         print("bench_gated_delta_rule: needs a CUDA GPU; nothing to time here")
         return
@@ -171,17 +212,28 @@ def main() -> None:
         cu = None
         if lengths is not None:
             cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
-        q, k, v, g, beta = make_inputs(B, T, H, HV, K, V, layer_flags=args.layer_flags)
+        if args.gates == "layer":
+            gate_params = fla_init_gate(HV, generator=torch.Generator().manual_seed(HV))
+        else:  # the layer-flags call's own draw (fast decay, as the bench gates)
+            gate_params = (torch.log(torch.empty(HV, device="cuda").uniform_(1, 16)),
+                           torch.randn(HV, device="cuda") * 0.1) if args.layer_flags else None
+        q, k, v, g, beta = make_inputs(B, T, H, HV, K, V, layer_flags=args.layer_flags,
+                                       gate_params=None if args.layer_flags else gate_params)
         do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
         kw = dict(use_qk_l2norm_in_kernel=True)
         params = ()  # A_log, dt_bias: trained by the layer, gradients asked for with the others
         if args.layer_flags:
-            A_log = torch.log(torch.empty(HV, device="cuda").uniform_(1, 16))
-            dt_bias = torch.randn(HV, device="cuda") * 0.1
+            A_log, dt_bias = gate_params
             kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
             params = (A_log, dt_bias)
 
         def fwd_fn(name):
+            return with_env(fwd_call(name), ROW_ENV.get(name, {}))
+
+        def fb_fn(name):
+            return with_env(fb_call(name), ROW_ENV.get(name, {}))
+
+        def fwd_call(name):
             if name == "cutedsl":
                 return lambda: F90.forward(q, k, v, g, beta, cu_seqlens=cu, **kw)
             if name == "op" or name in TRAIN_ROWS:
@@ -190,7 +242,7 @@ def main() -> None:
             cul = None if cu is None else cu.long()
             return lambda: fn(q, k, v, g, beta, cu_seqlens=cul, **kw)
 
-        def fb_fn(name):
+        def fb_call(name):
             leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, *params))
             kwl = dict(kw, **dict(zip(("A_log", "dt_bias"), leaves[5:])))
             if name == "op" or name in TRAIN_ROWS:
@@ -274,7 +326,7 @@ def main() -> None:
         del q, k, v, g, beta, do
         torch.cuda.empty_cache()
     flags = "l2norm, gate and beta sigmoid in kernel" if args.layer_flags else "l2norm in kernel"
-    report(rows, args, ceil, f"chunk_gated_delta_rule, K=V={K}, bf16, {flags}")
+    report(rows, args, ceil, f"chunk_gated_delta_rule, K=V={K}, bf16, {flags}, {args.gates} gates")
 
 
 if __name__ == "__main__":

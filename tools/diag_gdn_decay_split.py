@@ -20,11 +20,11 @@ falls below), against the unsplit chunked reference (``chunked_core``): the larg
 """
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_gated_delta_rule import fla_init_gate
 from cudnn_train.fused.gated_delta_rule import chunked_core
 
 C = 64
@@ -34,12 +34,9 @@ def gates(regime: str, T: int, HV: int, gen: torch.Generator) -> torch.Tensor:
     """[T, HV] float64 log decays."""
     if regime == "bench":
         return F.logsigmoid(torch.rand(T, HV, generator=gen, dtype=torch.float64))
-    A = torch.rand(HV, generator=gen, dtype=torch.float64) * 16
-    dt = torch.exp(torch.rand(HV, generator=gen, dtype=torch.float64) * (math.log(0.1) - math.log(1e-3))
-                   + math.log(1e-3)).clamp(min=1e-4)
-    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    A_log, dt_bias = (t.double() for t in fla_init_gate(HV, device="cpu", generator=gen))
     a = torch.randn(T, HV, generator=gen, dtype=torch.float64)
-    return -A * F.softplus(a + dt_bias)
+    return -A_log.exp() * F.softplus(a + dt_bias)
 
 
 def warmup_chunks(g: torch.Tensor, start: int, threshold: float) -> int | None:

@@ -10,9 +10,8 @@ kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 ``--chain-seg``: only the split pass's chain cut into 1, 2, 4 and 8 segments a sequence (``CUDNN_TRAIN_GDN_CHAIN_SEG``,
 each at the V block its grid takes): hs and vn against one segment's (bitwise, and the relative L2 where not),
 then timed twice each, alternating; then the whole inference forward unsplit (both switches 1), with the chain in
-segments and with the specialized warpgroups in segments (``CUDNN_TRAIN_GDN_FWD_WS_SEG=auto``, the default since the
-twenty-sixth session: o's relative L2 to the unsplit one first), and the training forward unsplit and with the chain
-in segments (the default).
+segments and with the specialized warpgroups in segments (``CUDNN_TRAIN_GDN_FWD_WS_SEG=auto``: o's relative L2
+to the unsplit one first), and the training forward unsplit and with the chain in segments.
 
 ``--out-otma``: only the split pass's out kernel with o leaving by one TMA store (``CUDNN_TRAIN_GDN_OUT_OTMA``)
 against the pair stores, on one chain's hs and vn: o bitwise, then timed twice each, alternating.
@@ -232,11 +231,11 @@ def main():
                 for nseg in runs:
                     print(f"  chain kernel, {nseg} segments, VB={runs[nseg][3]}: {bench(runs[nseg][0], 10, 40):.3f} ms")
             train = dict(store_states=True, keep_vn=True, keep_tm=True)
-            one = {"CHAIN_SEG": "1", "FWD_WS_SEG": "1"}  # the whole sequences (auto, the default, splits them)
+            one = {"CHAIN_SEG": "1", "FWD_WS_SEG": "1"}  # the whole sequences, whatever the environment says
             rows = (("inference, unsplit", one, {}),
                     ("inference, chain in segments", {"CHAIN_SEG": "auto", "FWD_WS_SEG": "1"}, {}),
-                    ("inference, specialized warpgroups in segments (the default)", {"FWD_WS_SEG": "auto"}, {}),
-                    ("training, unsplit", one, train), ("training, chain in segments (the default)",
+                    ("inference, specialized warpgroups in segments", {"FWD_WS_SEG": "auto"}, {}),
+                    ("training, unsplit", one, train), ("training, chain in segments",
                                                         {"CHAIN_SEG": "auto"}, train))
             os.environ.update({f"CUDNN_TRAIN_GDN_{key}": val for key, val in one.items()})
             o_ref = F90.forward(q, k, v, g, beta, use_qk_l2norm_in_kernel=True).value[0]

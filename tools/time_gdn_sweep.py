@@ -7,8 +7,8 @@ l2norm in kernel, no final-state gradient).
                                      --dchain-tma | --dchain-stores | --vh2 | --dh-tma | --dvn-tma | --seg]
 
 ``--seg``: the sweep as called with whole sequences (``CUDNN_TRAIN_GDN_SWEEP_SEG=1``: the split pair where few
-sequences leave SMs idle) against the fused kernel cut into segments a sequence (``=auto``, the default since the
-twenty-sixth session, and 2, 4, 8 forced) and the unsplit fused kernel:
+sequences leave SMs idle) against the fused kernel cut into segments a sequence (``=auto``, and 2, 4, 8
+forced) and the unsplit fused kernel:
 relative L2 of the outputs against the unsplit fused kernel's, then timed twice each, alternating.
 
 Also the split sweep (``gated_delta_rule_bwd_split_sm90``: ``dvl`` then ``dchain``, V blocks of 16, 32 and
@@ -115,7 +115,7 @@ def main():
         if args.seg:  # the fused sweep in segments (CUDNN_TRAIN_GDN_SWEEP_SEG) against the call's default
             def seg_sweep(nseg):
                 kw = {} if nseg == "called" else dict(split=False, ws=False, nseg=nseg)
-                if nseg in ("auto", "called"):  # "called": the call with whole sequences, before auto was the default
+                if nseg in ("auto", "called"):  # "called": with whole sequences, whatever the environment says
                     os.environ["CUDNN_TRAIN_GDN_SWEEP_SEG"] = "auto" if nseg == "auto" else "1"
                     kw["nseg"] = None
                 try:

@@ -564,11 +564,11 @@ def dvn_tma_default() -> bool:
 def sweep_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> int:
     """The fused sweep's CTAs a (sequence, value head, V block), each storing one segment of the sequence's chunks
     after a warm-up from a zero dH that reaches forward until the chunks' decay is below e^-20 (or from the
-    sequence's end: the unsplit sweep's bits); see ``_build_dstate``. ``CUDNN_TRAIN_GDN_SWEEP_SEG``: unset or
-    ``auto`` (the default), the fewest of 1, 2, 4, 8, 16 whose grid of
+    sequence's end: the unsplit sweep's bits); see ``_build_dstate``. ``CUDNN_TRAIN_GDN_SWEEP_SEG``: unset or 1, one
+    (the default: see :func:`cm.segments` for why); ``auto``, the fewest of 2, 4, 8, 16 whose grid of
     both-V-halves CTAs reaches 90% of the SMs, keeping segments of at least 16 chunks (B1 T16384 H16 HV32: 4, B4
-    T4096's grid, where the fused sweep takes 0.375 ms on an H100 against the split sweep's 0.89 at B1); 1, one
-    segment; 2 to 16 force that many (:func:`cm.segments`). With more than one the fused kernel serves the call (both V halves a
+    T4096's grid, where the fused sweep takes 0.375 ms on an H100 against the split sweep's 0.89 at B1); 2 to 16
+    force that many (:func:`cm.segments`). With more than one the fused kernel serves the call (both V halves a
     CTA where V = 128), never the split pair; without l2norm, the prefetch, or with the profile variant, one."""
     return cm.segments("CUDNN_TRAIN_GDN_SWEEP_SEG", nseq, HV, T, l2norm, device, fill=0.9)
 

@@ -719,15 +719,22 @@ SEG_MIN_CHUNKS = 16  # auto: segments of at least this many chunks of a sequence
 
 def segments(env_name: str, nseq: int, ctas_a_seq: int, T: int, l2norm: bool, device, fill: float = 1.0) -> int:
     """Segments a sequence for a recurrence kernel of ``ctas_a_seq`` CTAs a sequence (value heads x V blocks).
-    ``env_name`` unset or ``auto`` (the default since the twenty-sixth session): the fewest of :data:`SEGMENTS`
+    ``env_name`` unset or 1: one, every sequence whole (the default); ``auto``: the fewest of :data:`SEGMENTS`
     whose grid reaches ``fill`` of the SMs, keeping segments of at least :data:`SEG_MIN_CHUNKS` chunks of a
-    sequence's average length ``T / nseq``; 1 keeps every sequence whole; 2 to 16 force that many. Without l2norm
-    always one: the warm-up's truncation bound needs unit-norm keys. The bound also needs beta in [0, 2] (each
-    ``I - beta k k^T`` of norm at most 1), which holds for GDN's beta (a sigmoid, twice one with
-    ``allow_neg_eigval``) but is not checked on a caller's beta tensor (that would read the device): outside it
-    the recurrence itself grows without bound. A head whose decay never reaches e^-20 warms up from the sequence's
-    start (the unsplit bits, at up to the unsplit kernel's time for its last segment)."""
-    env = os.environ.get(env_name, "").strip() or "auto"
+    sequence's average length ``T / nseq``; 2 to 16 force that many. Without l2norm always one: the warm-up's
+    truncation bound needs unit-norm keys. The bound also needs beta in [0, 2] (each ``I - beta k k^T`` of norm at
+    most 1), which holds for GDN's beta (a sigmoid, twice one with ``allow_neg_eigval``) but is not checked on a
+    caller's beta tensor (that would read the device): outside it the recurrence itself grows without bound.
+
+    Not the default, though the split kernels are correct (GPU cases, twenty-sixth session) and much faster where
+    every head decays fast: a head whose decay never reaches e^-20 before a boundary warms up from the sequence's
+    start, so its last segment's CTA walks the whole sequence, at the per-chunk cost of the split configuration
+    (wider V blocks, or the fused sweep and the specialized warpgroups in place of the split passes the unsplit
+    default runs at few sequences), and the kernel takes as long as that CTA: up to about twice the unsplit
+    default's time. At FLA's layer initialization 5% of the boundaries of B1 T16384 HV32 in 4 segments are such
+    heads (``tools/diag_gdn_decay_split.py``); the benchmark's gates have none. Which gates the calls bring is
+    not known on the host without a device read."""
+    env = os.environ.get(env_name, "").strip() or "1"
     if env != "auto" and env not in tuple(str(c) for c in SEGMENTS):
         raise ValueError(f"{env_name}={env!r}: expected auto or one of {SEGMENTS}")
     if not l2norm or env == "1":

@@ -1228,8 +1228,8 @@ def forward(
     # against 0.721 for the fused kernel with the stores); CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0:
     # never; not where the split's chunk states would not be int32-addressable
     split = grid_chunks * HV * K * V < 2**31
-    # the inference forward's specialized warpgroups in segments (CUDNN_TRAIN_GDN_FWD_WS_SEG, auto by default): where
-    # more than one, they take the call the split pass would (few sequences), on nseg x the grid
+    # the inference forward's specialized warpgroups in segments (CUDNN_TRAIN_GDN_FWD_WS_SEG, off by default): where
+    # asked and more than one, they take the call the split pass would (few sequences), on nseg x the grid
     ws_nseg = 1
     if not store_states and not return_intermediates and SPLIT is not True and STATE_WS is not False:
         from . import gated_delta_rule_fwd_ws_sm90 as WS

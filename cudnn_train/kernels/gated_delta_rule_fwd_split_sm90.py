@@ -73,9 +73,10 @@ def chain_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device: tor
     """``chain`` CTAs a (sequence, value head, V block), each writing one segment of the sequence's chunks after a
     warm-up from a zero state that reaches back until the chunks' decay is below e^-20 (or to the sequence's start,
     with the initial state: the unsplit chain's bits); see ``_build_chain``. ``CUDNN_TRAIN_GDN_CHAIN_SEG``: unset or
-    ``auto`` (the default), the fewest of 1, 2, 4, 8, 16 that give every SM a CTA of 64 columns, keeping segments of at least ``SEG_MIN_CHUNKS`` chunks of a
-    sequence's average length ``T / nseq`` (B1 T16384 H16 HV32: 4, the chain's grid of B4 T4096); 1, the unsplit
-    chain; 2 to 16 force that many (:func:`cm.segments`). Without l2norm always one: the truncation's bound needs unit-norm keys."""
+    1, one (the unsplit chain, the default: see :func:`cm.segments` for why); ``auto``, the fewest of
+    2, 4, 8, 16 that give every SM a CTA of 64 columns, keeping segments of at least ``SEG_MIN_CHUNKS`` chunks of a
+    sequence's average length ``T / nseq`` (B1 T16384 H16 HV32: 4, the chain's grid of B4 T4096); 2 to 16 force
+    that many (:func:`cm.segments`). Without l2norm always one: the truncation's bound needs unit-norm keys."""
     return cm.segments("CUDNN_TRAIN_GDN_CHAIN_SEG", nseq, HV * (V // 64), T, l2norm, device)
 
 

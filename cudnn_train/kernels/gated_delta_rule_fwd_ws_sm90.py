@@ -126,10 +126,10 @@ def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False) -> i
 def segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> int:
     """The inference forward's specialized-warpgroup CTAs a (sequence, value head, V block), each writing o for one
     segment of the sequence's chunks after a decay-truncated warm-up (see ``_build``). ``CUDNN_TRAIN_GDN_FWD_WS_SEG``:
-    unset or ``auto`` (the default), the fewest of 1, 2, 4, 8, 16
+    unset or 1, one (the default: see :func:`cm.segments` for why); ``auto``, the fewest of 2, 4, 8, 16
     whose grid of 128-column CTAs reaches 90% of the SMs, keeping segments of at least 16 chunks (B1 T16384 H16
     HV32: 4, B4 T4096's grid, where this kernel takes 0.389 ms on an H100 with w, u formed in its chain, against
-    the split pass's 0.66 at B1); 1, one segment; 2 to 16 force that many (:func:`cm.segments`). Without l2norm, one."""
+    the split pass's 0.66 at B1); 2 to 16 force that many (:func:`cm.segments`). Without l2norm, one."""
     return cm.segments("CUDNN_TRAIN_GDN_FWD_WS_SEG", nseq, HV * max(V // 128, 1), T, l2norm, device, fill=0.9)
 
 

@@ -76,8 +76,8 @@ def test_reverse_sweep_segments_compile_for_sm90a(kernel_cache):
 
 
 def test_reverse_sweep_segments_switch(monkeypatch):
-    """CUDNN_TRAIN_GDN_SWEEP_SEG: auto, unset or asked, takes the fewest segments whose grid of both-V-halves CTAs
-    reaches 90% of the SMs, with segments of at least 16 chunks; 1 unsplit; never without l2norm;
+    """CUDNN_TRAIN_GDN_SWEEP_SEG: one segment unless asked (1 or unset); auto takes the fewest segments whose grid of
+    both-V-halves CTAs reaches 90% of the SMs, with segments of at least 16 chunks; never without l2norm;
     a bad value is a ValueError naming it."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
@@ -85,7 +85,7 @@ def test_reverse_sweep_segments_switch(monkeypatch):
     monkeypatch.setattr(kc, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
     monkeypatch.delenv("CUDNN_TRAIN_GDN_SWEEP_SEG", raising=False)
-    assert B90.sweep_segments(1, 32, 128, 16384, True, dev) == 4
+    assert B90.sweep_segments(1, 32, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SEG", "1")
     assert B90.sweep_segments(1, 32, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SEG", "auto")

@@ -263,8 +263,8 @@ def test_split_chain_v_block_and_onfly_defaults(monkeypatch):
 
 
 def test_split_chain_segments_switch(monkeypatch):
-    """The chain's sequence split (CUDNN_TRAIN_GDN_CHAIN_SEG): auto, unset or asked, takes the fewest segments that
-    give every SM a CTA of 64 columns, keeping segments of at least 16 chunks of a sequence's average; a number
+    """The chain's sequence split (CUDNN_TRAIN_GDN_CHAIN_SEG): one segment unless asked (1 or unset); auto takes the
+    fewest segments that give every SM a CTA of 64 columns, keeping segments of at least 16 chunks of a sequence's average; a number
     forces it (1: unsplit); never without l2norm; a bad value is a ValueError naming it."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
@@ -272,7 +272,7 @@ def test_split_chain_segments_switch(monkeypatch):
     monkeypatch.setattr(kc, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
     monkeypatch.delenv("CUDNN_TRAIN_GDN_CHAIN_SEG", raising=False)
-    assert SP.chain_segments(1, 32, 128, 16384, True, dev) == 4
+    assert SP.chain_segments(1, 32, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_SEG", "1")
     assert SP.chain_segments(1, 32, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_CHAIN_SEG", "auto")
@@ -850,15 +850,16 @@ def test_ws_segments_compile_for_sm90a(kernel_cache):
 
 
 def test_ws_segments_switch(monkeypatch):
-    """CUDNN_TRAIN_GDN_FWD_WS_SEG: auto, unset or asked, the fewest segments whose grid of 128-column CTAs reaches 90%
-    of the SMs, with segments of at least 16 chunks; 1 unsplit; a bad value is a ValueError naming it."""
+    """CUDNN_TRAIN_GDN_FWD_WS_SEG: one segment unless asked (1 or unset); auto, the fewest segments whose grid of
+    128-column CTAs reaches 90% of the SMs, with segments of at least 16 chunks; a bad value is a ValueError naming
+    it."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     monkeypatch.setattr(kc, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
     monkeypatch.delenv("CUDNN_TRAIN_GDN_FWD_WS_SEG", raising=False)
-    assert WS.segments(1, 32, 128, 16384, True, dev) == 4
+    assert WS.segments(1, 32, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_WS_SEG", "1")
     assert WS.segments(1, 32, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_WS_SEG", "auto")
