@@ -9,7 +9,8 @@ g = logsigmoid(.) float32, beta = sigmoid(.) bf16, no initial state, no final st
 heads, which a decay-truncated sequence split cannot cut short) instead of ``logsigmoid(U(0, 1))``; with
 ``--layer-flags`` the same A_log and dt_bias in the kernel. ``--seg`` adds the row ``op-seg``: the op with the
 SM90 recurrences' sequence split on (``CUDNN_TRAIN_GDN_CHAIN_SEG``, ``_SWEEP_SEG``, ``_FWD_WS_SEG`` = auto),
-forward+backward on the training path.
+forward+backward on the training path. ``--carry`` adds ``op-carry``: the op's forward with the carried split
+(``CUDNN_TRAIN_GDN_FWD_CARRY=auto``: each boundary warmed up within 16 chunks or carried exactly), forward only.
 ``--layer-flags``: the call FLA's and our GatedDeltaNet layers make instead (raw gate input and beta
 logits, bf16, ``use_gate_in_kernel`` with A_log and dt_bias, ``use_beta_sigmoid_in_kernel``; gradients
 also to A_log and dt_bias). ``--head-dim 64``: K = V = 64. FlashQLA serves neither, so its row is left out.
@@ -56,6 +57,7 @@ TRAIN_ENV = "CUDNN_TRAIN_GDN_SM90_TRAIN"
 STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"
 TRAIN_ROWS = {"sm90-train": "kernel"}  # row -> its stage 3 (main() adds "sm90-train-t3": "torch" on request)
 ROW_ENV: dict[str, dict[str, str]] = {}  # row -> environment set around its calls (main() adds "op-seg" on request)
+FWD_ONLY = {"cutedsl"}  # rows timed forward only (main() adds "op-carry" on request)
 
 
 SEG_ENVS = ("CUDNN_TRAIN_GDN_CHAIN_SEG", "CUDNN_TRAIN_GDN_SWEEP_SEG", "CUDNN_TRAIN_GDN_FWD_WS_SEG")
@@ -172,6 +174,9 @@ def main() -> None:
     ap.add_argument("--seg", action="store_true",
                     help="also time the op with the SM90 recurrences' sequence split on (row op-seg, forward+backward "
                          "on the training path: CUDNN_TRAIN_GDN_CHAIN_SEG, _SWEEP_SEG, _FWD_WS_SEG = auto)")
+    ap.add_argument("--carry", action="store_true",
+                    help="also time the op's forward with the carried split (row op-carry: CUDNN_TRAIN_GDN_FWD_CARRY"
+                         "=auto; the inference forward only, so no forward+backward)")
     ap.add_argument("--graphed", action="store_true",
                     help="also time every row captured as a CUDA graph (GPU time, host cost left out; NaN where a "
                          "row cannot be captured)")
@@ -181,6 +186,9 @@ def main() -> None:
     if args.seg:
         TRAIN_ROWS["op-seg"] = "kernel"
         ROW_ENV["op-seg"] = {name: "auto" for name in SEG_ENVS}
+    if args.carry:
+        ROW_ENV["op-carry"] = {"CUDNN_TRAIN_GDN_FWD_CARRY": "auto"}
+        FWD_ONLY.add("op-carry")
     if not torch.cuda.is_available():
         print("bench_gated_delta_rule: needs a CUDA GPU; nothing to time here")
         return
@@ -236,7 +244,7 @@ def main() -> None:
         def fwd_call(name):
             if name == "cutedsl":
                 return lambda: F90.forward(q, k, v, g, beta, cu_seqlens=cu, **kw)
-            if name == "op" or name in TRAIN_ROWS:
+            if name in ("op", "op-carry") or name in TRAIN_ROWS:
                 return lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw)
             fn = peers[name]
             cul = None if cu is None else cu.long()
@@ -257,7 +265,8 @@ def main() -> None:
 
         runs: dict[str, list[tuple[float, ...]]] = {}
         paths = {}
-        names = [n for n in ["cutedsl", "op", *TRAIN_ROWS, *peers] if n not in broken | skip]
+        names = [n for n in ["cutedsl", "op", *TRAIN_ROWS, *(["op-carry"] if args.carry else []), *peers]
+                 if n not in broken | skip]
         for rnd in range(max(1, args.rounds)):  # rounds interleave the rows: drift of the machine hits all alike
             for name in [n for n in names if n not in broken]:
                 try:
@@ -265,7 +274,7 @@ def main() -> None:
                     if name == "op":
                         paths["fwd"] = last_path("chunk_gated_delta_rule")
                     t_fb = float("nan")
-                    if name != "cutedsl":
+                    if name not in FWD_ONLY:
                         t_fb = bench(fb_fn(name), args.warmup, args.rep)
                         if name == "op":
                             paths["fwd+bwd"] = last_path("chunk_gated_delta_rule")
@@ -274,7 +283,7 @@ def main() -> None:
                     t_g = (float("nan"), float("nan"))
                     if args.graphed:  # the same calls as CUDA graphs: GPU time alone
                         t_g = (bench_graphed(fwd_fn(name), args.warmup, args.rep),
-                               float("nan") if name == "cutedsl" else bench_graphed(fb_fn(name), args.warmup, args.rep))
+                               float("nan") if name in FWD_ONLY else bench_graphed(fb_fn(name), args.warmup, args.rep))
                 except Exception as e:  # noqa: BLE001 - report the peer's failure once, time the others
                     if name in peers or name in TRAIN_ROWS:
                         print(f"{name} failed at {label}: {type(e).__name__}: {e}")
@@ -288,7 +297,7 @@ def main() -> None:
                 print(f"{label}: round {rnd + 1}: {name} fwd {t_f:.3f} ms, fwd+bwd {t_fb:.3f} ms{graphed}", flush=True)
         if args.kernels:  # where each row's GPU time goes, kernel by kernel (one call after the timings)
             for name in runs:
-                for what, fn in (("fwd", fwd_fn(name)), ("fwd+bwd", None if name == "cutedsl" else fb_fn(name))):
+                for what, fn in (("fwd", fwd_fn(name)), ("fwd+bwd", None if name in FWD_ONLY else fb_fn(name))):
                     if fn is None:
                         continue
                     kern, total = kernels_of_last_call(fn)

@@ -70,8 +70,11 @@
 #                                   # (ours alone: the 2-part bundle without --peers serves it, two calls fewer)
 #   bash tools/gpu_next.sh s40train # the training tier's kernel half with both recurrences in 4 segments
 #   bash tools/gpu_next.sh s41      # stage 3 with E in registers (prepared): its bitwise cases, timing
-#   bash tools/gpu_next.sh s42      # the segments against the unsplit default and the peers at FLA's layer-init
-#                                   # gates (slow heads: the warm-up's worst case), then the bench gates (4 parts)
+#   bash tools/gpu_next.sh s42      # the carried split's cases, then the unsplit default, the warm-up split and the
+#                                   # carried split with the peers at FLA's layer-init gates (slow heads; 4 parts)
+#   bash tools/gpu_next.sh s42b     # the same benchmark at the benchmark's fast gates
+#   bash tools/gpu_next.sh s43      # stage 3 persistent with E in registers as the candidate default: the stage-3
+#                                   # tier (not the two-chain cases, which refuse it) and the training tier's kernel half
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
@@ -459,16 +462,28 @@ s41)
   # cases, then its timing against the default (per tile and persistent, both shapes)
   tier s41 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "ereg"
   timed ereg ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes ${SHAPES:-2} --ereg ;;
-s42)
-  # the twenty-sixth session's question: does the decay-truncated split (op-seg) still beat the unsplit default (op)
-  # when some heads decay slowly (--gates layer: FLA's GatedDeltaNet initialization), and by how much at the
-  # benchmark's fast gates; FlashQLA and FLA in the same run (BENCH_S limit each, SHAPES, ROUNDS)
-  for gates in layer bench; do
-    timeout -k 10 ${BENCH_S:-270} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 \
-      --rounds ${ROUNDS:-2} --shapes ${SHAPES:-2} --graphed --seg --gates $gates --skip cutedsl${SKIP:+,$SKIP} \
-      --json $OUT/bench_seg_$gates.json > $OUT/bench_seg_$gates.log 2>&1
-    echo "bench --gates $gates rc=$?"; grep -E "round|^\|" $OUT/bench_seg_$gates.log | cut -c1-240
-  done ;;
+s42|s42b)
+  # the twenty-sixth session's questions. s42: the carried split's GPU cases (CUDNN_TRAIN_GDN_FWD_CARRY, prepared),
+  # then at FLA's layer-init gates (--gates layer: slow heads, the warm-up split's worst case) the op unsplit (op),
+  # with the warm-up split (op-seg) and with the carried one (op-carry, forward only), with the peers; s42b: the same
+  # benchmark at the benchmark's own fast gates (BENCH_S limit, SHAPES, ROUNDS)
+  gates=layer
+  if [ "$1" = s42 ]; then
+    tier s42 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py -k "carried"
+  else
+    gates=bench
+  fi
+  timeout -k 10 ${BENCH_S:-400} python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 \
+    --rounds ${ROUNDS:-2} --shapes ${SHAPES:-2} --graphed --seg --carry --gates $gates --skip cutedsl${SKIP:+,$SKIP} \
+    --json $OUT/bench_seg_$gates.json > $OUT/bench_seg_$gates.log 2>&1
+  echo "bench --gates $gates rc=$?"; grep -E "round|^\|" $OUT/bench_seg_$gates.log | cut -c1-240 ;;
+s43)
+  # the twenty-sixth session's candidate default (2% of the H100's B4 forward+backward): every stage-3 case but the
+  # two-chain ones (the two-chain kernel refuses persistent and E in registers: a ValueError, not a result), then
+  # the training tier's kernel half, both with CUDNN_TRAIN_GDN_DCHUNK_PERSIST=1 and _EREG=1 (GDN_S, TRAIN_S limits)
+  export CUDNN_TRAIN_GDN_DCHUNK_PERSIST=1 CUDNN_TRAIN_GDN_DCHUNK_EREG=1
+  tier s43 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "not two_chain"
+  TRAIN_K=1 TRAIN_S=${TRAIN_S:-280} bash "$0" gdn_train ;;
 s40train)
   # then the training path through the op with both recurrences in 4 segments (forced: the tier's shapes are too short
   # for auto), kernel half (TRAIN_S limit)

@@ -1235,7 +1235,16 @@ def forward(
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
         ws_nseg = WS.segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
-    if ws_nseg > 1:
+    # the carried split (CUDNN_TRAIN_GDN_FWD_CARRY, prepared, off): where asked and more than one it takes the call
+    # (over the segmented specialized warpgroups too), w and u from the wy kernel
+    carry = 1
+    if not store_states and not return_intermediates and not state_v_first:
+        from . import gated_delta_rule_fwd_split_sm90 as sp
+
+        carry = sp.carry_segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
+    if carry > 1:
+        ws_nseg, split = 1, False
+    elif ws_nseg > 1:
         split = False
     elif split and SPLIT is None:
         from . import gated_delta_rule_fwd_split_sm90 as sp
@@ -1244,7 +1253,7 @@ def forward(
     elif split:
         split = SPLIT
     ws = ws_nseg > 1 or (not split and (not store_states if STATE_WS is None else STATE_WS))
-    onfly = ws and not store_states and not return_intermediates
+    onfly = ws and not store_states and not return_intermediates and carry == 1
     if onfly and ONFLY is None:  # the measured default: where one CTA holds all of V (the vb state_pass_onfly takes)
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
@@ -1298,7 +1307,12 @@ def forward(
     else:
         wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, w[..., :CHUNK] if tm is None else tm, T, NT, nseq, group,
            grid_chunks, i64_dummy)
-        if split:
+        if carry > 1:
+            from . import gated_delta_rule_fwd_split_sm90 as sp
+
+            sp.carried_state_pass(q, k, w, u, gc, o, initial_state, ht, cu_seqlens, cu, cu_chunks, T, NT, scale,
+                                  group, nseq, carry)
+        elif split:
             from . import gated_delta_rule_fwd_split_sm90 as sp
 
             sp.state_pass(q, k, w, u, gc, o, initial_state, ht, cu, cu_chunks, grid_chunks, NT, scale,

@@ -178,7 +178,8 @@ def make_block_io(dtype, K: int, VB: int):
 
 
 def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool,
-                 state_vk: bool, tma: bool = False, hs_tma: bool = False, vn_tma: bool = False, nseg: int = 1):
+                 state_vk: bool, tma: bool = False, hs_tma: bool = False, vn_tma: bool = False, nseg: int = 1,
+                 prep_cap: int = 0):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -219,8 +220,16 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     # is at most their decay when each I - beta_t k_t k_t^T has norm at most 1 (l2-normalized k, beta in [0, 2]):
     # below 2.1e-9 (cm.SEG_LOG_DECAY) of that state, under float32 rounding. Only with l2norm (asserted).
     assert nseg == 1 or (l2norm and nseg in CHAIN_SEGMENTS), (nseg, l2norm)
-    SEG = nseg > 1
+    # prep_cap > 0: the carried split's prepare step (:func:`carries`), nseg >= 2: CTA (n * (nseg - 1) + s, hv, vb)
+    # walks into the boundary of segment s + 1 (cm.make_carry_walk) and stores its end state, nothing else, into
+    # row n * (nseg - 1) + s of mHT [rows, HV, K, V + K]: columns below V the state walked from zero with u (L), the
+    # K columns from V on the transition (M: u read as 0, from the identity's columns; zero where the boundary
+    # warms up). The loop is the chain's own: L's bits are what the chain computes on that walk.
+    PREP = prep_cap > 0
+    assert not PREP or (nseg >= 2 and not (has_h0 or out_final or state_vk or hs_tma or vn_tma)), (nseg, prep_cap)
+    SEG = nseg > 1 and not PREP
     walk = cm.make_segment_walk(forward=True)
+    carry_walk = cm.make_carry_walk()
     zero_unless = cm.make_zero_unless()
 
     @cute.jit
@@ -258,9 +267,19 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         if cutlass.const_expr(SEG):  # segment seg of sequence n
             seg = n % nseg
             n = n // nseg
+        if cutlass.const_expr(PREP):  # the boundary of segment seg + 1 of sequence n
+            seg = n % (nseg - 1)
+            n = n // (nseg - 1)
         warp0 = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         h = hv // group
         v0 = vb * VB
+        vu0 = v0  # u's columns of this block (PREP: the transition's columns read any u columns, times 0)
+        im = Int32(0)  # PREP: 1 in the transition's columns
+        umask = Float32(1.0)
+        if cutlass.const_expr(PREP):
+            im = cutlass.select_(v0 >= V, Int32(1), Int32(0))
+            vu0 = v0 - im * V
+            umask = Float32(cutlass.select_(v0 >= V, Float32(0.0), Float32(1.0)))
 
         mma_vn = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=True)  # vn [i, v] = w S
         mma_up = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=True, a_mn_major=True)  # S [d, v] += k^T vn_s
@@ -303,6 +322,11 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         c_hi = nchunks
         if cutlass.const_expr(SEG):  # sRk: free until the walk's first barrier
             c_w, c_lo, c_hi = walk(mGc, sRk, b, hv, ts, te, nchunks, seg, nseg, tidx)
+        ic = Int32(0)  # PREP: 1 where the boundary carries
+        if cutlass.const_expr(PREP):
+            c_w, c_hi, carry = carry_walk(mGc, sRk, b, hv, ts, te, nchunks, seg, nseg, prep_cap, tidx)
+            ic = cutlass.select_(carry, Int32(1), Int32(0))
+            c_w = cutlass.select_(im * (1 - ic) > 0, c_hi, c_w)  # no transition where the boundary warms up
 
         accS = [cute.make_rmem_tensor(thr_up.partition_shape_C((64, VB)), Float32) for _ in range(KH)]
         if cutlass.const_expr(has_h0):
@@ -310,13 +334,19 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
             if cutlass.const_expr(SEG):  # a walk from a later chunk starts from zero
                 for hf in cutlass.range_constexpr(KH):
                     zero_unless(accS[hf], c_w == 0)
+        elif cutlass.const_expr(PREP):  # L from zero; M from the identity's columns v0 - V : where it carries
+            for hf in cutlass.range_constexpr(KH):
+                for e in cutlass.range_constexpr(cute.size(accS[hf])):
+                    dl, sv = cS[e]
+                    diag = cutlass.select_(hf * 64 + dl == v0 - V + sv, Int32(1), Int32(0))
+                    accS[hf][e] = Float32(cutlass.select_(im * ic * diag > 0, Float32(1.0), Float32(0.0)))
         else:
             for hf in cutlass.range_constexpr(KH):
                 accS[hf].fill(0.0)
 
         nwalk = c_hi - c_w
         if nwalk > 0:
-            issue_chunk(mK, mW, mU, mGc, sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts + c_w * C, v0,
+            issue_chunk(mK, mW, mU, mGc, sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts + c_w * C, vu0,
                         cutlass.min(te - (ts + c_w * C), C), tidx, ta, mbar)
         cute.arch.cp_async_commit_group()
         for cp in cutlass.range((nwalk + 1) // 2, unroll=1):
@@ -351,7 +381,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     if ci + 1 < c_hi:
                         t1 = t0 + C
                         issue_chunk(mK, mW, mU, mGc, sKb[1 - par], sWb[1 - par], sUb[1 - par], sGcb[1 - par],
-                                    b, h, hv, t1, v0, cutlass.min(te - t1, C), tidx, ta,
+                                    b, h, hv, t1, vu0, cutlass.min(te - t1, C), tidx, ta,
                                     None if mbar is None else mbar + (1 - par))
                     cute.arch.cp_async_commit_group()
 
@@ -359,7 +389,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     gemm(mma_vn, accVn, tAw[par], tBs, True)  # w S   [i, v]
                     warpgroup.commit_group()
                     # meanwhile: sS -> the chunk's row of hs (16-byte vectors, or the TMA store above), the k row norms
-                    if cutlass.const_expr(not hs_tma):
+                    if cutlass.const_expr(not hs_tma and not PREP):
                         if keep:
                             tile_to_rows(sS, mHs[cbase + ci, hv, None, None], v0, tidx)
                     if cutlass.const_expr(l2norm):
@@ -379,8 +409,13 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                         vi, vc = cV[2 * e]
                         upair = cute.make_rmem_tensor((1, 2), dtype)
                         cute.autovec_copy(cute.local_tile(sUb[par], (1, 2), (vi, vc // 2)), upair)
-                        a0 = upair[0].to(Float32) - accVn[2 * e]
-                        a1 = upair[1].to(Float32) - accVn[2 * e + 1]
+                        u0 = upair[0].to(Float32)
+                        u1 = upair[1].to(Float32)
+                        if cutlass.const_expr(PREP):  # the transition's columns: vn = -w S
+                            u0 = u0 * umask
+                            u1 = u1 * umask
+                        a0 = u0 - accVn[2 * e]
+                        a1 = u1 - accVn[2 * e + 1]
                         coef = cute.math.exp2((glast - sGcb[par][vi]) * LOG2E, fastmath=True)
                         if cutlass.const_expr(l2norm):
                             coef = coef * sRk[vi]
@@ -392,9 +427,10 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                             if length < C:  # (the sequence's last chunk: never a warm-up one)
                                 if vi < length:
                                     cute.autovec_copy(vpair, cute.local_tile(gVn, (1, 2), (vi, (v0 + vc) // 2)))
-                        elif vi < length:
-                            if keep:
-                                cute.autovec_copy(vpair, cute.local_tile(gVn, (1, 2), (vi, (v0 + vc) // 2)))
+                        elif cutlass.const_expr(not PREP):
+                            if vi < length:
+                                if keep:
+                                    cute.autovec_copy(vpair, cute.local_tile(gVn, (1, 2), (vi, (v0 + vc) // 2)))
                         spair = cute.make_rmem_tensor((1, 2), dtype)
                         spair[0] = (a0 * coef).to(dtype)
                         spair[1] = (a1 * coef).to(dtype)
@@ -419,6 +455,8 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
 
+        if cutlass.const_expr(PREP):
+            store_block(accS, cS, mHT, n * (nseg - 1) + seg, hv, v0, False)
         if cutlass.const_expr(out_final):
             if cutlass.const_expr(SEG):
                 if seg == nseg - 1:  # the last segment's walk ends the sequence
@@ -440,7 +478,8 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         aVo, tVo = cm.make_tma_store(vn_tma, dtype, mVn, cm.TOKEN_ROWS, C, VB)
         kernel(mK, mW, mU, mGc, mH0, mHT, mCu, mCuC, mHs, mVn, T, NT, group, *atoms, *tmas, aHs, tHs, aVo,
                tVo).launch(
-            grid=[nseq * nseg, HV, V // VB], block=[THREADS, 1, 1], stream=stream,
+            grid=[nseq * (nseg - 1), HV, (V + K) // VB] if PREP else [nseq * nseg, HV, V // VB],
+            block=[THREADS, 1, 1], stream=stream,
             **(dict(preferred_smem_carveout=100) if vn_tma else {}),  # 115.5 KB a CTA: two an SM only at the whole
         )
 
@@ -648,21 +687,27 @@ def chain_vn_tma() -> bool:
 
 
 def get_chain_kernel(dtype, K, V, VB, l2norm, varlen, has_h0, out_final, state_vk, tma=None, hs_tma=None,
-                     vn_tma=None, nseg=1):
+                     vn_tma=None, nseg=1, prep_cap=0):
+    """The chain kernel (``state_pass``); with ``prep_cap`` > 0 its variant for the carried split's prepare step
+    (:func:`carries`: no initial or final state, chunk states or vn, ``[K, V]`` states; l2norm, nseg >= 2)."""
     if VB not in CHAIN_VBLOCKS or V % VB:
         raise ValueError(f"VB={VB}: expected one of {CHAIN_VBLOCKS} dividing V={V}")
     if nseg not in CHAIN_SEGMENTS or (nseg > 1 and not l2norm):
         raise ValueError(f"nseg={nseg}: expected one of {CHAIN_SEGMENTS}, more than 1 only with l2norm")
+    if prep_cap < 0 or (prep_cap and (nseg < 2 or has_h0 or out_final or state_vk or K % VB)):
+        raise ValueError(f"prep_cap={prep_cap}: the prepare step takes nseg >= 2, no initial or final state, [K, V] "
+                         f"states and a V block dividing K")
     tma = chain_tma() if tma is None else bool(tma)
-    hs_tma = chain_hs_tma() if hs_tma is None else bool(hs_tma)
-    vn_tma = chain_vn_tma() if vn_tma is None else bool(vn_tma)
+    hs_tma = False if prep_cap else (chain_hs_tma() if hs_tma is None else bool(hs_tma))
+    vn_tma = False if prep_cap else (chain_vn_tma() if vn_tma is None else bool(vn_tma))
     key = ("chain", str(dtype), K, V, VB, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final),
            bool(state_vk)) + (("tma",) if tma else ()) + (("hs_tma",) if hs_tma else ()) + (
-        ("vn_tma",) if vn_tma else ()) + ((("nseg", nseg),) if nseg > 1 else ())
+        ("vn_tma",) if vn_tma else ()) + ((("nseg", nseg),) if nseg > 1 else ()) + (
+        (("prep", prep_cap),) if prep_cap else ())
 
     def build():
         return _build_chain(F._dt(dtype), K, V, VB, l2norm, varlen, has_h0, out_final, state_vk, tma, hs_tma,
-                            vn_tma, nseg)
+                            vn_tma, nseg, prep_cap)
 
     return kc.get_kernel("gdn_fwd_chain", key, build, _SOURCES)
 
@@ -736,3 +781,83 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, rows, NT, scale, l2norm
     chain(k, w, u, gc, d4 if h0 is None else h0, d4 if ht is None else ht, cu, cu_chunks, hs, vn, T, NT, group,
           nseq)
     out(q, k, hs, vn, gc, o, cu, cu_chunks, float(scale), T, NT, nseq, group, rows)
+
+
+# ------------------------------------------------------------------ the carried split (opt-in, inference)
+
+CARRY_CAP = 16  # the prepare step's warm-up cap, chunks: a boundary whose decay needs more is carried exactly
+
+
+def carry_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> int:
+    """``CUDNN_TRAIN_GDN_FWD_CARRY``: the inference forward's *carried* sequence split (prepared in the twenty-sixth
+    session, compiled, not yet GPU-run): unset or 1, off; ``auto``, the segment count the specialized warpgroups'
+    split would take (:func:`cm.segments` on their grid of 128-column CTAs, 90% of the SMs; B1 T16384 H16 HV32: 4);
+    2 to 16 force it. Unlike ``CUDNN_TRAIN_GDN_FWD_WS_SEG`` no walk is longer than a segment whatever the gates
+    (:func:`carried_state_pass`), so its time does not depend on how slowly a head decays. Only with l2norm."""
+    return cm.segments("CUDNN_TRAIN_GDN_FWD_CARRY", nseq, HV * max(V // 128, 1), T, l2norm, device, fill=0.9)
+
+
+def carries(k, w, u, gc, cu, cu_chunks, T, NT, group, nseq, nseg, cap=CARRY_CAP, vb=32):
+    """The prepare step: float32 ``[nseq * (nseg - 1), HV, K, V + K]``, row ``n * (nseg - 1) + s`` the carry into
+    the boundary of segment s + 1 of sequence n: columns below V its L (the state walked from zero over the end of
+    segment s), the K from V on its M (segment s's K x K transition, or zero where the boundary warms up within
+    ``cap`` chunks). One chain CTA per (boundary, value head, ``vb`` columns of V + K)."""
+    B, _, HV, V = u.shape
+    K = k.shape[-1]
+    kern = get_chain_kernel(k.dtype, K, V, vb, True, NT == 0, False, False, False, nseg=nseg, prep_cap=cap)
+    LM = F._empty(nseq * (nseg - 1), HV, K, V + K, dtype=torch.float32, device=k.device)
+    f32_dummy, _, _ = F._dummies(k.device)
+    rows = F._empty(1, 1, 1, V, dtype=k.dtype, device=k.device)  # hs and vn: the prepare step writes neither
+    kern(k, w, u, gc, f32_dummy.view(1, 1, 1, 1), LM, cu, cu_chunks, rows, rows, T, NT, group, nseq)
+    return LM
+
+
+def combine_carries(LM: torch.Tensor, h0, nseq: int, nseg: int, V: int) -> torch.Tensor:
+    """The combine step: each segment's start state, float32 ``[nseq * nseg, HV, K, V]`` (row ``n * nseg + s``):
+    ``S_0`` the initial state (or zero), ``S_(s+1) = M_s S_s + L_s``, in float64 (the products are small; float32
+    matmuls could run in TF32 where a caller allows it)."""
+    rows, HV, K, _ = LM.shape
+    L = LM[..., :V].double().view(nseq, nseg - 1, HV, K, V)
+    M = LM[..., V:].double().view(nseq, nseg - 1, HV, K, K)
+    S = LM.new_zeros(nseq, HV, K, V, dtype=torch.float64) if h0 is None else h0.double()
+    starts = [S]
+    for s in range(nseg - 1):
+        S = torch.matmul(M[:, s], S) + L[:, s]
+        starts.append(S)
+    return torch.stack(starts, 1).float().view(nseq * nseg, HV, K, V)
+
+
+def virtual_cu(cu_seqlens, B: int, T: int, nseg: int, device) -> torch.Tensor:
+    """int32 ``cu_seqlens`` of the segments as sequences (``nseq * nseg + 1`` entries): segment s of a sequence of
+    n chunks starts at its chunk ``n s // nseg`` (the prepare step's plan). Dense: on the host; varlen: by device
+    ops on ``cu_seqlens`` (no read on the host)."""
+    if cu_seqlens is None:
+        n = -(-T // CHUNK)
+        bounds = [b * T + (n * s // nseg) * CHUNK for b in range(B) for s in range(nseg)] + [B * T]
+        return torch.tensor(bounds, dtype=torch.int32, device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    n = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
+    s = torch.arange(nseg, dtype=torch.int32, device=device)
+    starts = cu[:-1, None] + (n[:, None] * s[None, :] // nseg) * CHUNK
+    return torch.cat([starts.reshape(-1), cu[-1:]])
+
+
+def carried_state_pass(q, k, w, u, gc, o, h0, ht, cu_seqlens, cu, cu_chunks, T, NT, scale, group, nseq, nseg):
+    """The inference forward's state pass with each sequence cut into ``nseg`` segments (``CUDNN_TRAIN_GDN_FWD_
+    CARRY``): :func:`carries` (the prepare step: a warm-up of at most ``CARRY_CAP`` chunks before each boundary, or
+    the previous segment's state from zero and its transition), :func:`combine_carries`, then the specialized
+    warpgroups' pass over the segments as sequences from their start states (``[K, V]`` states, l2norm). The plan
+    and its exactness: ``tests/fused/test_gdn_segments_carry.py``. Fills ``o`` (and ``ht`` when given)."""
+    from . import gated_delta_rule_fwd_ws_sm90 as WS
+
+    B, _, HV, V = u.shape
+    K = q.shape[3]
+    LM = carries(k, w, u, gc, cu, cu_chunks, T, NT, group, nseq, nseg)
+    starts = combine_carries(LM, h0, nseq, nseg, V)
+    cu_v, cuc_v, _, _ = F.chunk_map(virtual_cu(cu_seqlens, B, T, nseg, q.device), 1, B * T, q.device)
+    ht_v = None if ht is None else F._empty(nseq * nseg, HV, K, V, dtype=torch.float32, device=q.device)
+    flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, w, u, gc)]  # views where the strides allow
+    WS.state_pass(*flat, o.view(1, B * T, HV, V), starts, ht_v, cu_v, cuc_v, 0, scale, True, False, group,
+                  nseq * nseg)
+    if ht is not None:
+        ht.copy_(ht_v.view(nseq, nseg, HV, K, V)[:, -1])

@@ -887,6 +887,109 @@ def test_ws_segments(case, nseg, monkeypatch, poisoned):
     _check_segments(case, "CUDNN_TRAIN_GDN_FWD_WS_SEG", nseg, monkeypatch, training=False)
 
 
+@pytest.mark.compile
+def test_carry_prepare_compiles_for_sm90a(kernel_cache):
+    """The carried split's prepare step (CUDNN_TRAIN_GDN_FWD_CARRY, prepared): the chain walking into each boundary,
+    L's and M's columns in one grid; dense bf16 K = V = 128 in 4 segments, varlen fp16 K = V = 64 in 16; a
+    ValueError naming prep_cap for what it does not take (one segment, an initial state, a negative cap)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+    assert callable(SP.get_chain_kernel(torch.bfloat16, 128, 128, 32, True, False, False, False, False, nseg=4,
+                                        prep_cap=16))
+    assert callable(SP.get_chain_kernel(torch.float16, 64, 64, 32, True, True, False, False, False, nseg=16,
+                                        prep_cap=4))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2
+    for nseg, has_h0, cap in ((1, False, 16), (4, True, 16), (4, False, -1)):
+        with pytest.raises(ValueError, match="prep_cap"):
+            SP.get_chain_kernel(torch.bfloat16, 128, 128, 32, True, False, has_h0, False, False, nseg=nseg,
+                                prep_cap=cap)
+
+
+def test_carry_switch(monkeypatch):
+    """CUDNN_TRAIN_GDN_FWD_CARRY: off unless asked (1 or unset); auto, the specialized warpgroups' segment count
+    (B1 T16384 HV32: 4; B4: 1); never without l2norm; a bad value is a ValueError naming it."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+    monkeypatch.setattr(kc, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_FWD_CARRY", raising=False)
+    assert SP.carry_segments(1, 32, 128, 16384, True, dev) == 1
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_CARRY", "auto")
+    assert [SP.carry_segments(n, 32, 128, 16384, True, dev) for n in (1, 4)] == [4, 1]
+    assert SP.carry_segments(1, 32, 128, 16384, False, dev) == 1
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_FWD_CARRY", lambda: SP.carry_segments(1, 32, 128, 16384, True,
+                                                                                            dev), "16", 16, ("3", "x"))
+
+
+def test_carry_virtual_sequences_and_combine():
+    """The carried split's host steps on the CPU: the segments as sequences (dense on the host and varlen by tensor
+    ops give the same bounds; segment s of n chunks starts at chunk n s // nseg, the prepare kernel's plan; empty,
+    one-token and partial sequences), and the combine against its recurrence written out in float64."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+    dev = torch.device("cpu")
+    dense = SP.virtual_cu(None, 2, 2000, 4, dev)
+    assert dense.tolist() == [0, 512, 1024, 1536, 2000, 2512, 3024, 3536, 4000]
+    assert torch.equal(SP.virtual_cu(cu_seqlens([2000, 2000]), 2, 2000, 4, dev), dense)
+    lengths = SEG_VARLEN
+    got = SP.virtual_cu(cu_seqlens(lengths), 1, sum(lengths), 4, dev).tolist()
+    want, start = [], 0
+    for length in lengths:
+        n = -(-length // 64)
+        want += [start + (n * s // 4) * 64 for s in range(4)]
+        start += length
+    assert got == want + [start]
+
+    gen = torch.Generator().manual_seed(0)
+    nseq, nseg, HV, K, V = 3, 4, 2, 8, 16
+    LM = torch.randn(nseq * (nseg - 1), HV, K, V + K, generator=gen)
+    h0 = torch.randn(nseq, HV, K, V, generator=gen)
+    starts = SP.combine_carries(LM, h0, nseq, nseg, V).view(nseq, nseg, HV, K, V)
+    for n in range(nseq):
+        S = h0[n].double()
+        assert torch.equal(starts[n, 0], h0[n])
+        for s in range(nseg - 1):
+            row = LM[n * (nseg - 1) + s].double()
+            S = row[..., V:] @ S + row[..., :V]
+            assert torch.allclose(starts[n, s + 1].double(), S, rtol=1e-6, atol=1e-6), (n, s)
+    assert torch.equal(SP.combine_carries(LM, None, nseq, nseg, V).view(nseq, nseg, HV, K, V)[:, 0],
+                       torch.zeros(nseq, HV, K, V))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, nseg", [("dense", 4), ("varlen", 4), ("dense_16", 16)])
+def test_carried_forward(case, nseg, monkeypatch, poisoned):
+    """The inference forward with its carried split (CUDNN_TRAIN_GDN_FWD_CARRY: prepare, combine, the specialized
+    warpgroups over the segments as sequences) against the float32 oracle and the same forward unsplit on the same
+    kernel (w and u from the wy kernel): every element written, o and the final state under the FLA-compat rule
+    and within 1.25x the unsplit forward's error (the carry's products round differently from the walk they
+    replace: not the unsplit bits, unlike the warm-up split's slow head), for every gate regime of gdn_seg_gates:
+    head 0 never decays, so every boundary is carried exactly (a missing or wrong transition is an O(1) error),
+    heads 2 and 3 warm up. Dense with the initial and final states, varlen with empty, one-token and partial
+    sequences, 16 segments of 2 chunks."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setattr(F90, "SPLIT", False)  # the unsplit call on the main pass's kernel
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(F90, "ONFLY", False)
+    K, (q, k, v, g, beta, h0), cu = _segment_inputs(case == "varlen")
+    args = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu)
+    outs = []
+    for n in ("1", str(nseg)):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_CARRY", n)
+        o, ht = F90.forward(q, k, v, g, beta, **args).value
+        end = q.shape[1] if cu is None else int(cu[-1])  # o past the last sequence is never written
+        outs.append(dict(o=o[:, :end].float(), final_state=ht))
+    ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=True)
+    for name, ref in (("o", ref_o[:, :outs[0]["o"].shape[1]]), ("final_state", ref_h)):
+        base, split = outs[0][name], outs[1][name]
+        _check(name, split, ref, None)  # also: every element written
+        err, err_base = rel_l2(split, ref), rel_l2(base, ref)
+        assert err <= 1.25 * err_base, f"{case}: {name} {err:.3e} from the oracle against the unsplit {err_base:.3e}"
+
+
 def _check_segments(case, switch, nseg, monkeypatch, training):
     """The segment cases' check: the forward with ``switch`` at 1 and at ``nseg`` (with ``training``, also the
     chunk-start states and vn): the slow head (head 0) bitwise, all heads within 1e-4 relative L2, every output
