@@ -1236,12 +1236,15 @@ def forward(
 
         ws_nseg = WS.segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
     # the carried split (CUDNN_TRAIN_GDN_FWD_CARRY, prepared, off): where asked and more than one it takes the call
-    # (over the segmented specialized warpgroups too), w and u from the wy kernel
+    # (over the segmented specialized warpgroups too, not over a forced split pass or fused state kernel), w and u
+    # from the wy kernel
     carry = 1
-    if not store_states and not return_intermediates and not state_v_first:
+    if not (store_states or return_intermediates or state_v_first or SPLIT is True or STATE_WS is False):
         from . import gated_delta_rule_fwd_split_sm90 as sp
 
         carry = sp.carry_segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
+        if max(nseq * (carry - 1) * HV * K * (V + K), nseq * carry * HV * K * V) >= 2**31:
+            carry = 1  # its carries and start states must be int32-addressable
     if carry > 1:
         ws_nseg, split = 1, False
     elif ws_nseg > 1:

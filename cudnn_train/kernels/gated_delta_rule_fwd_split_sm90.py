@@ -273,13 +273,11 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         warp0 = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         h = hv // group
         v0 = vb * VB
-        vu0 = v0  # u's columns of this block (PREP: the transition's columns read any u columns, times 0)
+        vu0 = v0  # u's columns of this block (PREP: the transition's columns load u's first ones, read as 0)
         im = Int32(0)  # PREP: 1 in the transition's columns
-        umask = Float32(1.0)
         if cutlass.const_expr(PREP):
             im = cutlass.select_(v0 >= V, Int32(1), Int32(0))
-            vu0 = v0 - im * V
-            umask = Float32(cutlass.select_(v0 >= V, Float32(0.0), Float32(1.0)))
+            vu0 = cutlass.select_(v0 >= V, Int32(0), v0)
 
         mma_vn = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=True)  # vn [i, v] = w S
         mma_up = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=True, a_mn_major=True)  # S [d, v] += k^T vn_s
@@ -409,13 +407,13 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                         vi, vc = cV[2 * e]
                         upair = cute.make_rmem_tensor((1, 2), dtype)
                         cute.autovec_copy(cute.local_tile(sUb[par], (1, 2), (vi, vc // 2)), upair)
-                        u0 = upair[0].to(Float32)
-                        u1 = upair[1].to(Float32)
-                        if cutlass.const_expr(PREP):  # the transition's columns: vn = -w S
-                            u0 = u0 * umask
-                            u1 = u1 * umask
-                        a0 = u0 - accVn[2 * e]
-                        a1 = u1 - accVn[2 * e + 1]
+                        if cutlass.const_expr(PREP):  # the transition's columns: vn = -w S (a select: u's values unread)
+                            a0 = Float32(cutlass.select_(im > 0, Float32(0.0), upair[0].to(Float32))) - accVn[2 * e]
+                            a1 = Float32(cutlass.select_(im > 0, Float32(0.0), upair[1].to(Float32))) - accVn[
+                                2 * e + 1]
+                        else:
+                            a0 = upair[0].to(Float32) - accVn[2 * e]
+                            a1 = upair[1].to(Float32) - accVn[2 * e + 1]
                         coef = cute.math.exp2((glast - sGcb[par][vi]) * LOG2E, fastmath=True)
                         if cutlass.const_expr(l2norm):
                             coef = coef * sRk[vi]
@@ -829,13 +827,11 @@ def combine_carries(LM: torch.Tensor, h0, nseq: int, nseg: int, V: int) -> torch
 
 def virtual_cu(cu_seqlens, B: int, T: int, nseg: int, device) -> torch.Tensor:
     """int32 ``cu_seqlens`` of the segments as sequences (``nseq * nseg + 1`` entries): segment s of a sequence of
-    n chunks starts at its chunk ``n s // nseg`` (the prepare step's plan). Dense: on the host; varlen: by device
-    ops on ``cu_seqlens`` (no read on the host)."""
-    if cu_seqlens is None:
-        n = -(-T // CHUNK)
-        bounds = [b * T + (n * s // nseg) * CHUNK for b in range(B) for s in range(nseg)] + [B * T]
-        return torch.tensor(bounds, dtype=torch.int32, device=device)
-    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    n chunks starts at its chunk ``n s // nseg`` (the prepare step's plan). By device ops (no read on the host)."""
+    if cu_seqlens is None:  # by device ops too: a host list copied in would not be capturable in a CUDA graph
+        cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)
     n = (cu[1:] - cu[:-1] + (CHUNK - 1)) // CHUNK
     s = torch.arange(nseg, dtype=torch.int32, device=device)
     starts = cu[:-1, None] + (n[:, None] * s[None, :] // nseg) * CHUNK
