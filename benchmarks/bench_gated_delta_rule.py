@@ -9,8 +9,9 @@ g = logsigmoid(.) float32, beta = sigmoid(.) bf16, no initial state, no final st
 heads, which a decay-truncated sequence split cannot cut short) instead of ``logsigmoid(U(0, 1))``; with
 ``--layer-flags`` the same A_log and dt_bias in the kernel. ``--seg`` adds the row ``op-seg``: the op with the
 SM90 recurrences' sequence split on (``CUDNN_TRAIN_GDN_CHAIN_SEG``, ``_SWEEP_SEG``, ``_FWD_WS_SEG`` = auto),
-forward+backward on the training path. ``--carry`` adds ``op-carry``: the op's forward with the carried split
-(``CUDNN_TRAIN_GDN_FWD_CARRY=auto``: each boundary warmed up within 16 chunks or carried exactly), forward only.
+forward+backward on the training path. ``--carry`` adds ``op-carry``: the op with the carried splits
+(``CUDNN_TRAIN_GDN_FWD_CARRY`` and ``_SWEEP_CARRY`` = auto: each boundary warmed up within 16 chunks or carried
+exactly; the inference forward and the training path's reverse sweep), forward+backward on the training path.
 ``--layer-flags``: the call FLA's and our GatedDeltaNet layers make instead (raw gate input and beta
 logits, bf16, ``use_gate_in_kernel`` with A_log and dt_bias, ``use_beta_sigmoid_in_kernel``; gradients
 also to A_log and dt_bias). ``--head-dim 64``: K = V = 64. FlashQLA serves neither, so its row is left out.
@@ -57,7 +58,7 @@ TRAIN_ENV = "CUDNN_TRAIN_GDN_SM90_TRAIN"
 STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"
 TRAIN_ROWS = {"sm90-train": "kernel"}  # row -> its stage 3 (main() adds "sm90-train-t3": "torch" on request)
 ROW_ENV: dict[str, dict[str, str]] = {}  # row -> environment set around its calls (main() adds "op-seg" on request)
-FWD_ONLY = {"cutedsl"}  # rows timed forward only (main() adds "op-carry" on request)
+FWD_ONLY = {"cutedsl"}  # rows timed forward only
 
 
 SEG_ENVS = ("CUDNN_TRAIN_GDN_CHAIN_SEG", "CUDNN_TRAIN_GDN_SWEEP_SEG", "CUDNN_TRAIN_GDN_FWD_WS_SEG")
@@ -175,8 +176,8 @@ def main() -> None:
                     help="also time the op with the SM90 recurrences' sequence split on (row op-seg, forward+backward "
                          "on the training path: CUDNN_TRAIN_GDN_CHAIN_SEG, _SWEEP_SEG, _FWD_WS_SEG = auto)")
     ap.add_argument("--carry", action="store_true",
-                    help="also time the op's forward with the carried split (row op-carry: CUDNN_TRAIN_GDN_FWD_CARRY"
-                         "=auto; the inference forward only, so no forward+backward)")
+                    help="also time the op with the carried splits (row op-carry: CUDNN_TRAIN_GDN_FWD_CARRY and "
+                         "_SWEEP_CARRY = auto; forward+backward on the training path)")
     ap.add_argument("--graphed", action="store_true",
                     help="also time every row captured as a CUDA graph (GPU time, host cost left out; NaN where a "
                          "row cannot be captured)")
@@ -187,8 +188,8 @@ def main() -> None:
         TRAIN_ROWS["op-seg"] = "kernel"
         ROW_ENV["op-seg"] = {name: "auto" for name in SEG_ENVS}
     if args.carry:
-        ROW_ENV["op-carry"] = {"CUDNN_TRAIN_GDN_FWD_CARRY": "auto"}
-        FWD_ONLY.add("op-carry")
+        TRAIN_ROWS["op-carry"] = "kernel"
+        ROW_ENV["op-carry"] = {"CUDNN_TRAIN_GDN_FWD_CARRY": "auto", "CUDNN_TRAIN_GDN_SWEEP_CARRY": "auto"}
     if not torch.cuda.is_available():
         print("bench_gated_delta_rule: needs a CUDA GPU; nothing to time here")
         return
@@ -244,7 +245,7 @@ def main() -> None:
         def fwd_call(name):
             if name == "cutedsl":
                 return lambda: F90.forward(q, k, v, g, beta, cu_seqlens=cu, **kw)
-            if name in ("op", "op-carry") or name in TRAIN_ROWS:
+            if name == "op" or name in TRAIN_ROWS:
                 return lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, **kw)
             fn = peers[name]
             cul = None if cu is None else cu.long()
@@ -265,8 +266,7 @@ def main() -> None:
 
         runs: dict[str, list[tuple[float, ...]]] = {}
         paths = {}
-        names = [n for n in ["cutedsl", "op", *TRAIN_ROWS, *(["op-carry"] if args.carry else []), *peers]
-                 if n not in broken | skip]
+        names = [n for n in ["cutedsl", "op", *TRAIN_ROWS, *peers] if n not in broken | skip]
         for rnd in range(max(1, args.rounds)):  # rounds interleave the rows: drift of the machine hits all alike
             for name in [n for n in names if n not in broken]:
                 try:

@@ -73,6 +73,7 @@
 #   bash tools/gpu_next.sh s42      # the carried split's cases, then the unsplit default, the warm-up split and the
 #                                   # carried split with the peers at FLA's layer-init gates (slow heads; 4 parts)
 #   bash tools/gpu_next.sh s42b     # the same benchmark at the benchmark's fast gates
+#   bash tools/gpu_next.sh s42train # the training tier's kernel half with the carried sweep in 4 segments
 #   bash tools/gpu_next.sh s43      # stage 3 persistent with E in registers as the candidate default: the stage-3
 #                                   # tier (not the two-chain cases, which refuse it) and the training tier's kernel half
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
@@ -463,13 +464,14 @@ s41)
   tier s41 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "ereg"
   timed ereg ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --shapes ${SHAPES:-2} --ereg ;;
 s42|s42b)
-  # the twenty-sixth session's questions. s42: the carried split's GPU cases (CUDNN_TRAIN_GDN_FWD_CARRY, prepared),
-  # then at FLA's layer-init gates (--gates layer: slow heads, the warm-up split's worst case) the op unsplit (op),
-  # with the warm-up split (op-seg) and with the carried one (op-carry, forward only), with the peers; s42b: the same
-  # benchmark at the benchmark's own fast gates (BENCH_S limit, SHAPES, ROUNDS)
+  # the twenty-sixth session's questions. s42: the carried splits' GPU cases (CUDNN_TRAIN_GDN_FWD_CARRY, _SWEEP_CARRY,
+  # prepared), then at FLA's layer-init gates (--gates layer: slow heads, the warm-up split's worst case) the op
+  # unsplit (op), with the warm-up splits (op-seg) and with the carried ones (op-carry), with the peers; s42b: the
+  # same benchmark at the benchmark's own fast gates (BENCH_S limit, SHAPES, ROUNDS)
   gates=layer
   if [ "$1" = s42 ]; then
-    tier s42 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py -k "carried"
+    tier s42 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
+      -k "carried"
   else
     gates=bench
   fi
@@ -484,6 +486,10 @@ s43)
   export CUDNN_TRAIN_GDN_DCHUNK_PERSIST=1 CUDNN_TRAIN_GDN_DCHUNK_EREG=1
   tier s43 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "not two_chain"
   TRAIN_K=1 TRAIN_S=${TRAIN_S:-280} bash "$0" gdn_train ;;
+s42train)
+  # the training path through the op with the reverse sweep's carried split in 4 segments (forced: the tier's shapes
+  # are too short for auto), kernel half (TRAIN_S limit)
+  CUDNN_TRAIN_GDN_SWEEP_CARRY=4 TRAIN_K=1 bash "$0" gdn_train ;;
 s40train)
   # then the training path through the op with both recurrences in 4 segments (forced: the tier's shapes are too short
   # for auto), kernel half (TRAIN_S limit)

@@ -76,7 +76,8 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 
 def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None,
                   WGS: int = 1, PREFETCH: bool = False, PROFILE: bool = False, EARLY_QK: bool = False,
-                  TMA: bool = False, VH: int = 1, DHTMA: bool = False, DVNTMA: bool = False, NSEG: int = 1):
+                  TMA: bool = False, VH: int = 1, DHTMA: bool = False, DVNTMA: bool = False, NSEG: int = 1,
+                  PREP_CAP: int = 0):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -123,10 +124,21 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     # the segment holding chunk 0 stores dh0. The dropped part is dH leaving c_e - 1 times the transposed
     # transitions of those chunks, of norm at most their decay with unit-norm keys and beta in [0, 2] (as in the
     # forward chain's split, ``gated_delta_rule_fwd_split_sm90``): only with l2norm.
-    SEG = NSEG > 1
-    if SEG and not (l2norm and NSEG in cm.SEGMENTS and PREFETCH and not PROFILE):
+    # PREP_CAP > 0: the carried split's prepare step for the sweep (:func:`sweep_carries`), NSEG >= 2: CTA
+    # (n * (NSEG - 1) + s, hv, vb) walks into the end of segment s from the start of segment s + 1
+    # (cm.make_carry_walk(forward=False)) and stores its dH, nothing else, into row n * (NSEG - 1) + s of mDH0
+    # [rows, HV, K, V + K]: columns below V walked from a zero dH with do (L), the K columns from V on the segment's
+    # transition (M: do read as 0, from the identity's columns; zero where the boundary warms up). The loop is the
+    # sweep's own.
+    PREP = PREP_CAP > 0
+    SEG = NSEG > 1 and not PREP
+    if (SEG or PREP) and not (l2norm and NSEG in cm.SEGMENTS and PREFETCH and not PROFILE):
         raise ValueError(f"NSEG={NSEG}: with l2norm and the prefetch, not the profile variant")
+    if PREP and not (NSEG >= 2 and not (has_dht or state_vk or DHTMA or DVNTMA) and K % VB == 0):
+        raise ValueError(f"PREP_CAP={PREP_CAP}: the prepare step takes NSEG >= 2, no final state's gradient, [K, V] "
+                         "states, the element stores and a V block dividing K")
     walk = cm.make_segment_walk(forward=False)
+    carry_walk = cm.make_carry_walk(forward=False)
     zero_unless = cm.make_zero_unless()
 
     @cute.jit
@@ -178,8 +190,16 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         if cutlass.const_expr(SEG):  # segment seg of sequence n
             seg = n % NSEG
             n = n // NSEG
+        if cutlass.const_expr(PREP):  # the boundary after segment seg of sequence n
+            seg = n % (NSEG - 1)
+            n = n // (NSEG - 1)
         h = hv // group
         v0 = vb * VB
+        vu0 = v0  # do's columns of this block (PREP: the transition's columns load do's first ones, then zero them)
+        im = Int32(0)  # PREP: 1 in the transition's columns
+        if cutlass.const_expr(PREP):
+            im = cutlass.select_(v0 >= V, Int32(1), Int32(0))
+            vu0 = cutlass.select_(v0 >= V, Int32(0), v0)
         pstart, pmark, pfinish = fwd.make_profile(PROFILE, len(SWEEP_PHASES))
         prof = pstart()
 
@@ -264,11 +284,21 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         c_e = nchunks
         if cutlass.const_expr(SEG):  # sRk: free until the first barrier
             c_e, c_lo, c_hi = walk(mGc, sRk, b, hv, ts, te, nchunks, seg, NSEG, tidx)
+        ic = Int32(0)  # PREP: 1 where the boundary carries
+        if cutlass.const_expr(PREP):
+            c_lo, c_e, carry = carry_walk(mGc, sRk, b, hv, ts, te, nchunks, seg, NSEG, PREP_CAP, tidx)
+            ic = cutlass.select_(carry, Int32(1), Int32(0))
+            c_lo = cutlass.select_(im * (1 - ic) > 0, c_e, c_lo)  # no transition where the boundary warms up
 
         accD = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
         start_state(accD, cS, mDHT, n, hv, v0, state_vk, has_dht)
         if cutlass.const_expr(SEG):  # a walk from a chunk before the end starts from zero
             zero_unless(accD, c_e == nchunks)
+        if cutlass.const_expr(PREP):  # L from zero; M from the identity's columns v0 - V : where it carries
+            for e in cutlass.range_constexpr(cute.size(accD)):
+                sv, sd = cS[e]
+                diag = cutlass.select_(sd == v0 - V + sv, Int32(1), Int32(0))
+                accD[e] = Float32(cutlass.select_(im * ic * diag > 0, Float32(1.0), Float32(0.0)))
         pend = Int32(-1)  # (DVNTMA) the first row of the chunk whose dvn waits in sDVo for its store, or -1
 
         nwalk = c_e - c_lo
@@ -276,7 +306,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             if nwalk > 0:
                 t1 = ts + (c_e - 1) * C
                 next_qk(gm, sQ, sK, ta, mbar, b, h, t1, te - t1, tidx)
-                next_wdg(gm, sWb[0], sDob[0], sGcb[0], ta, mbar, b, hv, t1, v0, te - t1, tidx)
+                next_wdg(gm, sWb[0], sDob[0], sGcb[0], ta, mbar, b, hv, t1, vu0, te - t1, tidx)
             cute.arch.cp_async_commit_group()
         for cp in cutlass.range((nwalk + NBUF - 1) // NBUF, unroll=1):
             for par in cutlass.range_constexpr(NBUF):  # one chunk a buffer, so every tile stays static
@@ -303,6 +333,9 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                                 if warp0:  # chunk ago: no wait in practice)
                                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                         cute.arch.cp_async_wait_group(0)
+                        if cutlass.const_expr(PREP):  # the transition's columns: do read as 0
+                            if im > 0:
+                                zero_tail(sDo, VB, 0, tidx)
                         cute.arch.fence_view_async_shared()
                         cute.arch.sync_threads()  # chunk cr is in smem; every thread is done with chunk cr - 1
                         if cutlass.const_expr(DVNTMA):  # chunk cr - 1's dvn, if it was a full chunk (warp 0)
@@ -311,7 +344,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                                     cm.tma_store(aDV, cm.token_box(tDV, b, hv, pend, v0, C, VB), sDVo)
                         if cr + 1 < nwalk:  # w, do, gc of chunk cr + 1 into the buffers chunk cr - 1 used
                             next_wdg(gm, sWb[1 - par], sDob[1 - par], sGcb[1 - par], ta,
-                                     None if mbar is None else mbar + (1 - par), b, hv, t0 - C, v0, C, tidx)
+                                     None if mbar is None else mbar + (1 - par), b, hv, t0 - C, vu0, C, tidx)
                         cute.arch.cp_async_commit_group()
                     else:
                         cute.arch.sync_threads()  # the previous chunk is done with every smem tile
@@ -346,7 +379,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     if cutlass.const_expr(regs_a):
                         for f in cutlass.range_constexpr(cute.size(rD)):
                             rD[f] = accD[map_s[f]].to(dtype)
-                    if cutlass.const_expr(not DHTMA):  # this chunk's dH (before the update), for stage 3
+                    if cutlass.const_expr(not DHTMA and not PREP):  # this chunk's dH (before the update), for stage 3
                         if keep:
                             store_state(accD, cS, mDH, cbase + ci, hv, v0, False)
                     glast = sGc[C - 1]
@@ -408,7 +441,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                             if keep:  # (SEG: it may be a warm-up chunk)
                                 store_dvn_rows(accX, cX, mDVN, b, t0, hv, v0, length)
                             pend = Int32(-1)
-                    else:
+                    elif cutlass.const_expr(not PREP):
                         if keep:
                             store_dvn_rows(accX, cX, mDVN, b, t0, hv, v0, length)
                     if cutlass.const_expr(regs_a):
@@ -426,7 +459,9 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     warpgroup.wait_group(0)
                     pmark(prof, 6)
 
-        if cutlass.const_expr(SEG):  # dh0 from the segment holding chunk 0 (segment 0 when there is none)
+        if cutlass.const_expr(PREP):  # the carry: L's and M's columns of row n * (NSEG - 1) + seg
+            store_state(accD, cS, mDH0, n * (NSEG - 1) + seg, hv, v0, False)
+        elif cutlass.const_expr(SEG):  # dh0 from the segment holding chunk 0 (segment 0 when there is none)
             if seg == cutlass.select_(nchunks > 0, (NSEG + nchunks - 1) // cutlass.max(nchunks, 1) - 1, Int32(0)):
                 store_state(accD, cS, mDH0, n, hv, v0, state_vk)
         else:
@@ -455,7 +490,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         aDV, tDV = cm.make_tma_store(DVNTMA, dtype, mDVN, cm.TOKEN_ROWS, C, VB)
         kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, mProf, *atoms,
                *tmas, aDH, tDH, aDV, tDV).launch(
-            grid=[nseq * NSEG, HV, V // VB], block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
+            grid=[nseq * (NSEG - 1), HV, (V + K) // VB] if PREP else [nseq * NSEG, HV, V // VB],
+            block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
         )
 
     f = fwd._fakes()
@@ -575,18 +611,26 @@ def sweep_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> 
 
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
                       prefetch=None, profile=False, early_qk=None, tma=None, vh=1, dh_tma=None, dvn_tma=None,
-                      nseg=1):
+                      nseg=1, prep_cap=0):
+    """The fused sweep kernel (:func:`reverse_sweep`); with ``prep_cap`` > 0 its variant for the carried split's
+    prepare step (:func:`sweep_carries`: no final state's gradient, ``[K, V]`` states, the element stores)."""
     prefetch = prefetch_default() if prefetch is None else bool(prefetch)
     early_qk = prefetch and (early_qk_default(wgs) if early_qk is None else bool(early_qk))
     tma = prefetch and (tma_default() if tma is None else bool(tma))
     # unset: where both V halves share a CTA (the form measured); asked for: wherever the TMA loads run
     dh_tma = tma and out_dtype == dtype and (dh_tma_default() and vh == 2 if dh_tma is None else bool(dh_tma))
     dvn_tma = dh_tma and (dvn_tma_default() if dvn_tma is None else bool(dvn_tma))
+    if prep_cap:  # the prepare step stores its carries alone
+        dh_tma = dvn_tma = False
+    if prep_cap < 0 or (prep_cap and (nseg < 2 or has_dht or state_vk or K % (VBLOCK * vh))):
+        raise ValueError(f"prep_cap={prep_cap}: the prepare step takes nseg >= 2, no final state's gradient, [K, V] "
+                         f"states and a V block dividing K")
     key = ("dstate", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_dht), bool(state_vk)) + (
         () if out_dtype == torch.float32 else (str(out_dtype),)) + (() if wgs == 1 else (("wgs", wgs),)) + (
         ("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (("early_qk",) if early_qk else ()) + (
         ("tma",) if tma else ()) + (() if vh == 1 else (("vh", vh),)) + (("dh_tma",) if dh_tma else ()) + (
-        ("dvn_tma",) if dvn_tma else ()) + ((("nseg", nseg),) if nseg > 1 else ())
+        ("dvn_tma",) if dvn_tma else ()) + ((("nseg", nseg),) if nseg > 1 else ()) + (
+        (("prep", prep_cap),) if prep_cap else ())
     if nseg not in cm.SEGMENTS or (nseg > 1 and not (l2norm and prefetch and not profile)):
         raise ValueError(f"nseg={nseg}: one of {cm.SEGMENTS}; more than 1 only with l2norm and the prefetch, "
                          "not the profile variant")
@@ -595,7 +639,7 @@ def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=
 
     def build():
         return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs,
-                             prefetch, bool(profile), early_qk, tma, vh, dh_tma, dvn_tma, nseg)
+                             prefetch, bool(profile), early_qk, tma, vh, dh_tma, dvn_tma, nseg, prep_cap)
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 
@@ -627,7 +671,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
                   prefetch: bool | None = None, split: bool | None = None, profile: torch.Tensor | None = None,
                   early_qk: bool | None = None, ws: bool | None = None, ws_tma: bool | None = None,
                   tma: bool | None = None, vh2: bool | None = None, dh_tma: bool | None = None,
-                  dvn_tma: bool | None = None, nseg: int | None = None):
+                  dvn_tma: bool | None = None, nseg: int | None = None, carry: int | None = None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
@@ -654,7 +698,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     leaves the same way (default :func:`dvn_tma_default`, on; the same bits); ``nseg``: segments a sequence for
     the fused kernel (default :func:`sweep_segments`; where more than one, the fused kernel runs whatever ``split``
     and ``ws`` say, on one warpgroup a V half unless ``wgs`` says otherwise, both halves a CTA where
-    :func:`vh2_default` on the segments' grid says so, unless ``vh2`` decides)."""
+    :func:`vh2_default` on the segments' grid says so, unless ``vh2`` decides); ``carry``: segments a sequence for
+    the carried split (default :func:`carry_segments`, where ``nseg`` is not given; :func:`carried_sweep`)."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -671,6 +716,15 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     if out_dtype not in (torch.float32, q.dtype):
         raise Unsupported(f"out_dtype {out_dtype} (float32 or q's dtype)")
     pf = prefetch_default() if prefetch is None else bool(prefetch)
+    if carry is None:  # the env switch, where the prepare kernel can serve and nothing else is asked for
+        carry = 1
+        if nseg is None and pf and profile is None and not state_v_first and split is not True and not ws:
+            carry = carry_segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
+            if max(nseq * (carry - 1) * HV * K * (V + K), nseq * carry * HV * K * V) >= 2**31:
+                carry = 1  # its carries and end states must be int32-addressable
+    if int(carry) > 1 and T > 0 and nseq > 0:
+        return carried_sweep(q, k, w, gc, do, dht, cu_seqlens, int(carry), scale=scale,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, out_dtype=out_dtype, tma=tma)
     if nseg is None:  # the env switch, where the segments' kernel can serve
         nseg = sweep_segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
         if not (pf and profile is None):
@@ -733,3 +787,71 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1) if dht is None else dht, dvn, dH, dh0, cu, cu_chunks,
        float(scale), T, NT, HV // H, nseq, *prof)
     return dvn, dH, dh0
+
+
+# ------------------------------------------------------------------ the carried split (opt-in)
+
+
+def carry_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> int:
+    """``CUDNN_TRAIN_GDN_SWEEP_CARRY``: the reverse sweep's *carried* sequence split (prepared in the twenty-sixth
+    session, compiled, not yet GPU-run): unset or 1, off; ``auto``, the count :func:`sweep_segments` would take
+    (B1 T16384 H16 HV32: 4); 2 to 16 force it. No walk is longer than a segment whatever the gates
+    (:func:`carried_sweep`). Only with l2norm and the prefetch, ``[K, V]`` states."""
+    return cm.segments("CUDNN_TRAIN_GDN_SWEEP_CARRY", nseq, HV, T, l2norm, device, fill=0.9)
+
+
+def sweep_carries(q, k, w, gc, do, cu, cu_chunks, T, NT, scale, l2norm, group, nseq, nseg, cap, tma=None):
+    """The sweep's prepare step: float32 ``[nseq * (nseg - 1), HV, K, V + K]``, row ``n * (nseg - 1) + s`` the carry
+    into the end of segment s of sequence n from segment s + 1: columns below V its L (dH walked from zero with do
+    over the start of segment s + 1), the K from V on its M (segment s + 1's K x K transition of dH, or zero where
+    the boundary warms up within ``cap`` chunks)."""
+    B, _, HV, V = do.shape
+    K = q.shape[-1]
+    vh = 2 if V == 2 * VBLOCK else 1
+    fn = get_dstate_kernel(q.dtype, K, V, l2norm, NT == 0, False, False, q.dtype, 1, True, tma=tma, vh=vh,
+                           nseg=nseg, prep_cap=cap)
+    LM = fwd._empty(nseq * (nseg - 1), HV, K, V + K, dtype=torch.float32, device=q.device)
+    f32_dummy, _, i64_dummy = fwd._dummies(q.device)
+    rows = fwd._empty(1, 1, 1, V, dtype=q.dtype, device=q.device)  # dvn and dH: the prepare step writes neither
+    fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1), rows, rows, LM, cu, cu_chunks, float(scale), T, NT, group, nseq,
+       i64_dummy)
+    return LM
+
+
+def combine_sweep_carries(LM: torch.Tensor, dht, nseq: int, nseg: int, V: int) -> torch.Tensor:
+    """The sweep's combine step: dH at the end of each segment, float32 ``[nseq * nseg, HV, K, V]`` (row
+    ``n * nseg + s``): the last the final state's gradient (or zero), ``E_s = M_s E_(s+1) + L_s`` before it, in
+    float64."""
+    _, HV, K, _ = LM.shape
+    L = LM[..., :V].double().view(nseq, nseg - 1, HV, K, V)
+    M = LM[..., V:].double().view(nseq, nseg - 1, HV, K, K)
+    E = LM.new_zeros(nseq, HV, K, V, dtype=torch.float64) if dht is None else dht.double()
+    ends = [E]
+    for s in range(nseg - 2, -1, -1):
+        E = torch.matmul(M[:, s], E) + L[:, s]
+        ends.append(E)
+    return torch.stack(ends[::-1], 1).float().view(nseq * nseg, HV, K, V)
+
+
+def carried_sweep(q, k, w, gc, do, dht, cu_seqlens, nseg, *, scale, use_qk_l2norm_in_kernel, out_dtype, tma=None,
+                  cap=None):
+    """The reverse sweep with each sequence cut into ``nseg`` segments (``CUDNN_TRAIN_GDN_SWEEP_CARRY``):
+    :func:`sweep_carries` (a warm-up of at most ``cap`` chunks after each boundary, ``fwd_split.CARRY_CAP`` by
+    default, or the next segment's dH from zero and its transition), :func:`combine_sweep_carries`, then
+    :func:`reverse_sweep` over the segments as sequences from their end gradients (``fwd_split.virtual_cu``: their
+    chunk rows are the sequences' own, so dH needs no reordering). Returns ``(dvn, dH, dh0)`` as
+    :func:`reverse_sweep` does."""
+    from . import gated_delta_rule_fwd_split_sm90 as fsp
+
+    B, T, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    nseq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, q.device)
+    LM = sweep_carries(q, k, w, gc, do, cu, cu_chunks, T, NT, scale, use_qk_l2norm_in_kernel, HV // H, nseq, nseg,
+                       fsp.CARRY_CAP if cap is None else cap, tma)
+    ends = combine_sweep_carries(LM, dht, nseq, nseg, V)
+    flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, w, gc, do)]
+    dvn, dH, dh0 = reverse_sweep(*flat, ends, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                 cu_seqlens=fsp.virtual_cu(cu_seqlens, B, T, nseg, q.device), out_dtype=out_dtype,
+                                 tma=tma, nseg=1, carry=1)
+    return dvn.view(B, T, HV, V), dH[:total_chunks], dh0.view(nseq, nseg, HV, K, V)[:, 0].contiguous()

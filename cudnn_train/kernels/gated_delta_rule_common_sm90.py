@@ -818,15 +818,16 @@ def make_segment_walk(forward: bool):
     return walk
 
 
-def make_carry_walk():
-    """``carry_walk(mGc, sBuf, b, hv, ts, te, nchunks, s, nseg, cap, tidx) -> (c_w, c_hi, carry)`` (every thread of
-    the CTA): the walk of the carried split's *prepare* step into the boundary of segment ``s + 1`` (of ``nseg`` of
-    a sequence of ``nchunks`` chunks), over the end of segment s, ``[c_lo, c_hi)``: where the last chunks of s reach
-    a summed log decay below :data:`SEG_LOG_DECAY` within ``min(cap, c_hi - c_lo)`` of them, a warm-up from zero
-    over those (``carry`` false: the boundary's state is that walk's end), else the whole segment (``carry`` true:
-    the boundary's state is that walk's end plus its transition times the state entering s). An empty segment
-    carries (its transition is the identity). ``tests/fused/test_gdn_segments_carry.py`` checks the plan on the
-    CPU."""
+def make_carry_walk(forward: bool = True):
+    """``carry_walk(mGc, sBuf, b, hv, ts, te, nchunks, s, nseg, cap, tidx) -> (c_a, c_b, carry)`` (every thread of
+    the CTA): the walk of the carried split's *prepare* step into the boundary between segments s and s + 1 (of
+    ``nseg`` of a sequence of ``nchunks`` chunks). Forward, over the end of segment s, ``[c_lo, c_hi)``: where its
+    last chunks reach a summed log decay below :data:`SEG_LOG_DECAY` within ``min(cap, c_hi - c_lo)`` of them, a
+    warm-up from zero over those (``carry`` false: the boundary's state is that walk's end), else the whole segment
+    (``carry`` true: the boundary's state is that walk's end plus its transition times the state entering s);
+    ``(c_a, c_b)`` the chunks walked. Reverse (the sweep), over the start of segment s + 1 the same way, walked
+    from its end: ``(c_a, c_b)`` the chunks walked, ``c_b - 1`` down to ``c_a``. An empty segment carries (its
+    transition is the identity). ``tests/fused/test_gdn_segments_carry.py`` checks the plan on the CPU."""
     cutlass, cute = kc.import_cute()
     from cutlass import Int32
 
@@ -835,10 +836,15 @@ def make_carry_walk():
     @cute.jit
     def carry_walk(mGc: cute.Tensor, sBuf: cute.Tensor, b: Int32, hv: Int32, ts: Int32, te: Int32, nchunks: Int32,
                    s: Int32, nseg: cutlass.Constexpr, cap: cutlass.Constexpr, tidx: Int32):
-        c_lo = nchunks * s // nseg
-        c_hi = nchunks * (s + 1) // nseg
-        m = reach(mGc, sBuf, b, hv, ts, te, c_hi - 1, cutlass.min(Int32(cap), c_hi - c_lo), -1, tidx)
-        return cutlass.select_(m > 0, c_hi - m, c_lo), c_hi, m == 0
+        if cutlass.const_expr(forward):
+            c_lo = nchunks * s // nseg
+            c_hi = nchunks * (s + 1) // nseg
+            m = reach(mGc, sBuf, b, hv, ts, te, c_hi - 1, cutlass.min(Int32(cap), c_hi - c_lo), -1, tidx)
+            return cutlass.select_(m > 0, c_hi - m, c_lo), c_hi, m == 0
+        c_lo = nchunks * (s + 1) // nseg
+        c_hi = nchunks * (s + 2) // nseg
+        m = reach(mGc, sBuf, b, hv, ts, te, c_lo, cutlass.min(Int32(cap), c_hi - c_lo), 1, tidx)
+        return c_lo, cutlass.select_(m > 0, c_lo + m, c_hi), m == 0
 
     return carry_walk
 

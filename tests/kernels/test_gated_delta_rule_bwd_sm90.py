@@ -151,6 +151,103 @@ def test_reverse_sweep_segments(case, nseg, monkeypatch):
 
 
 @pytest.mark.compile
+def test_sweep_carry_prepare_compiles_for_sm90a(kernel_cache):
+    """The carried split's prepare step for the sweep (CUDNN_TRAIN_GDN_SWEEP_CARRY, prepared): the fused sweep
+    walking into each boundary, L's and M's columns in one grid; both V halves a CTA at K = V = 128 in 4 segments,
+    one half varlen fp16 K = V = 64 in 16; a ValueError naming prep_cap for what it does not take."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    assert callable(B90.get_dstate_kernel(torch.bfloat16, 128, 128, True, False, False, False, torch.bfloat16, 1, True,
+                                          tma=True, vh=2, nseg=4, prep_cap=16))
+    assert callable(B90.get_dstate_kernel(torch.float16, 64, 64, True, True, False, False, torch.float16, 1, True,
+                                          tma=True, nseg=16, prep_cap=4))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2
+    for nseg, has_dht, cap in ((1, False, 16), (4, True, 16), (4, False, -1)):
+        with pytest.raises(ValueError, match="prep_cap"):
+            B90.get_dstate_kernel(torch.bfloat16, 128, 128, True, False, has_dht, False, torch.bfloat16, 1, True,
+                                  vh=2, nseg=nseg, prep_cap=cap)
+
+
+def test_sweep_carry_switch_and_combine(monkeypatch):
+    """CUDNN_TRAIN_GDN_SWEEP_CARRY: off unless asked, auto as the segments' count (B1 T16384 HV32: 4), a bad value
+    names it; the combine against its recurrence written out (from the sequence's end, the final state's gradient
+    last)."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    monkeypatch.setattr(kc, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_SWEEP_CARRY", raising=False)
+    assert B90.carry_segments(1, 32, 128, 16384, True, dev) == 1
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_CARRY", "auto")
+    assert [B90.carry_segments(n, 32, 128, 16384, True, dev) for n in (1, 4)] == [4, 1]
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_SWEEP_CARRY",
+                        lambda: B90.carry_segments(1, 32, 128, 16384, True, dev), "8", 8, ("3", "x"))
+
+    gen = torch.Generator().manual_seed(0)
+    nseq, nseg, HV, K, V = 3, 4, 2, 8, 16
+    LM = torch.randn(nseq * (nseg - 1), HV, K, V + K, generator=gen)
+    dht = torch.randn(nseq, HV, K, V, generator=gen)
+    ends = B90.combine_sweep_carries(LM, dht, nseq, nseg, V).view(nseq, nseg, HV, K, V)
+    for n in range(nseq):
+        E = dht[n].double()
+        assert torch.equal(ends[n, nseg - 1], dht[n])
+        for s in range(nseg - 2, -1, -1):
+            row = LM[n * (nseg - 1) + s].double()
+            E = row[..., V:] @ E + row[..., :V]
+            assert torch.allclose(ends[n, s].double(), E, rtol=1e-6, atol=1e-6), (n, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, nseg", [("dense", 4), ("varlen", 4), ("no_dht", 16)])
+def test_carried_sweep(case, nseg, monkeypatch):
+    """The reverse sweep with its carried split (CUDNN_TRAIN_GDN_SWEEP_CARRY: prepare, combine, the sweep over the
+    segments as sequences from their end gradients) against the unsplit sweep and, dense, the float32 reference:
+    dvn, every dH row and dh0 finite, dense within 1.25x the unsplit sweep's error against the reference (the
+    carry's products round differently: not the unsplit bits) and varlen within 1e-2 of the unsplit sweep (an O(1)
+    error where a transition is missing or wrong: head 0 of gdn_seg_gates never decays, so every boundary is
+    carried). B2 T2000 with the final state's gradient, varlen (SEG_VARLEN: empty, one-token and partial
+    sequences, sequences of fewer chunks than segments), 16 segments of 2 chunks without it."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    dev, dtype, H, HV, K, V = "cuda", torch.bfloat16, 2, 4, 128, 128
+    lens = SEG_VARLEN if case == "varlen" else None
+    B, T = (1, sum(lens)) if lens else (2, 2000)
+    nseq = len(lens) if lens else B
+    q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
+    g = gdn_seg_gates(B, T, dev)
+    cu = None if lens is None else cu_seqlens(lens, dev)
+    scale = K**-0.5
+    _, _, (w, _, gc) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                   return_intermediates=True).value
+    do = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    dht = None if case == "no_dht" else torch.randn(nseq, HV, K, V, device=dev)
+    monkeypatch.setattr(F90, "POISON", True)  # dense outputs start as NaN: every one must be written
+    kw = dict(scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, out_dtype=dtype)
+    outs = [B90.reverse_sweep(q, k, w, gc, do, dht, carry=n, **kw) for n in (1, nseg)]
+    rows = None if cu is None else int(F90.chunk_map(cu, 1, T, q.device)[1][-1])
+    for i, name in enumerate(("dvn", "dH", "dh0")):
+        a, base = outs[1][i], outs[0][i]
+        if name == "dH" and rows is not None:
+            a, base = a[:rows], base[:rows]
+        assert a.shape == base.shape, (name, a.shape, base.shape)
+        assert torch.isfinite(a).all(), f"{case}: {name} is not finite"
+        if cu is not None:
+            assert rel_l2(a.float(), base.float()) <= 1e-2, (name, rel_l2(a.float(), base.float()))
+    if cu is None:
+        ref = _reference(q, k, g, beta, do, torch.zeros(B, HV, K, V, device=dev) if dht is None else dht, scale, HV,
+                         True)
+        ref_dH = ref[1].permute(0, 2, 1, 3, 4).reshape(outs[1][1].shape)  # chunk index b * NT + c
+        for i, (name, r) in enumerate((("dvn", ref[0]), ("dH", ref_dH), ("dh0", ref[2]))):
+            err, err_base = rel_l2(outs[1][i].float(), r), rel_l2(outs[0][i].float(), r)
+            assert err <= 1.25 * err_base, f"{case}: {name} {err:.3e} from the reference against {err_base:.3e}"
+
+
+@pytest.mark.compile
 def test_reverse_sweep_dh_tma_store_compiles_for_sm90a(kernel_cache):
     """dH by stmatrix and TMA stores (CUDNN_TRAIN_GDN_SWEEP_DHTMA, on by default; its stmatrix value order is
     asserted for every thread while tracing): both V halves in one CTA, two warpgroups splitting N, K = V = 64
