@@ -716,12 +716,15 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     if out_dtype not in (torch.float32, q.dtype):
         raise Unsupported(f"out_dtype {out_dtype} (float32 or q's dtype)")
     pf = prefetch_default() if prefetch is None else bool(prefetch)
+    carry_ok = pf and profile is None and not state_v_first and use_qk_l2norm_in_kernel
     if carry is None:  # the env switch, where the prepare kernel can serve and nothing else is asked for
         carry = 1
-        if nseg is None and pf and profile is None and not state_v_first and split is not True and not ws:
+        if nseg is None and carry_ok and split is not True and not ws:
             carry = carry_segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
             if max(nseq * (carry - 1) * HV * K * (V + K), nseq * carry * HV * K * V) >= 2**31:
                 carry = 1  # its carries and end states must be int32-addressable
+    elif int(carry) > 1 and not carry_ok:
+        raise Unsupported(f"carry={carry}: the carried split takes l2norm, the prefetch, [K, V] states, no profile")
     if int(carry) > 1 and T > 0 and nseq > 0:
         return carried_sweep(q, k, w, gc, do, dht, cu_seqlens, int(carry), scale=scale,
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, out_dtype=out_dtype, tma=tma)
@@ -807,7 +810,7 @@ def sweep_carries(q, k, w, gc, do, cu, cu_chunks, T, NT, scale, l2norm, group, n
     the boundary warms up within ``cap`` chunks)."""
     B, _, HV, V = do.shape
     K = q.shape[-1]
-    vh = 2 if V == 2 * VBLOCK else 1
+    vh = 2 if V == 2 * VBLOCK and K % (2 * VBLOCK) == 0 else 1  # the V + K columns in blocks dividing K
     fn = get_dstate_kernel(q.dtype, K, V, l2norm, NT == 0, False, False, q.dtype, 1, True, tma=tma, vh=vh,
                            nseg=nseg, prep_cap=cap)
     LM = fwd._empty(nseq * (nseg - 1), HV, K, V + K, dtype=torch.float32, device=q.device)
