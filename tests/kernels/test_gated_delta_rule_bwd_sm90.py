@@ -98,19 +98,10 @@ def test_reverse_sweep_segments_switch(monkeypatch):
                         lambda: B90.sweep_segments(1, 32, 128, 16384, True, dev), "2", 2, ("0", "5", "x"))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case, nseg", [("dense", 4), ("dense_vh1", 4), ("varlen", 4), ("no_dht", 16)])
-def test_reverse_sweep_segments(case, nseg, monkeypatch):
-    """The fused sweep split into ``nseg`` segments a sequence, each after a warm-up from a zero dH reaching forward
-    until the chunks' decay is below e^-20, against the unsplit fused sweep: the value head that never decays that
-    far (head 0 of gdn_seg_gates, tests/utils.py) bitwise in dvn, every dH row and dh0; every head within 1e-4
-    relative L2 (1e-5 for the float32 dh0; a warm-up a chunk too short is no warm-up at all for head 2, an O(1)
-    error, and a search off by a chunk starts head 3 from a zero dH before a spike instead of after one); dense also
-    against the float32 reference. B2 T2000 (32 chunks, a partial last one that is a warm-up chunk of the segments
-    before it) with both V halves a CTA and one, varlen (SEG_VARLEN: empty, one-token and partial sequences, and
-    sequences of 2 and 3 chunks, whose dh0 the second segment owns), 16 segments of 2 chunks without the final
-    state's gradient."""
-    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+def _sweep_segment_inputs(case):
+    """The sweep's segment cases' inputs (H2 HV4 K = V = 128 bf16, gdn_seg_gates): dense B2 T2000 or varlen
+    SEG_VARLEN, w and gc from the forward, do, and the final state's gradient unless ``no_dht``: ``(q, k, w, gc, do,
+    dht, g, beta, cu, scale)``."""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
     dev, dtype, H, HV, K, V = "cuda", torch.bfloat16, 2, 4, 128, 128
@@ -128,6 +119,27 @@ def test_reverse_sweep_segments(case, nseg, monkeypatch):
                                    return_intermediates=True).value
     do = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     dht = None if case == "no_dht" else torch.randn(nseq, HV, K, V, device=dev)
+    return q, k, w, gc, do, dht, g, beta, cu, scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, nseg", [("dense", 4), ("dense_vh1", 4), ("varlen", 4), ("no_dht", 16)])
+def test_reverse_sweep_segments(case, nseg, monkeypatch):
+    """The fused sweep split into ``nseg`` segments a sequence, each after a warm-up from a zero dH reaching forward
+    until the chunks' decay is below e^-20, against the unsplit fused sweep: the value head that never decays that
+    far (head 0 of gdn_seg_gates, tests/utils.py) bitwise in dvn, every dH row and dh0; every head within 1e-4
+    relative L2 (1e-5 for the float32 dh0; a warm-up a chunk too short is no warm-up at all for head 2, an O(1)
+    error, and a search off by a chunk starts head 3 from a zero dH before a spike instead of after one); dense also
+    against the float32 reference. B2 T2000 (32 chunks, a partial last one that is a warm-up chunk of the segments
+    before it) with both V halves a CTA and one, varlen (SEG_VARLEN: empty, one-token and partial sequences, and
+    sequences of 2 and 3 chunks, whose dh0 the second segment owns), 16 segments of 2 chunks without the final
+    state's gradient."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    q, k, w, gc, do, dht, g, beta, cu, scale = _sweep_segment_inputs(case)
+    B, T, K, (HV, V) = q.shape[0], q.shape[1], q.shape[3], do.shape[2:]
+    dev, dtype = q.device, q.dtype
     monkeypatch.setattr(F90, "POISON", True)  # dense dvn, dH and dh0 start as NaN: every one must be written
     kw = dict(scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, out_dtype=dtype, wgs=1, prefetch=True,
               split=False, ws=False, vh2=case != "dense_vh1")
@@ -211,21 +223,9 @@ def test_carried_sweep(case, nseg, monkeypatch):
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
 
-    dev, dtype, H, HV, K, V = "cuda", torch.bfloat16, 2, 4, 128, 128
-    lens = SEG_VARLEN if case == "varlen" else None
-    B, T = (1, sum(lens)) if lens else (2, 2000)
-    nseq = len(lens) if lens else B
-    q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
-    k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
-    v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
-    beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
-    g = gdn_seg_gates(B, T, dev)
-    cu = None if lens is None else cu_seqlens(lens, dev)
-    scale = K**-0.5
-    _, _, (w, _, gc) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                                   return_intermediates=True).value
-    do = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
-    dht = None if case == "no_dht" else torch.randn(nseq, HV, K, V, device=dev)
+    q, k, w, gc, do, dht, g, beta, cu, scale = _sweep_segment_inputs(case)
+    B, T, K, (HV, V) = q.shape[0], q.shape[1], q.shape[3], do.shape[2:]
+    dev, dtype = q.device, q.dtype
     monkeypatch.setattr(F90, "POISON", True)  # dense outputs start as NaN: every one must be written
     kw = dict(scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, out_dtype=dtype)
     outs = [B90.reverse_sweep(q, k, w, gc, do, dht, carry=n, **kw) for n in (1, nseg)]
