@@ -295,10 +295,10 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         if cutlass.const_expr(SEG):  # a walk from a chunk before the end starts from zero
             zero_unless(accD, c_e == nchunks)
         if cutlass.const_expr(PREP):  # L from zero; M from the identity's columns v0 - V : where it carries
-            for e in cutlass.range_constexpr(cute.size(accD)):
-                sv, sd = cS[e]
-                diag = cutlass.select_(sd == v0 - V + sv, Int32(1), Int32(0))
-                accD[e] = Float32(cutlass.select_(im * ic * diag > 0, Float32(1.0), Float32(0.0)))
+            for e in cutlass.range_constexpr(cute.size(accD)):  # (names of their own: the DSL carries a name
+                pv, pd = cS[e]  # assigned anywhere before a dynamic loop through it, sv and sd among them)
+                pdiag = cutlass.select_(pd == v0 - V + pv, Int32(1), Int32(0))
+                accD[e] = Float32(cutlass.select_(im * ic * pdiag > 0, Float32(1.0), Float32(0.0)))
         pend = Int32(-1)  # (DVNTMA) the first row of the chunk whose dvn waits in sDVo for its store, or -1
 
         nwalk = c_e - c_lo

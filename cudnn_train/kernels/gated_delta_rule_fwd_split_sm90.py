@@ -335,9 +335,9 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
         elif cutlass.const_expr(PREP):  # L from zero; M from the identity's columns v0 - V : where it carries
             for hf in cutlass.range_constexpr(KH):
                 for e in cutlass.range_constexpr(cute.size(accS[hf])):
-                    dl, sv = cS[e]
-                    diag = cutlass.select_(hf * 64 + dl == v0 - V + sv, Int32(1), Int32(0))
-                    accS[hf][e] = Float32(cutlass.select_(im * ic * diag > 0, Float32(1.0), Float32(0.0)))
+                    pd, pv = cS[e]  # (names of their own: a name assigned before a dynamic loop is carried through it)
+                    pdiag = cutlass.select_(hf * 64 + pd == v0 - V + pv, Int32(1), Int32(0))
+                    accS[hf][e] = Float32(cutlass.select_(im * ic * pdiag > 0, Float32(1.0), Float32(0.0)))
         else:
             for hf in cutlass.range_constexpr(KH):
                 accS[hf].fill(0.0)
