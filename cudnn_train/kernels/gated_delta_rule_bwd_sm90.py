@@ -139,6 +139,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                          "states, the element stores and a V block dividing K")
     walk = cm.make_segment_walk(forward=False)
     carry_walk = cm.make_carry_walk(forward=False)
+    identity_block = cm.make_identity_block()
     zero_unless = cm.make_zero_unless()
 
     @cute.jit
@@ -295,10 +296,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         if cutlass.const_expr(SEG):  # a walk from a chunk before the end starts from zero
             zero_unless(accD, c_e == nchunks)
         if cutlass.const_expr(PREP):  # L from zero; M from the identity's columns v0 - V : where it carries
-            for e in cutlass.range_constexpr(cute.size(accD)):  # (names of their own: the DSL carries a name
-                pv, pd = cS[e]  # assigned anywhere before a dynamic loop through it, sv and sd among them)
-                pdiag = cutlass.select_(pd == v0 - V + pv, Int32(1), Int32(0))
-                accD[e] = Float32(cutlass.select_(im * ic * pdiag > 0, Float32(1.0), Float32(0.0)))
+            identity_block(accD, cS, Int32(0), v0 - V, im * ic, True)
         pend = Int32(-1)  # (DVNTMA) the first row of the chunk whose dvn waits in sDVo for its store, or -1
 
         nwalk = c_e - c_lo

@@ -849,6 +849,28 @@ def make_carry_walk(forward: bool = True):
     return carry_walk
 
 
+def make_identity_block():
+    """``identity_block(acc, cS, row0, col0, on, vd)``: the float32 accumulator ``acc`` of a state block set to the
+    identity's entries at its coordinates ``cS`` (``(row, col)``, or ``(col, row)`` with the constant ``vd``), rows
+    offset by ``row0`` and columns by ``col0``, where ``on`` (an Int32, 1 or 0) is 1, else zero: the carried split's
+    transition columns (:func:`make_carry_walk`). A function of its own, so that its names do not join a kernel's
+    (the DSL carries a kernel's names through its dynamic loops)."""
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+
+    @cute.jit
+    def identity_block(acc: cute.Tensor, cS: cute.Tensor, row0: Int32, col0: Int32, on: Int32,
+                       vd: cutlass.Constexpr):
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            r, c = cS[e]
+            if cutlass.const_expr(vd):
+                c, r = cS[e]
+            hit = cutlass.select_(row0 + r == col0 + c, Int32(1), Int32(0))
+            acc[e] = Float32(cutlass.select_(on * hit > 0, Float32(1.0), Float32(0.0)))
+
+    return identity_block
+
+
 def make_zero_unless():
     """``zero_unless(acc, keep)``: every element of the float32 register tensor ``acc`` zeroed unless ``keep``, by
     selects (no branch around accumulator registers: ptxas would serialize the products that write them)."""

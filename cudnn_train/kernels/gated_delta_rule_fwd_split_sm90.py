@@ -230,6 +230,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
     SEG = nseg > 1 and not PREP
     walk = cm.make_segment_walk(forward=True)
     carry_walk = cm.make_carry_walk()
+    identity_block = cm.make_identity_block()
     zero_unless = cm.make_zero_unless()
 
     @cute.jit
@@ -334,10 +335,7 @@ def _build_chain(dtype, K: int, V: int, VB: int, l2norm: bool, varlen: bool, has
                     zero_unless(accS[hf], c_w == 0)
         elif cutlass.const_expr(PREP):  # L from zero; M from the identity's columns v0 - V : where it carries
             for hf in cutlass.range_constexpr(KH):
-                for e in cutlass.range_constexpr(cute.size(accS[hf])):
-                    pd, pv = cS[e]  # (names of their own: a name assigned before a dynamic loop is carried through it)
-                    pdiag = cutlass.select_(hf * 64 + pd == v0 - V + pv, Int32(1), Int32(0))
-                    accS[hf][e] = Float32(cutlass.select_(im * ic * pdiag > 0, Float32(1.0), Float32(0.0)))
+                identity_block(accS[hf], cS, Int32(hf * 64), v0 - V, im * ic, False)
         else:
             for hf in cutlass.range_constexpr(KH):
                 accS[hf].fill(0.0)
