@@ -718,9 +718,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     if carry is None:  # the env switch, where the prepare kernel can serve and nothing else is asked for
         carry = 1
         if nseg is None and carry_ok and split is not True and not ws:
-            carry = carry_segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
-            if max(nseq * (carry - 1) * HV * K * (V + K), nseq * carry * HV * K * V) >= 2**31:
-                carry = 1  # its carries and end states must be int32-addressable
+            carry = carry_segments(nseq, HV, K, V, B * T, use_qk_l2norm_in_kernel, dev)
     elif int(carry) > 1 and not carry_ok:
         raise Unsupported(f"carry={carry}: the carried split takes l2norm, the prefetch, [K, V] states, no profile")
     if int(carry) > 1 and T > 0 and nseq > 0:
@@ -793,12 +791,12 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
 # ------------------------------------------------------------------ the carried split (opt-in)
 
 
-def carry_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> int:
+def carry_segments(nseq: int, HV: int, K: int, V: int, T: int, l2norm: bool, device) -> int:
     """``CUDNN_TRAIN_GDN_SWEEP_CARRY``: the reverse sweep's *carried* sequence split (prepared in the twenty-sixth
     session, compiled, not yet GPU-run): unset or 1, off; ``auto``, the count :func:`sweep_segments` would take
     (B1 T16384 H16 HV32: 4); 2 to 16 force it. No walk is longer than a segment whatever the gates
     (:func:`carried_sweep`). Only with l2norm and the prefetch, ``[K, V]`` states."""
-    return cm.segments("CUDNN_TRAIN_GDN_SWEEP_CARRY", nseq, HV, T, l2norm, device, fill=0.9)
+    return cm.carry_segments("CUDNN_TRAIN_GDN_SWEEP_CARRY", nseq, HV, T, l2norm, device, HV, K, V)
 
 
 def sweep_carries(q, k, w, gc, do, cu, cu_chunks, T, NT, scale, l2norm, group, nseq, nseg, cap, tma=None):
@@ -819,26 +817,11 @@ def sweep_carries(q, k, w, gc, do, cu, cu_chunks, T, NT, scale, l2norm, group, n
     return LM
 
 
-def combine_sweep_carries(LM: torch.Tensor, dht, nseq: int, nseg: int, V: int) -> torch.Tensor:
-    """The sweep's combine step: dH at the end of each segment, float32 ``[nseq * nseg, HV, K, V]`` (row
-    ``n * nseg + s``): the last the final state's gradient (or zero), ``E_s = M_s E_(s+1) + L_s`` before it, in
-    float64."""
-    _, HV, K, _ = LM.shape
-    L = LM[..., :V].double().view(nseq, nseg - 1, HV, K, V)
-    M = LM[..., V:].double().view(nseq, nseg - 1, HV, K, K)
-    E = LM.new_zeros(nseq, HV, K, V, dtype=torch.float64) if dht is None else dht.double()
-    ends = [E]
-    for s in range(nseg - 2, -1, -1):
-        E = torch.matmul(M[:, s], E) + L[:, s]
-        ends.append(E)
-    return torch.stack(ends[::-1], 1).float().view(nseq * nseg, HV, K, V)
-
-
 def carried_sweep(q, k, w, gc, do, dht, cu_seqlens, nseg, *, scale, use_qk_l2norm_in_kernel, out_dtype, tma=None,
                   cap=None):
     """The reverse sweep with each sequence cut into ``nseg`` segments (``CUDNN_TRAIN_GDN_SWEEP_CARRY``):
     :func:`sweep_carries` (a warm-up of at most ``cap`` chunks after each boundary, ``fwd_split.CARRY_CAP`` by
-    default, or the next segment's dH from zero and its transition), :func:`combine_sweep_carries`, then
+    default, or the next segment's dH from zero and its transition), :func:`cm.combine_carries` (reverse), then
     :func:`reverse_sweep` over the segments as sequences from their end gradients (``fwd_split.virtual_cu``: their
     chunk rows are the sequences' own, so dH needs no reordering). Returns ``(dvn, dH, dh0)`` as
     :func:`reverse_sweep` does."""
@@ -850,7 +833,7 @@ def carried_sweep(q, k, w, gc, do, dht, cu_seqlens, nseg, *, scale, use_qk_l2nor
     cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, q.device)
     LM = sweep_carries(q, k, w, gc, do, cu, cu_chunks, T, NT, scale, use_qk_l2norm_in_kernel, HV // H, nseq, nseg,
                        fsp.CARRY_CAP if cap is None else cap, tma)
-    ends = combine_sweep_carries(LM, dht, nseq, nseg, V)
+    ends = cm.combine_carries(LM, dht, nseq, nseg, V, reverse=True)
     flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, w, gc, do)]
     dvn, dH, dh0 = reverse_sweep(*flat, ends, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                  cu_seqlens=fsp.virtual_cu(cu_seqlens, B, T, nseg, q.device), out_dtype=out_dtype,

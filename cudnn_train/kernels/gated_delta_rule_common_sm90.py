@@ -818,6 +818,37 @@ def make_segment_walk(forward: bool):
     return walk
 
 
+def carry_segments(env_name: str, nseq: int, ctas_a_seq: int, T: int, l2norm: bool, device, HV: int, K: int,
+                   V: int) -> int:
+    """The carried split's segment count (``CUDNN_TRAIN_GDN_FWD_CARRY`` / ``_SWEEP_CARRY``): :func:`segments` at 90%
+    of the SMs, or one where its carries ``[nseq (nseg - 1), HV, K, V + K]`` or its start / end states ``[nseq
+    nseg, HV, K, V]`` would not be int32-addressable."""
+    nseg = segments(env_name, nseq, ctas_a_seq, T, l2norm, device, fill=0.9)
+    if max(nseq * (nseg - 1) * HV * K * (V + K), nseq * nseg * HV * K * V) >= 2**31:
+        return 1
+    return nseg
+
+
+def combine_carries(LM, edge, nseq: int, nseg: int, V: int, reverse: bool = False):
+    """The carried split's combine step, in float64 (the products are small; float32 matmuls could run in TF32
+    where a caller allows it): from the prepare step's float32 ``LM [nseq (nseg - 1), HV, K, V + K]`` (row ``n
+    (nseg - 1) + s``: L in the columns below V, the K x K transition M from V on), float32 ``[nseq nseg, HV, K,
+    V]`` (row ``n nseg + s``). Forward: each segment's start state, ``S_0 = edge`` (the initial state, or zero),
+    ``S_(s+1) = M_s S_s + L_s``; ``reverse`` (the sweep): dH at each segment's end, the last ``edge`` (the final
+    state's gradient, or zero), ``E_s = M_s E_(s+1) + L_s`` before it."""
+    import torch
+
+    _, HV, K, _ = LM.shape
+    L = LM[..., :V].double().view(nseq, nseg - 1, HV, K, V)
+    M = LM[..., V:].double().view(nseq, nseg - 1, HV, K, K)
+    X = LM.new_zeros(nseq, HV, K, V, dtype=torch.float64) if edge is None else edge.double()
+    out = [X]
+    for s in (range(nseg - 2, -1, -1) if reverse else range(nseg - 1)):
+        X = torch.matmul(M[:, s], X) + L[:, s]
+        out.append(X)
+    return torch.stack(out[::-1] if reverse else out, 1).float().view(nseq * nseg, HV, K, V)
+
+
 def make_carry_walk(forward: bool = True):
     """``carry_walk(mGc, sBuf, b, hv, ts, te, nchunks, s, nseg, cap, tidx) -> (c_a, c_b, carry)`` (every thread of
     the CTA): the walk of the carried split's *prepare* step into the boundary between segments s and s + 1 (of

@@ -1242,9 +1242,7 @@ def forward(
     if not (store_states or return_intermediates or state_v_first or SPLIT is True or STATE_WS is False):
         from . import gated_delta_rule_fwd_split_sm90 as sp
 
-        carry = sp.carry_segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
-        if max(nseq * (carry - 1) * HV * K * (V + K), nseq * carry * HV * K * V) >= 2**31:
-            carry = 1  # its carries and start states must be int32-addressable
+        carry = sp.carry_segments(nseq, HV, K, V, B * T, use_qk_l2norm_in_kernel, dev)
     if carry > 1:
         ws_nseg, split = 1, False
     elif ws_nseg > 1:

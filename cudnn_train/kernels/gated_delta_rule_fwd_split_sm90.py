@@ -784,13 +784,13 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, rows, NT, scale, l2norm
 CARRY_CAP = 16  # the prepare step's warm-up cap, chunks: a boundary whose decay needs more is carried exactly
 
 
-def carry_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> int:
+def carry_segments(nseq: int, HV: int, K: int, V: int, T: int, l2norm: bool, device) -> int:
     """``CUDNN_TRAIN_GDN_FWD_CARRY``: the inference forward's *carried* sequence split (prepared in the twenty-sixth
     session, compiled, not yet GPU-run): unset or 1, off; ``auto``, the segment count the specialized warpgroups'
     split would take (:func:`cm.segments` on their grid of 128-column CTAs, 90% of the SMs; B1 T16384 H16 HV32: 4);
     2 to 16 force it. Unlike ``CUDNN_TRAIN_GDN_FWD_WS_SEG`` no walk is longer than a segment whatever the gates
     (:func:`carried_state_pass`), so its time does not depend on how slowly a head decays. Only with l2norm."""
-    return cm.segments("CUDNN_TRAIN_GDN_FWD_CARRY", nseq, HV * max(V // 128, 1), T, l2norm, device, fill=0.9)
+    return cm.carry_segments("CUDNN_TRAIN_GDN_FWD_CARRY", nseq, HV * max(V // 128, 1), T, l2norm, device, HV, K, V)
 
 
 def carries(k, w, u, gc, cu, cu_chunks, T, NT, group, nseq, nseg, cap=CARRY_CAP, vb=32):
@@ -806,21 +806,6 @@ def carries(k, w, u, gc, cu, cu_chunks, T, NT, group, nseq, nseg, cap=CARRY_CAP,
     rows = F._empty(1, 1, 1, V, dtype=k.dtype, device=k.device)  # hs and vn: the prepare step writes neither
     kern(k, w, u, gc, f32_dummy.view(1, 1, 1, 1), LM, cu, cu_chunks, rows, rows, T, NT, group, nseq)
     return LM
-
-
-def combine_carries(LM: torch.Tensor, h0, nseq: int, nseg: int, V: int) -> torch.Tensor:
-    """The combine step: each segment's start state, float32 ``[nseq * nseg, HV, K, V]`` (row ``n * nseg + s``):
-    ``S_0`` the initial state (or zero), ``S_(s+1) = M_s S_s + L_s``, in float64 (the products are small; float32
-    matmuls could run in TF32 where a caller allows it)."""
-    rows, HV, K, _ = LM.shape
-    L = LM[..., :V].double().view(nseq, nseg - 1, HV, K, V)
-    M = LM[..., V:].double().view(nseq, nseg - 1, HV, K, K)
-    S = LM.new_zeros(nseq, HV, K, V, dtype=torch.float64) if h0 is None else h0.double()
-    starts = [S]
-    for s in range(nseg - 1):
-        S = torch.matmul(M[:, s], S) + L[:, s]
-        starts.append(S)
-    return torch.stack(starts, 1).float().view(nseq * nseg, HV, K, V)
 
 
 def virtual_cu(cu_seqlens, B: int, T: int, nseg: int, device) -> torch.Tensor:
@@ -839,7 +824,7 @@ def virtual_cu(cu_seqlens, B: int, T: int, nseg: int, device) -> torch.Tensor:
 def carried_state_pass(q, k, w, u, gc, o, h0, ht, cu_seqlens, cu, cu_chunks, T, NT, scale, group, nseq, nseg):
     """The inference forward's state pass with each sequence cut into ``nseg`` segments (``CUDNN_TRAIN_GDN_FWD_
     CARRY``): :func:`carries` (the prepare step: a warm-up of at most ``CARRY_CAP`` chunks before each boundary, or
-    the previous segment's state from zero and its transition), :func:`combine_carries`, then the specialized
+    the previous segment's state from zero and its transition), :func:`cm.combine_carries`, then the specialized
     warpgroups' pass over the segments as sequences from their start states (``[K, V]`` states, l2norm). The plan
     and its exactness: ``tests/fused/test_gdn_segments_carry.py``. Fills ``o`` (and ``ht`` when given)."""
     from . import gated_delta_rule_fwd_ws_sm90 as WS
@@ -847,7 +832,7 @@ def carried_state_pass(q, k, w, u, gc, o, h0, ht, cu_seqlens, cu, cu_chunks, T, 
     B, _, HV, V = u.shape
     K = q.shape[3]
     LM = carries(k, w, u, gc, cu, cu_chunks, T, NT, group, nseq, nseg)
-    starts = combine_carries(LM, h0, nseq, nseg, V)
+    starts = cm.combine_carries(LM, h0, nseq, nseg, V)
     cu_v, cuc_v, _, _ = F.chunk_map(virtual_cu(cu_seqlens, B, T, nseg, q.device), 1, B * T, q.device)
     ht_v = None if ht is None else F._empty(nseq * nseg, HV, K, V, dtype=torch.float32, device=q.device)
     flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, w, u, gc)]  # views where the strides allow

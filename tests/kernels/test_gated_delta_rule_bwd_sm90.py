@@ -186,21 +186,22 @@ def test_sweep_carry_switch_and_combine(monkeypatch):
     last)."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+    from cudnn_train.kernels import gated_delta_rule_common_sm90 as cm
 
     monkeypatch.setattr(kc, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
     monkeypatch.delenv("CUDNN_TRAIN_GDN_SWEEP_CARRY", raising=False)
-    assert B90.carry_segments(1, 32, 128, 16384, True, dev) == 1
+    assert B90.carry_segments(1, 32, 128, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_CARRY", "auto")
-    assert [B90.carry_segments(n, 32, 128, 16384, True, dev) for n in (1, 4)] == [4, 1]
+    assert [B90.carry_segments(n, 32, 128, 128, 16384, True, dev) for n in (1, 4)] == [4, 1]
     assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_SWEEP_CARRY",
-                        lambda: B90.carry_segments(1, 32, 128, 16384, True, dev), "8", 8, ("3", "x"))
+                        lambda: B90.carry_segments(1, 32, 128, 128, 16384, True, dev), "8", 8, ("3", "x"))
 
     gen = torch.Generator().manual_seed(0)
     nseq, nseg, HV, K, V = 3, 4, 2, 8, 16
     LM = torch.randn(nseq * (nseg - 1), HV, K, V + K, generator=gen)
     dht = torch.randn(nseq, HV, K, V, generator=gen)
-    ends = B90.combine_sweep_carries(LM, dht, nseq, nseg, V).view(nseq, nseg, HV, K, V)
+    ends = cm.combine_carries(LM, dht, nseq, nseg, V, reverse=True).view(nseq, nseg, HV, K, V)
     for n in range(nseq):
         E = dht[n].double()
         assert torch.equal(ends[n, nseg - 1], dht[n])

@@ -914,12 +914,12 @@ def test_carry_switch(monkeypatch):
     monkeypatch.setattr(kc, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
     monkeypatch.delenv("CUDNN_TRAIN_GDN_FWD_CARRY", raising=False)
-    assert SP.carry_segments(1, 32, 128, 16384, True, dev) == 1
+    assert SP.carry_segments(1, 32, 128, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_CARRY", "auto")
-    assert [SP.carry_segments(n, 32, 128, 16384, True, dev) for n in (1, 4)] == [4, 1]
-    assert SP.carry_segments(1, 32, 128, 16384, False, dev) == 1
-    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_FWD_CARRY", lambda: SP.carry_segments(1, 32, 128, 16384, True,
-                                                                                            dev), "16", 16, ("3", "x"))
+    assert [SP.carry_segments(n, 32, 128, 128, 16384, True, dev) for n in (1, 4)] == [4, 1]
+    assert SP.carry_segments(1, 32, 128, 128, 16384, False, dev) == 1
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_FWD_CARRY",
+                        lambda: SP.carry_segments(1, 32, 128, 128, 16384, True, dev), "16", 16, ("3", "x"))
 
 
 def test_carry_virtual_sequences_and_combine():
@@ -927,6 +927,7 @@ def test_carry_virtual_sequences_and_combine():
     ops give the same bounds; segment s of n chunks starts at chunk n s // nseg, the prepare kernel's plan; empty,
     one-token and partial sequences), and the combine against its recurrence written out in float64."""
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+    from cudnn_train.kernels import gated_delta_rule_common_sm90 as cm
 
     dev = torch.device("cpu")
     dense = SP.virtual_cu(None, 2, 2000, 4, dev)
@@ -945,7 +946,7 @@ def test_carry_virtual_sequences_and_combine():
     nseq, nseg, HV, K, V = 3, 4, 2, 8, 16
     LM = torch.randn(nseq * (nseg - 1), HV, K, V + K, generator=gen)
     h0 = torch.randn(nseq, HV, K, V, generator=gen)
-    starts = SP.combine_carries(LM, h0, nseq, nseg, V).view(nseq, nseg, HV, K, V)
+    starts = cm.combine_carries(LM, h0, nseq, nseg, V).view(nseq, nseg, HV, K, V)
     for n in range(nseq):
         S = h0[n].double()
         assert torch.equal(starts[n, 0], h0[n])
@@ -953,7 +954,7 @@ def test_carry_virtual_sequences_and_combine():
             row = LM[n * (nseg - 1) + s].double()
             S = row[..., V:] @ S + row[..., :V]
             assert torch.allclose(starts[n, s + 1].double(), S, rtol=1e-6, atol=1e-6), (n, s)
-    assert torch.equal(SP.combine_carries(LM, None, nseq, nseg, V).view(nseq, nseg, HV, K, V)[:, 0],
+    assert torch.equal(cm.combine_carries(LM, None, nseq, nseg, V).view(nseq, nseg, HV, K, V)[:, 0],
                        torch.zeros(nseq, HV, K, V))
 
 
