@@ -8,10 +8,12 @@ g = logsigmoid(.) float32, beta = sigmoid(.) bf16, no initial state, no final st
 ``--gates layer``: g from FLA's GatedDeltaNet layer at its initialization (:func:`fla_init_gate`: slow-decaying
 heads, which a decay-truncated sequence split cannot cut short) instead of ``logsigmoid(U(0, 1))``; with
 ``--layer-flags`` the same A_log and dt_bias in the kernel. ``--seg`` adds the row ``op-seg``: the op with the
-SM90 recurrences' sequence split on (``CUDNN_TRAIN_GDN_CHAIN_SEG``, ``_SWEEP_SEG``, ``_FWD_WS_SEG`` = auto),
+SM90 recurrences' sequence split on (``CUDNN_TRAIN_GDN_CHAIN_SEG``, ``_SWEEP_SEG``, ``_FWD_WS_SEG`` = auto, the
+carried forward off),
 forward+backward on the training path. ``--carry`` adds ``op-carry``: the op with the carried splits
 (``CUDNN_TRAIN_GDN_FWD_CARRY`` and ``_SWEEP_CARRY`` = auto: each boundary warmed up within 16 chunks or carried
-exactly; the inference forward and the training path's reverse sweep), forward+backward on the training path.
+exactly; the inference forward, its default since the twenty-seventh session, so ``op`` has it too, and the
+training path's reverse sweep, opt-in), forward+backward on the training path.
 ``--layer-flags``: the call FLA's and our GatedDeltaNet layers make instead (raw gate input and beta
 logits, bf16, ``use_gate_in_kernel`` with A_log and dt_bias, ``use_beta_sigmoid_in_kernel``; gradients
 also to A_log and dt_bias). ``--head-dim 64``: K = V = 64. FlashQLA serves neither, so its row is left out.
@@ -186,7 +188,8 @@ def main() -> None:
         TRAIN_ROWS["sm90-train-t3"] = "torch"
     if args.seg:
         TRAIN_ROWS["op-seg"] = "kernel"
-        ROW_ENV["op-seg"] = {name: "auto" for name in SEG_ENVS}
+        # the carried forward off, since where it splits it takes the call the warm-up split would
+        ROW_ENV["op-seg"] = {**{name: "auto" for name in SEG_ENVS}, "CUDNN_TRAIN_GDN_FWD_CARRY": "1"}
     if args.carry:
         TRAIN_ROWS["op-carry"] = "kernel"
         ROW_ENV["op-carry"] = {"CUDNN_TRAIN_GDN_FWD_CARRY": "auto", "CUDNN_TRAIN_GDN_SWEEP_CARRY": "auto"}

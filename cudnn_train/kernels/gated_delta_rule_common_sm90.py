@@ -717,9 +717,11 @@ SEG_LOG_DECAY = -20.0  # a warm-up reaches over chunks until their log decays su
 SEG_MIN_CHUNKS = 16  # auto: segments of at least this many chunks of a sequence's average length
 
 
-def segments(env_name: str, nseq: int, ctas_a_seq: int, T: int, l2norm: bool, device, fill: float = 1.0) -> int:
+def segments(env_name: str, nseq: int, ctas_a_seq: int, T: int, l2norm: bool, device, fill: float = 1.0,
+             default: str = "1") -> int:
     """Segments a sequence for a recurrence kernel of ``ctas_a_seq`` CTAs a sequence (value heads x V blocks).
-    ``env_name`` unset or 1: one, every sequence whole (the default); ``auto``: the fewest of :data:`SEGMENTS`
+    ``env_name`` 1: one, every sequence whole; unset: ``default`` (1, except for the carried inference forward,
+    whose time does not hang on the gates); ``auto``: the fewest of :data:`SEGMENTS`
     whose grid reaches ``fill`` of the SMs, keeping segments of at least :data:`SEG_MIN_CHUNKS` chunks of a
     sequence's average length ``T / nseq``; 2 to 16 force that many. Without l2norm always one: the warm-up's
     truncation bound needs unit-norm keys. The bound also needs beta in [0, 2] (each ``I - beta k k^T`` of norm at
@@ -734,7 +736,7 @@ def segments(env_name: str, nseq: int, ctas_a_seq: int, T: int, l2norm: bool, de
     default's time. At FLA's layer initialization 5% of the boundaries of B1 T16384 HV32 in 4 segments are such
     heads (``tools/diag_gdn_decay_split.py``); the benchmark's gates have none. Which gates the calls bring is
     not known on the host without a device read."""
-    env = os.environ.get(env_name, "").strip() or "1"
+    env = os.environ.get(env_name, "").strip() or default
     if env != "auto" and env not in tuple(str(c) for c in SEGMENTS):
         raise ValueError(f"{env_name}={env!r}: expected auto or one of {SEGMENTS}")
     if not l2norm or env == "1":
@@ -819,11 +821,11 @@ def make_segment_walk(forward: bool):
 
 
 def carry_segments(env_name: str, nseq: int, ctas_a_seq: int, T: int, l2norm: bool, device, HV: int, K: int,
-                   V: int) -> int:
+                   V: int, default: str = "1") -> int:
     """The carried split's segment count (``CUDNN_TRAIN_GDN_FWD_CARRY`` / ``_SWEEP_CARRY``): :func:`segments` at 90%
-    of the SMs, or one where its carries ``[nseq (nseg - 1), HV, K, V + K]`` or its start / end states ``[nseq
+    of the SMs (``default`` where the switch is unset), or one where its carries ``[nseq (nseg - 1), HV, K, V + K]`` or its start / end states ``[nseq
     nseg, HV, K, V]`` would not be int32-addressable."""
-    nseg = segments(env_name, nseq, ctas_a_seq, T, l2norm, device, fill=0.9)
+    nseg = segments(env_name, nseq, ctas_a_seq, T, l2norm, device, fill=0.9, default=default)
     if max(nseq * (nseg - 1) * HV * K * (V + K), nseq * nseg * HV * K * V) >= 2**31:
         return 1
     return nseg

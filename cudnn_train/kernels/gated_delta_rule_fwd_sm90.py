@@ -1235,9 +1235,9 @@ def forward(
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
         ws_nseg = WS.segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
-    # the carried split (CUDNN_TRAIN_GDN_FWD_CARRY, prepared, off): where asked and more than one it takes the call
-    # (over the segmented specialized warpgroups too, not over a forced split pass or fused state kernel), w and u
-    # from the wy kernel
+    # the carried split (CUDNN_TRAIN_GDN_FWD_CARRY, on by default): where it gives more than one segment (few long
+    # sequences) it takes the call (over the segmented specialized warpgroups too, not over a forced split pass or
+    # fused state kernel), w and u from the wy kernel
     carry = 1
     if not (store_states or return_intermediates or state_v_first or SPLIT is True or STATE_WS is False):
         from . import gated_delta_rule_fwd_split_sm90 as sp
