@@ -76,6 +76,7 @@
 #   bash tools/gpu_next.sh s42train # the training tier's kernel half with the carried sweep in 4 segments
 #   bash tools/gpu_next.sh s43      # stage 3 persistent with E in registers as the candidate default: the stage-3
 #                                   # tier (not the two-chain cases, which refuse it) and the training tier's kernel half
+#   bash tools/gpu_next.sh s43rest  # the cases s43 left unfinished (twenty-seventh session), the same switches
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
@@ -486,6 +487,18 @@ s43)
   export CUDNN_TRAIN_GDN_DCHUNK_PERSIST=1 CUDNN_TRAIN_GDN_DCHUNK_EREG=1
   tier s43 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "not two_chain"
   TRAIN_K=1 TRAIN_S=${TRAIN_S:-280} bash "$0" gdn_train ;;
+s43rest)
+  # the cases s43 left unfinished in the twenty-seventh session (its 77 + 20 passed, none failed): the rest of the
+  # stage-3 tier and of the training tier's kernel half, with stage 3 persistent and E in registers
+  export CUDNN_TRAIN_GDN_DCHUNK_PERSIST=1 CUDNN_TRAIN_GDN_DCHUNK_EREG=1
+  tier s43rest ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "not two_chain and \
+(group_sum_in_kernel or bitwise_reproducible or (with_the_forwards_values and (T1_fp16 or T300 or pair64 or wgs1 \
+or wgs4)))"
+  timeout -k 10 ${TRAIN_S:-300} $P -n ${TRAIN_N:-6} tests/kernels/test_gated_delta_rule_train_sm90.py -k "not torch \
+and (bitwise or head_dim_64 or in_kernel_gate or recomputed or no_l2norm or state_layouts or varlen)" \
+    > $OUT/s43rest_train.log 2>&1
+  echo "train pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -cE " PASSED " $OUT/s43rest_train.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s43rest_train.log | tail -16 ;;
 s42train)
   # the training path through the op with the reverse sweep's carried split in 4 segments (forced: the tier's shapes
   # are too short for auto), kernel half (TRAIN_S limit)
