@@ -1242,7 +1242,7 @@ def forward(
     if not (store_states or return_intermediates or state_v_first or SPLIT is True or STATE_WS is False):
         from . import gated_delta_rule_fwd_split_sm90 as sp
 
-        carry = sp.carry_segments(nseq, HV, K, V, B * T, use_qk_l2norm_in_kernel, dev)
+        carry = sp.carry_segments(nseq, HV, K, V, B * T, use_qk_l2norm_in_kernel, dev, q.dtype)
     if carry > 1:
         ws_nseg, split = 1, False
     elif ws_nseg > 1:

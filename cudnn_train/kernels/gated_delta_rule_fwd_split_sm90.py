@@ -784,15 +784,17 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, rows, NT, scale, l2norm
 CARRY_CAP = 16  # the prepare step's warm-up cap, chunks: a boundary whose decay needs more is carried exactly
 
 
-def carry_segments(nseq: int, HV: int, K: int, V: int, T: int, l2norm: bool, device) -> int:
+def carry_segments(nseq: int, HV: int, K: int, V: int, T: int, l2norm: bool, device, dtype=None) -> int:
     """``CUDNN_TRAIN_GDN_FWD_CARRY``: the inference forward's *carried* sequence split (built in the twenty-sixth
-    session, GPU-run and made the default in the twenty-seventh): unset or ``auto``, the segment count the
-    specialized warpgroups' split would take (:func:`cm.segments` on their grid of 128-column CTAs, 90% of the SMs;
-    B1 T16384 H16 HV32: 4, B4: 1, so only few long sequences are split); 1, off; 2 to 16 force it. Unlike
+    session, GPU-run and made the default in the twenty-seventh): ``auto``, the segment count the specialized
+    warpgroups' split would take (:func:`cm.segments` on their grid of 128-column CTAs, 90% of the SMs; B1 T16384
+    H16 HV32: 4, B4: 1, so only few long sequences are split); unset, ``auto`` for bf16 at K = V = 128 (what its GPU
+    cases cover) and 1 otherwise; 1, off; 2 to 16 force it. Unlike
     ``CUDNN_TRAIN_GDN_FWD_WS_SEG`` no walk is longer than a segment whatever the gates (:func:`carried_state_pass`),
     so its time does not depend on how slowly a head decays. Only with l2norm."""
+    covered = K == V == 128 and dtype == torch.bfloat16
     return cm.carry_segments("CUDNN_TRAIN_GDN_FWD_CARRY", nseq, HV * max(V // 128, 1), T, l2norm, device, HV, K, V,
-                             default="auto")
+                             default="auto" if covered else "1")
 
 
 def carries(k, w, u, gc, cu, cu_chunks, T, NT, group, nseq, nseg, cap=CARRY_CAP, vb=32):

@@ -906,16 +906,20 @@ def test_carry_prepare_compiles_for_sm90a(kernel_cache):
 
 
 def test_carry_switch(monkeypatch):
-    """CUDNN_TRAIN_GDN_FWD_CARRY: unset or auto (the default since the twenty-seventh session), the specialized
-    warpgroups' segment count (B1 T16384 HV32: 4; B4: 1); 1, off; never without l2norm; a bad value is a ValueError
-    naming it."""
+    """CUDNN_TRAIN_GDN_FWD_CARRY: auto, the specialized warpgroups' segment count (B1 T16384 HV32: 4; B4: 1); unset,
+    auto for bf16 at K = V = 128 (the default since the twenty-seventh session) and off otherwise; 1, off; never
+    without l2norm; a bad value is a ValueError naming it."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
 
     monkeypatch.setattr(kc, "num_sms", lambda device: 132)
     dev = torch.device("cpu")
     monkeypatch.delenv("CUDNN_TRAIN_GDN_FWD_CARRY", raising=False)
-    assert [SP.carry_segments(n, 32, 128, 128, 16384, True, dev) for n in (1, 4)] == [4, 1]
+    bf = torch.bfloat16
+    assert [SP.carry_segments(n, 32, 128, 128, 16384, True, dev, bf) for n in (1, 4)] == [4, 1]
+    # unset and outside what the GPU cases cover (fp16, K = V = 64): off
+    assert SP.carry_segments(1, 32, 128, 128, 16384, True, dev, torch.float16) == 1
+    assert SP.carry_segments(1, 32, 64, 64, 16384, True, dev, bf) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_CARRY", "1")
     assert SP.carry_segments(1, 32, 128, 128, 16384, True, dev) == 1
     monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_CARRY", "auto")
