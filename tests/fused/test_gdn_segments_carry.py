@@ -182,3 +182,23 @@ def test_the_cases_take_both_branches():
     assert kinds(2, 16) == (["warm-up"] * 3, ["warm-up"] * 3)
     assert kinds(1, 4) == (["carry"] * 3, ["carry"] * 3)
     assert kinds(1, 16) == (["warm-up"] * 3, ["warm-up", "warm-up", "carry"])  # the sweep: boundaries 1, 2, 3
+
+
+@pytest.mark.parametrize("decay", [True, False])
+def test_the_sweeps_transition_is_the_forwards_transposed(decay):
+    """A lead for the carried sweep (docs/PERFORMANCE.md, twenty-seventh session): the sweep's K x K transition over a
+    segment (dH walked back from the identity with do = 0) is the transpose of the forward's over the same chunks
+    (the state walked from the identity with v = 0), being the adjoint of the same linear map; so a training
+    forward that computed the forward's M could spare the sweep's prepare its K columns. Every head of
+    gdn_seg_gates and without decay (M of order one), over 8 chunks and a partial one."""
+    q, k, v, g, beta, _, _, _ = _inputs(650)
+    if not decay:
+        g = torch.zeros_like(g)
+    K = q.shape[-1]
+    eye = torch.eye(K, dtype=q.dtype).expand(1, 1, K, K).clone()
+    for h in range(q.shape[2]):
+        sl = (slice(None), slice(C * 2, 650), slice(h, h + 1))
+        zero = torch.zeros_like(q[sl])
+        M_fwd = chunked_core(q[sl], k[sl], zero, g[sl].unsqueeze(-1), beta[sl], q.shape[-1] ** -0.5, eye, C)[1]
+        M_sweep = reverse_sweep_ref(q[sl], k[sl], g[sl].unsqueeze(-1), beta[sl], 1.0, zero, eye, C)[2]
+        assert _rel(M_sweep, M_fwd.transpose(-1, -2)) < 1e-12, (decay, h)
