@@ -150,8 +150,9 @@ bench_gdn)
   echo "bench_gdn rc=$?"; grep -vE "^\s*$" $OUT/bench_gdn.log | tail -n 40 | cut -c1-300 ;;
 gdn_train)
   # the opt-in training path through the op vs the oracle and FLA (FLA's backward JIT-compiles per shape)
-  # TRAIN_K=1: only the stage-3 kernel's half (each test runs with both stage 3s); TRAIN_S: limit
-  sel=(); [ -n "$TRAIN_K" ] && sel=(-k "not torch")
+  # TRAIN_K=1: only the stage-3 kernel's half (each test runs with both stage 3s), TRAIN_SEL: of it only the cases
+  # this -k expression selects; TRAIN_S: limit
+  sel=(); [ -n "$TRAIN_K" ] && sel=(-k "not torch${TRAIN_SEL:+ and ($TRAIN_SEL)}")
   timeout -k 10 ${TRAIN_S:-560} $P -n ${TRAIN_N:-6} tests/kernels/test_gated_delta_rule_train_sm90.py "${sel[@]}" \
     > $OUT/gdn_train.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
@@ -494,11 +495,9 @@ s43rest)
   tier s43rest ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "not two_chain and \
 (group_sum_in_kernel or bitwise_reproducible or (with_the_forwards_values and (T1_fp16 or T300 or pair64 or wgs1 \
 or wgs4)))"
-  timeout -k 10 ${TRAIN_S:-300} $P -n ${TRAIN_N:-6} tests/kernels/test_gated_delta_rule_train_sm90.py -k "not torch \
-and (bitwise or head_dim_64 or in_kernel_gate or recomputed or no_l2norm or state_layouts or varlen)" \
-    > $OUT/s43rest_train.log 2>&1
-  echo "train pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
-  grep -cE " PASSED " $OUT/s43rest_train.log; grep -E " (FAILED|ERROR) |passed|failed" $OUT/s43rest_train.log | tail -16 ;;
+  TRAIN_K=1 TRAIN_S=${TRAIN_S:-300} \
+    TRAIN_SEL="bitwise or head_dim_64 or in_kernel_gate or recomputed or no_l2norm or state_layouts or varlen" \
+    bash "$0" gdn_train ;;
 s42train)
   # the training path through the op with the reverse sweep's carried split in 4 segments (forced: the tier's shapes
   # are too short for auto), kernel half (TRAIN_S limit)

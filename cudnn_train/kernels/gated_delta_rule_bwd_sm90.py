@@ -792,8 +792,9 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
 
 
 def carry_segments(nseq: int, HV: int, K: int, V: int, T: int, l2norm: bool, device) -> int:
-    """``CUDNN_TRAIN_GDN_SWEEP_CARRY``: the reverse sweep's *carried* sequence split (prepared in the twenty-sixth
-    session, compiled, not yet GPU-run): unset or 1, off; ``auto``, the count :func:`sweep_segments` would take
+    """``CUDNN_TRAIN_GDN_SWEEP_CARRY``: the reverse sweep's *carried* sequence split (built in the twenty-sixth
+    session; its GPU cases passed in the twenty-seventh, where it was faster than the unsplit sweep at the
+    benchmark's gates and slower at FLA's layer-init gates, so it stays opt-in): unset or 1, off; ``auto``, the count :func:`sweep_segments` would take
     (B1 T16384 H16 HV32: 4); 2 to 16 force it. No walk is longer than a segment whatever the gates
     (:func:`carried_sweep`). Only with l2norm and the prefetch, ``[K, V]`` states."""
     return cm.carry_segments("CUDNN_TRAIN_GDN_SWEEP_CARRY", nseq, HV, T, l2norm, device, HV, K, V)

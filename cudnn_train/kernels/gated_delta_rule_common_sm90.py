@@ -823,8 +823,8 @@ def make_segment_walk(forward: bool):
 def carry_segments(env_name: str, nseq: int, ctas_a_seq: int, T: int, l2norm: bool, device, HV: int, K: int,
                    V: int, default: str = "1") -> int:
     """The carried split's segment count (``CUDNN_TRAIN_GDN_FWD_CARRY`` / ``_SWEEP_CARRY``): :func:`segments` at 90%
-    of the SMs (``default`` where the switch is unset), or one where its carries ``[nseq (nseg - 1), HV, K, V + K]`` or its start / end states ``[nseq
-    nseg, HV, K, V]`` would not be int32-addressable."""
+    of the SMs (``default`` where the switch is unset), or one where its carries ``[nseq (nseg - 1), HV, K, V + K]``
+    or its start / end states ``[nseq nseg, HV, K, V]`` would not be int32-addressable."""
     nseg = segments(env_name, nseq, ctas_a_seq, T, l2norm, device, fill=0.9, default=default)
     if max(nseq * (nseg - 1) * HV * K * (V + K), nseq * nseg * HV * K * V) >= 2**31:
         return 1
