@@ -77,6 +77,7 @@
 #   bash tools/gpu_next.sh s43      # stage 3 persistent with E in registers as the candidate default: the stage-3
 #                                   # tier (not the two-chain cases, which refuse it) and the training tier's kernel half
 #   bash tools/gpu_next.sh s43rest  # the cases s43 left unfinished (twenty-seventh session), the same switches
+#   bash tools/gpu_next.sh s44      # stage 3's dKK + dKK^T formed in dA's terms (prepared): its bitwise cases, timing
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
@@ -498,6 +499,11 @@ or wgs4)))"
   TRAIN_K=1 TRAIN_S=${TRAIN_S:-300} \
     TRAIN_SEL="bitwise or head_dim_64 or in_kernel_gate or recomputed or no_l2norm or state_layouts or varlen" \
     bash "$0" gdn_train ;;
+s44)
+  # the twenty-eighth session's dKK + dKK^T in dA's terms (CUDNN_TRAIN_GDN_DCHUNK_DKKSYM): its bitwise cases (GDN_S),
+  # then the timing against the sT round trip per tile, persistent, persistent with E in registers (TIME_S)
+  tier s44 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "dkk_sym"
+  timed dkksym ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --dkksym --shapes 1 ;;
 s42train)
   # the training path through the op with the reverse sweep's carried split in 4 segments (forced: the tier's shapes
   # are too short for auto), kernel half (TRAIN_S limit)

@@ -4,7 +4,7 @@ two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs 
 the default call plus the training path's sum pass, on the same inputs.
 
     python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn] [--persist] [--k64]
-                                     [--tma] [--chains] [--relaxed] [--ereg]
+                                     [--tma] [--chains] [--relaxed] [--ereg] [--dkksym]
 
 ``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
@@ -20,7 +20,8 @@ cp.async (``tma=``; per tile, persistent, on four warpgroups; outputs checked bi
 profiles. ``--relaxed``: only the training path's call (pair sum, vn and Tm read) with the
 relaxed first cluster arrive (``relaxed=True``) against the release form, bitwise, then both timed twice,
 alternating. ``--ereg``: the same with E exponentiated once into registers (``ereg=True``) against the
-default, per tile and persistent. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
+default, per tile and persistent. ``--dkksym``: the same with dKK + dKK^T formed in dA's terms
+(``dkk_sym=True``), per tile, persistent, and persistent with E in registers. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
 a warpgroup for the q side and dk, one for the w side) and its variant with dv on the q side (``chains=2``):
 outputs compared (relative L2, since their row sums run in another order), the three timings, alternating, then
 both profiles (each side's phases).
@@ -80,6 +81,10 @@ def main():
     ap.add_argument("--relaxed", action="store_true",
                     help="only the training path's call with the relaxed first cluster arrive against the release "
                          "form: bitwise check, timed twice each, alternating")
+    ap.add_argument("--dkksym", action="store_true",
+                    help="only the training path's call with dKK + dKK^T formed in dA's terms against the sT round "
+                         "trip: bitwise check, timed twice each, alternating, per tile, persistent, persistent with "
+                         "E in registers")
     ap.add_argument("--ereg", action="store_true",
                     help="only the training path's call with E in registers against the default: bitwise check, "
                          "timed twice each, alternating, per tile and persistent")
@@ -116,6 +121,14 @@ def main():
             kw = train_kw(x, H, HV, scale)
             rows = (("release arrive", False), ("relaxed arrive", True))
             compare_switch(x, kw, "relaxed", rows + rows, f"B{B} T{T} H{H} HV{HV}: relaxed arrive bitwise the release")
+            continue
+        if args.dkksym:
+            for persist, ereg in ((False, False), (True, False), (True, True)):
+                kw = dict(train_kw(x, H, HV, scale), persist=persist, ereg=ereg)
+                rows = (("sT round trip", False), ("dKK + dKK^T direct", True))
+                what = (f"B{B} T{T} H{H} HV{HV}{' persistent' if persist else ''}{' E in registers' if ereg else ''}:"
+                        " dKK + dKK^T direct bitwise the round trip")
+                compare_switch(x, kw, "dkk_sym", rows + rows, what)
             continue
         if args.ereg:
             for persist in (False, True):

@@ -142,7 +142,7 @@ CHAIN_PHASES = ("loads q, k landed", "l2norm rows",
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
                   VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False, TMA: bool = False,
-                  CHAINS: int = 0, RELAXED: bool = False, EREG: bool = False):
+                  CHAINS: int = 0, RELAXED: bool = False, EREG: bool = False, DKKSYM: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -201,6 +201,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         raise ValueError("the relaxed first cluster arrive serves the pair sum per tile with Tm read")
     if EREG and CHAINS:
         raise ValueError("EREG (E in registers) serves the per-tile and persistent kernels, not the two-chain one")
+    if DKKSYM and CHAINS:
+        raise ValueError("DKKSYM (dKK + dKK^T formed in dA's terms) serves the per-tile and persistent kernels")
     if CHAINS and not (TMA and not PERSIST and WGS == 2 and K == 128 and V == 128):
         raise ValueError("the two-chain stage 3 serves the training path's call per tile with the TMA loads, "
                          "two warpgroups, K = V = 128")
@@ -528,11 +530,15 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     @cute.jit
     def da_terms(accDA: cute.Tensor, accKK: cute.Tensor, tdb: cute.Tensor, cCC: cute.Tensor, groups: cutlass.Constexpr,
                  sM: cute.Tensor, sA: cute.Tensor, sT: cute.Tensor, sGc: cute.Tensor, sB: cute.Tensor, sDb: cute.Tensor,
-                 tidx: Int32, kk_regs: cutlass.Constexpr, E: cute.Tensor, e_regs: cutlass.Constexpr):
+                 tidx: Int32, kk_regs: cutlass.Constexpr, E: cute.Tensor, e_regs: cutlass.Constexpr,
+                 sX1: cute.Tensor, dkk_sym: cutlass.Constexpr):
         # accDA = M1 Tm^T -> dA = -strictly_lower(.) ; Ae = KK * Es from sM (kk_regs: from k k^T's accumulator accKK,
         # whose rows then go a row at a time) ; dbeta += rowsum(dA * Ae), sA += dA * A, dKK = beta dA * Es -> sT;
         # e_regs: Es from the registers the EREG loop of the solve phase filled (the same values), else exponentiated
-        # here (gc then read: gi_, gjs; None with e_regs, never traced)
+        # here (gc then read: gi_, gjs; None with e_regs, never traced). dkk_sym: dKK + dKK^T straight into sX1 in
+        # the input dtype instead of dKK into sT: dKK is strictly lower, so the sum's (i, j) and (j, i) are both
+        # dKK_ij (i > j) and its diagonal is 0; each strictly lower element goes to both places (the rounding the
+        # float32 round trip gave: x + 0 rounded once)
         for gi in cutlass.range_constexpr(len(groups)):
             i, _ = cCC[groups[gi][0]]
             gi_ = None if e_regs else sGc[i]
@@ -558,11 +564,20 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                             ae = accKK[e] * es
                         else:
                             ae = sM[i, j0 + u]
+                        if cutlass.const_expr(dkk_sym):
+                            dkk = (bi * da * es).to(dtype)
+                            sX1[i, j0 + u] = dkk
+                            sX1[j0 + u, i] = dkk
+                    if cutlass.const_expr(dkk_sym):
+                        if i == j0 + u:
+                            sX1[i, i] = dtype(0.0)
                     tdb[e] = da * ae
                     newA[u] = olds[u] + bi * da * ae  # + dA * A
-                    newT[u] = bi * da * es  # dKK
+                    if cutlass.const_expr(not dkk_sym):
+                        newT[u] = bi * da * es  # dKK
                 st2(sA, i, j0, newA[0], newA[1])
-                st2(sT, i, j0, newT[0], newT[1])
+                if cutlass.const_expr(not dkk_sym):
+                    st2(sT, i, j0, newT[0], newT[1])
             if cutlass.const_expr(kk_regs and not e_regs):
                 row_sums(tdb, cCC, sDb, (groups[gi],), tidx, True)
         # (e_regs: grouped as the default's; a row at a time measured 1.161-1.172 ms persistent against 1.140-1.150,
@@ -1098,14 +1113,16 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             mma_done()
             tdb = acc_of(mma_cc, C, tidx)
             # (without EREG accKK8 and E unread: Ae from sM)
-            da_terms(accDA, accKK8, tdb, cCC, grp_cc, sM, sA, sT, sGc, sB, sDb, tidx, EREG, E, EREG)
-            cute.arch.sync_threads()
-            # dKK + dKK^T -> sX1 (dQK is no longer read)
-            for q in cutlass.range_constexpr(C * C // THREADS):
-                idx = q * THREADS + tidx
-                i = idx // C
-                j = idx % C
-                sX1[i, j] = (sT[i, j] + sT[j, i]).to(dtype)
+            # (DKKSYM: dKK + dKK^T into sX1 there, dQK no longer read)
+            da_terms(accDA, accKK8, tdb, cCC, grp_cc, sM, sA, sT, sGc, sB, sDb, tidx, EREG, E, EREG, sX1, DKKSYM)
+            if cutlass.const_expr(not DKKSYM):
+                cute.arch.sync_threads()
+                # dKK + dKK^T -> sX1 (dQK is no longer read)
+                for q in cutlass.range_constexpr(C * C // THREADS):
+                    idx = q * THREADS + tidx
+                    i = idx // C
+                    j = idx % C
+                    sX1[i, j] = (sT[i, j] + sT[j, i]).to(dtype)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             if cutlass.const_expr(PAIR):
@@ -1449,7 +1466,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             pmark(prof, 16)
             tdb = acc_of(mma_cc, C, lt)
             # (sM and E unread)
-            da_terms(accDA, accKK, tdb, cCC, grp_cc, sA, sA, sT, sGc, sB, sDb, tidx, True, accKK, False)
+            da_terms(accDA, accKK, tdb, cCC, grp_cc, sA, sA, sT, sGc, sB, sDb, tidx, True, accKK, False, sT, False)
             bar_sync(BAR_W, 128)  # dKK whole in sT
             pmark(prof, 17)
             bar_sync(BAR_DQK)  # the q side is done with dQK
@@ -1640,9 +1657,19 @@ def ereg_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_EREG", False)
 
 
+def dkk_sym_default() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_DKKSYM=1`` (prepared in the twenty-eighth session, off until GPU-run): the per-tile
+    and persistent kernels write ``dKK + dKK^T`` into its input-dtype tile from dA's terms (``da_terms``), each
+    strictly lower element of dKK to (i, j) and (j, i), the diagonal 0, instead of dKK into the float32 tile sT and
+    a pass over C x C elements that reads it twice (once transposed) and writes their sum: one CTA barrier and 16
+    such iterations a thread fewer. The same values: dKK is strictly lower, so the sum's elements are x + 0,
+    rounded once either way."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_DKKSYM", False)
+
+
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
                       profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False, tma=False,
-                      chains=0, relaxed=False, ereg=False):
+                      chains=0, relaxed=False, ereg=False, dkk_sym=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     overlap = overlap and not chains  # (the two-chain kernel has no such variant: one cache entry)
@@ -1654,13 +1681,13 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
         ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ()) + (
         ("tm_in",) if tm_in else ()) + (("persist",) if persist else ()) + (("tma",) if tma else ()) + (
         ("chains",) if chains else ()) + (("dvq",) if chains == 2 else ()) + (("relaxed",) if relaxed else ()) + (
-        ("ereg",) if ereg else ())
+        ("ereg",) if ereg else ()) + (("dkksym",) if dkk_sym else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
                              async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma), int(chains),
-                             bool(relaxed), bool(ereg))
+                             bool(relaxed), bool(ereg), bool(dkk_sym))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
@@ -1669,7 +1696,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
                 sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
                 tm=None, persist: bool | None = None, persist_ctas: int | None = None, tma: bool | None = None,
-                chains: bool | int | None = None, relaxed: bool | None = None, ereg: bool | None = None):
+                chains: bool | int | None = None, relaxed: bool | None = None, ereg: bool | None = None,
+                dkk_sym: bool | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -1703,7 +1731,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     ``len(CHAIN_PHASES) + 1`` elements a CTA (thread 0's phases and total, thread 128's "w:" phases). ``relaxed``:
     the relaxed first cluster arrive (default :func:`relaxed_default`). ``ereg``: E exponentiated once into registers
     (default :func:`ereg_default`; not the two-chain kernel, which ignores it): dq, dk, dv, dg the same bits, dbeta's
-    last bits differ."""
+    last bits differ. ``dkk_sym``: dKK + dKK^T formed in dA's terms (default :func:`dkk_sym_default`; not the
+    two-chain kernel, which ignores it): the same values."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -1793,8 +1822,11 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     if ereg is None:
         ereg = ereg_default()
     ereg = bool(ereg) and not chains  # (the two-chain kernel keeps k k^T in registers already)
+    if dkk_sym is None:
+        dkk_sym = dkk_sym_default()
+    dkk_sym = bool(dkk_sym) and not chains  # (the two-chain kernel forms the sum after its own hand-over)
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
-                           vn is not None, tm is not None, persist, bool(tma), int(chains), relaxed, ereg)
+                           vn is not None, tm is not None, persist, bool(tma), int(chains), relaxed, ereg, dkk_sym)
     prof = fwd._dummies(dev)[2] if profile is None else profile
     pw = 2 if pair else 1
     if persist_ctas is not None and (not persist or persist_ctas < 1):

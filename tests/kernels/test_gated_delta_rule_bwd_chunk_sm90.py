@@ -79,7 +79,14 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(kernel_cache):
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], ereg=True))
     with pytest.raises(ValueError, match="EREG"):
         B3.get_dchunk_kernel(*VARIANTS[0], **train, chains=True, ereg=True)
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 29
+    # dKK + dKK^T formed in dA's terms (CUDNN_TRAIN_GDN_DCHUNK_DKKSYM): per tile, persistent with E in registers,
+    # and with the chunk inverses solved at K = 64
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, dkk_sym=True))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, persist=True, ereg=True, dkk_sym=True))
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[1], dkk_sym=True))
+    with pytest.raises(ValueError, match="DKKSYM"):
+        B3.get_dchunk_kernel(*VARIANTS[0], **train, chains=True, dkk_sym=True)
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 32
 
 
 def test_two_chain_switch_is_off_by_default_and_parses(monkeypatch):
@@ -114,6 +121,17 @@ def test_ereg_switch_is_off_by_default_and_parses(monkeypatch):
     monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_EREG", raising=False)
     assert B3.ereg_default() is False
     assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_EREG", B3.ereg_default, "1", True, ("2", "on"))
+
+
+def test_dkk_sym_switch_is_off_by_default_and_parses(monkeypatch):
+    """CUDNN_TRAIN_GDN_DCHUNK_DKKSYM is off by default (prepared, not yet GPU-run), 1 turns it on, a typo is a
+    ValueError naming it."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+    from tests.utils import assert_env_override
+
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_DKKSYM", raising=False)
+    assert B3.dkk_sym_default() is False
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_DKKSYM", B3.dkk_sym_default, "1", True, ("2", "on"))
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -443,6 +461,40 @@ def test_ereg_chunk_gradients_match_the_default(case):
             assert rel_l2(a, b) <= 1e-6, what
         else:
             assert torch.equal(a, b), what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["pair", "pair_T65_fp16", "pair_persistent_ereg", "varlen_64", "solve", "wgs4_vn",
+                                  "wgs1_T65"])
+def test_dkk_sym_chunk_gradients_are_bitwise_the_round_trip(case):
+    """dKK + dKK^T written from dA's terms into its input-dtype tile (CUDNN_TRAIN_GDN_DCHUNK_DKKSYM: each strictly
+    lower element to (i, j) and (j, i), the diagonal 0) gives every output bit for bit as the float32 round trip
+    through sT (x + 0 rounded once either way), over memory poisoned with NaN: the training path's call (pair sum,
+    vn and Tm read, TMA loads) in bf16 at T 300, fp16 at T 65, persistent with E in registers and several tiles a
+    CTA; K = 64 varlen with empty and one-token sequences; Tm solved in the kernel; four warpgroups with vn read;
+    one warpgroup at T 65. A missed or misplaced element would change dk by O(1)."""
+    lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
+    pair = case.startswith("pair")
+    K = 64 if lens else 128
+    dt = torch.float16 if lens or case.endswith("fp16") else torch.bfloat16
+    T = sum(lens) if lens else (65 if "T65" in case else 300)
+    args, _, vn, tm = _case(1 if lens else 2, T, 4, K, K, dt, lens=lens, H=2 if pair or lens else None,
+                            l2norm=lens is None, with_vn=True)
+    scale, cu, l2 = args[9:]
+    persist = "persistent" in case
+    kw = dict(scale=scale, cu_seqlens=cu, l2norm=l2, wgs={"wgs4_vn": 4, "wgs1_T65": 1}.get(case),
+              vn=None if case in ("solve", "wgs1_T65") else vn,
+              tm=None if case in ("solve", "wgs4_vn", "wgs1_T65") else tm, persist=persist,
+              ereg=case.endswith("ereg"))
+    if pair:
+        kw.update(dqk_dtype=dt, sum_groups=True)
+    if persist:
+        kw.update(persist_ctas=3)
+    want, got = _off_then_on(args, kw, "dkk_sym")
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert torch.isfinite(a).all(), f"{case}: {name} has unwritten elements"
+        assert torch.equal(a, b), (f"{case}: {name} differs with dKK + dKK^T direct: rel L2 {rel_l2(a, b):.1e}, "
+                                   f"max abs {(a.float() - b.float()).abs().max().item():.1e}")
 
 
 @pytest.mark.gpu
