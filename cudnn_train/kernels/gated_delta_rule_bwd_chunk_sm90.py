@@ -1101,20 +1101,24 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             # ---- M1 = Tm^T dTm -> sX2 ; dA = -strictly_lower(M1 Tm^T)
+            # (DKKSYM: M1 -> sX1, free since dQK^T q, so no barrier for the other warpgroup's reads of dTm^T; then
+            # dKK + dKK^T -> sX2 in dA's terms, free since every warpgroup passed the barrier after its M1 product)
+            sM1 = sX1 if DKKSYM else sX2
+            sDkk = sX2 if DKKSYM else sX1
             accM1 = acc_of(mma_cc, C, tidx)
             mm1(accM1, C, tv(sTm), True, sX2, False, True, tidx, WGS)  # B [N = c, K = j]: dTm^T [c, j] K-major
             mma_done()
-            cute.arch.sync_threads()
-            acc_to_tile(accM1, cCC, sX2, False)
+            if cutlass.const_expr(not DKKSYM):
+                cute.arch.sync_threads()
+            acc_to_tile(accM1, cCC, sM1, False)
             cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             accDA = acc_of(mma_cc, C, tidx)
-            mm1(accDA, C, sX2, False, sTm, False, True, tidx, WGS)  # B [N = n, K = c]: Tm [n, c] K-major
+            mm1(accDA, C, sM1, False, sTm, False, True, tidx, WGS)  # B [N = n, K = c]: Tm [n, c] K-major
             mma_done()
             tdb = acc_of(mma_cc, C, tidx)
             # (without EREG accKK8 and E unread: Ae from sM)
-            # (DKKSYM: dKK + dKK^T into sX1 there, dQK no longer read)
-            da_terms(accDA, accKK8, tdb, cCC, grp_cc, sM, sA, sT, sGc, sB, sDb, tidx, EREG, E, EREG, sX1, DKKSYM)
+            da_terms(accDA, accKK8, tdb, cCC, grp_cc, sM, sA, sT, sGc, sB, sDb, tidx, EREG, E, EREG, sDkk, DKKSYM)
             if cutlass.const_expr(not DKKSYM):
                 cute.arch.sync_threads()
                 # dKK + dKK^T -> sX1 (dQK is no longer read)
@@ -1131,7 +1135,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 next_part(1, ins, smem_in, ta, tma_tiles, tbar, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu,
                           mCuC, T, NT, nseq, tidx)
             pmark(prof, 8)
-            mm1(accDk, K, sX1, False, tv(sK), True, False, tidx, WGS)  # dk += (dKK + dKK^T) k
+            mm1(accDk, K, sDkk, False, tv(sK), True, False, tidx, WGS)  # dk += (dKK + dKK^T) k
             mma_done()
             if cutlass.const_expr(l2norm):
                 l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx)
@@ -1662,8 +1666,9 @@ def dkk_sym_default() -> bool:
     and persistent kernels write ``dKK + dKK^T`` into its input-dtype tile from dA's terms (``da_terms``), each
     strictly lower element of dKK to (i, j) and (j, i), the diagonal 0, instead of dKK into the float32 tile sT and
     a pass over C x C elements that reads it twice (once transposed) and writes their sum: one CTA barrier and 16
-    such iterations a thread fewer. The same values: dKK is strictly lower, so the sum's elements are x + 0,
-    rounded once either way."""
+    such iterations a thread fewer. And ``Tm^T dTm`` goes into the input-dtype tile dQK held (free by then), so
+    writing it waits for no other warpgroup's reads of dTm^T: a second barrier fewer (dKK + dKK^T then takes dTm^T's
+    tile). The same values: dKK is strictly lower, so the sum's elements are x + 0, rounded once either way."""
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_DKKSYM", False)
 
 
