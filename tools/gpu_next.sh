@@ -78,8 +78,8 @@
 #                                   # tier (not the two-chain cases, which refuse it) and the training tier's kernel half
 #   bash tools/gpu_next.sh s43rest  # the cases s43 left unfinished (twenty-seventh session), the same switches
 #   bash tools/gpu_next.sh s44      # stage 3's dKK + dKK^T formed in dA's terms (prepared): its bitwise cases, timing
-#   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent, E in
-#                                   # registers and dKK + dKK^T in dA's terms, the candidate defaults (GDN_S)
+#   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
+#                                   # registers, the candidate defaults (GDN_S; TRAIN_S: then the training cases)
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
 #   bash tools/gpu_next.sh ssplit   # the split reverse sweep (opt-in): its cases, timing vs the default
 #                                   # (SPLIT_TRAIN=1: then the training tier's kernel half with it)
@@ -510,9 +510,9 @@ s45)
   # the candidate stage-3 defaults through the GDN kernel tiers (forward, sweeps, stage 3; the two-chain cases
   # refuse persistent and E in registers: a ValueError, not a result); then the training tier's kernel half with
   # them (TRAIN_SEL as s43rest: the cases s43 left; TRAIN_S)
-  export CUDNN_TRAIN_GDN_DCHUNK_PERSIST=1 CUDNN_TRAIN_GDN_DCHUNK_EREG=1 CUDNN_TRAIN_GDN_DCHUNK_DKKSYM=1
+  export CUDNN_TRAIN_GDN_DCHUNK_PERSIST=1 CUDNN_TRAIN_GDN_DCHUNK_EREG=1
   tier s45 ${GDN_S:-540} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "not two_chain"
+    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "not two_chain and not dkk_sym"
   if [ "${TRAIN_S:-0}" != 0 ]; then
     TRAIN_K=1 TRAIN_SEL="bitwise or head_dim_64 or in_kernel_gate or recomputed or no_l2norm or state_layouts or varlen" \
       bash "$0" gdn_train

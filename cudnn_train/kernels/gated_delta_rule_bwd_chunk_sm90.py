@@ -1595,8 +1595,12 @@ def persist_default() -> bool:
     profile variant (sums over each CTA's tiles, ``time_gdn_dchunk.py --persist``) is prepared since the fifteenth
     session, to say where its extra cycles go (ptxas: 255 registers against 227). With the paired accesses
     (twenty-first session, H100, B4 T4096): 1.216 against 1.223 ms per tile, the same within noise; its profile's
-    loads phase 7.4% of a tile's cycles against 14.3%, but every later phase slower: still off."""
-    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_PERSIST", False)
+    loads phase 7.4% of a tile's cycles against 14.3%, but every later phase slower: still off. **On by default since
+    the twenty-eighth session** (``=0`` turns it off), together with :func:`ereg_default`: persistent with E in
+    registers is the fast pair (H100 B4 T4096, stage 3 alone 1.14 against 1.19-1.21 ms per tile; the op's graphed
+    forward+backward 2.398 / 2.388 against 2.449 / 2.451 ms), and the GDN kernel tiers (359 cases) and the
+    training tier's kernel half ran green with both on."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_PERSIST", True)
 
 
 def tma_default() -> bool:
@@ -1646,7 +1650,8 @@ def relaxed_default() -> bool:
 
 
 def ereg_default() -> bool:
-    """``CUDNN_TRAIN_GDN_DCHUNK_EREG=1`` (off: GPU-run in the twenty-fifth session, not faster per tile): the per-tile
+    """``CUDNN_TRAIN_GDN_DCHUNK_EREG`` (on by default since the twenty-eighth session, with :func:`persist_default`;
+    ``=0`` turns it off; GPU-run in the twenty-fifth session, not faster per tile, faster persistent): the per-tile
     and persistent kernels compute ``E = exp(gc_i - gc_j)`` once, into 16 float32 registers a thread, in the window
     where q k^T, do Sc^T and do vn^T are in flight, and both later users read it: dQK's tile (``dqk_tiles``) and dA's
     terms (``da_terms``: Ae = KK E, dKK = beta dA E), which each exponentiated it again (71 ``ex2`` a thread in the
@@ -1658,17 +1663,22 @@ def ereg_default() -> bool:
     per tile against 145 (no spill; one CTA an SM either way), 255 and 44 bytes spilled persistent. H100, B4 T4096
     H16 HV32, the training path's call (``tools/time_gdn_dchunk.py --ereg``, two alternating rounds): per tile
     1.217 / 1.201 ms against 1.202 / 1.191; persistent 1.150 / 1.140 against 1.223 / 1.212."""
-    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_EREG", False)
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_EREG", True)
 
 
 def dkk_sym_default() -> bool:
-    """``CUDNN_TRAIN_GDN_DCHUNK_DKKSYM=1`` (prepared in the twenty-eighth session, off until GPU-run): the per-tile
+    """``CUDNN_TRAIN_GDN_DCHUNK_DKKSYM=1`` (twenty-eighth session, GPU-run, off: no faster where it counts): the per-tile
     and persistent kernels write ``dKK + dKK^T`` into its input-dtype tile from dA's terms (``da_terms``), each
     strictly lower element of dKK to (i, j) and (j, i), the diagonal 0, instead of dKK into the float32 tile sT and
     a pass over C x C elements that reads it twice (once transposed) and writes their sum: one CTA barrier and 16
     such iterations a thread fewer. And ``Tm^T dTm`` goes into the input-dtype tile dQK held (free by then), so
     writing it waits for no other warpgroup's reads of dTm^T: a second barrier fewer (dKK + dKK^T then takes dTm^T's
-    tile). The same values: dKK is strictly lower, so the sum's elements are x + 0, rounded once either way."""
+    tile). The same values: dKK is strictly lower, so the sum's elements are x + 0, rounded once either way (bitwise
+    on the GPU; with E in registers dbeta's last bits move, rel L2 4.7e-10, the FMA contraction ``ereg_default``
+    describes). H100 B4 T4096, the training path's call (``time_gdn_dchunk.py --dkksym``): per tile 1.204 / 1.198
+    ms against 1.209 / 1.192 (the same); persistent 1.202 / 1.184 against 1.228 / 1.210 (-2%); persistent with E in
+    registers, the default, **1.323 / 1.321 against 1.140 / 1.140**: at 255 registers ptxas spills 32 bytes
+    instead of 4 there. So off."""
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_DKKSYM", False)
 
 
