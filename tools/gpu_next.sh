@@ -77,7 +77,7 @@
 #   bash tools/gpu_next.sh s43      # stage 3 persistent with E in registers as the candidate default: the stage-3
 #                                   # tier (not the two-chain cases, which refuse it) and the training tier's kernel half
 #   bash tools/gpu_next.sh s43rest  # the cases s43 left unfinished (twenty-seventh session), the same switches
-#   bash tools/gpu_next.sh s44      # stage 3's dKK + dKK^T formed in dA's terms (prepared): its bitwise cases, timing
+#   bash tools/gpu_next.sh s44      # stage 3's dKK in dA's terms, dk's two products (prepared): its cases, timing
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
 #                                   # registers, the candidate defaults (GDN_S; TRAIN_S: then the training cases)
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
@@ -502,7 +502,7 @@ or wgs4)))"
     TRAIN_SEL="bitwise or head_dim_64 or in_kernel_gate or recomputed or no_l2norm or state_layouts or varlen" \
     bash "$0" gdn_train ;;
 s44)
-  # the twenty-eighth session's dKK + dKK^T in dA's terms (CUDNN_TRAIN_GDN_DCHUNK_DKKSYM): its bitwise cases (GDN_S),
+  # the twenty-eighth session's dKK in dA's terms, dk's two products (CUDNN_TRAIN_GDN_DCHUNK_DKKSYM): its cases (GDN_S),
   # then the timing against the sT round trip per tile, persistent, persistent with E in registers (TIME_S)
   tier s44 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "dkk_sym"
   timed dkksym ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --dkksym --shapes 1 ;;

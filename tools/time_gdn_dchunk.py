@@ -20,8 +20,9 @@ cp.async (``tma=``; per tile, persistent, on four warpgroups; outputs checked bi
 profiles. ``--relaxed``: only the training path's call (pair sum, vn and Tm read) with the
 relaxed first cluster arrive (``relaxed=True``) against the release form, bitwise, then both timed twice,
 alternating. ``--ereg``: the same with E exponentiated once into registers (``ereg=True``) against the
-default, per tile and persistent. ``--dkksym``: the same with dKK + dKK^T formed in dA's terms
-(``dkk_sym=True``), per tile, persistent, and persistent with E in registers. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
+default, per tile and persistent. ``--dkksym``: the same with dKK in an input-dtype tile from dA's terms and
+dk's two products on it (``dkk_sym=True``; dk not bitwise: the relative L2 of every output is printed), per tile,
+persistent, and persistent with E in registers. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
 a warpgroup for the q side and dk, one for the w side) and its variant with dv on the q side (``chains=2``):
 outputs compared (relative L2, since their row sums run in another order), the three timings, alternating, then
 both profiles (each side's phases).
@@ -82,9 +83,9 @@ def main():
                     help="only the training path's call with the relaxed first cluster arrive against the release "
                          "form: bitwise check, timed twice each, alternating")
     ap.add_argument("--dkksym", action="store_true",
-                    help="only the training path's call with dKK + dKK^T formed in dA's terms against the sT round "
-                         "trip: bitwise check, timed twice each, alternating, per tile, persistent, persistent with "
-                         "E in registers")
+                    help="only the training path's call with dKK in dA's terms and dk's two products against the "
+                         "sT round trip: outputs compared, timed twice each, alternating, per tile, persistent, "
+                         "persistent with E in registers")
     ap.add_argument("--ereg", action="store_true",
                     help="only the training path's call with E in registers against the default: bitwise check, "
                          "timed twice each, alternating, per tile and persistent")
@@ -125,9 +126,9 @@ def main():
         if args.dkksym:
             for persist, ereg in ((False, False), (True, False), (True, True)):
                 kw = dict(train_kw(x, H, HV, scale), persist=persist, ereg=ereg)
-                rows = (("sT round trip", False), ("dKK + dKK^T direct", True))
+                rows = (("sT round trip", False), ("dKK, two products", True))
                 what = (f"B{B} T{T} H{H} HV{HV}{' persistent' if persist else ''}{' E in registers' if ereg else ''}:"
-                        " dKK + dKK^T direct bitwise the round trip")
+                        " dKK's two products bitwise the round trip (dk expected not: another summation order)")
                 compare_switch(x, kw, "dkk_sym", rows + rows, what)
             continue
         if args.ereg:
@@ -190,6 +191,11 @@ def compare_switch(x, kw, switch, rows, what):
     torch.cuda.synchronize()
     same = all(torch.equal(u, w) for other in outs[1:] for u, w in zip(outs[0], other))
     print(f"{what}: {same}")
+    if not same:  # how far each output is from the first row's (relative L2)
+        for (name, _), other in zip(rows[1:], outs[1:]):
+            diffs = ", ".join(f"{n} {rel_l2(b, a):.1e}" for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), outs[0],
+                                                                          other))
+            print(f"  {name}: {diffs}")
     for name, on in rows:
         print(f"  {name:22s} {bench(lambda: B3.chunk_grads(*x, **kw, **{switch: on}), warmup=10, rep=50):.3f} ms")
 

@@ -202,7 +202,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     if EREG and CHAINS:
         raise ValueError("EREG (E in registers) serves the per-tile and persistent kernels, not the two-chain one")
     if DKKSYM and CHAINS:
-        raise ValueError("DKKSYM (dKK + dKK^T formed in dA's terms) serves the per-tile and persistent kernels")
+        raise ValueError("DKKSYM (dKK in dA's terms, dk's two products on it) serves the per-tile and persistent kernels")
     if CHAINS and not (TMA and not PERSIST and WGS == 2 and K == 128 and V == 128):
         raise ValueError("the two-chain stage 3 serves the training path's call per tile with the TMA loads, "
                          "two warpgroups, K = V = 128")
@@ -535,10 +535,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
         # accDA = M1 Tm^T -> dA = -strictly_lower(.) ; Ae = KK * Es from sM (kk_regs: from k k^T's accumulator accKK,
         # whose rows then go a row at a time) ; dbeta += rowsum(dA * Ae), sA += dA * A, dKK = beta dA * Es -> sT;
         # e_regs: Es from the registers the EREG loop of the solve phase filled (the same values), else exponentiated
-        # here (gc then read: gi_, gjs; None with e_regs, never traced). dkk_sym: dKK + dKK^T straight into sX1 in
-        # the input dtype instead of dKK into sT: dKK is strictly lower, so the sum's (i, j) and (j, i) are both
-        # dKK_ij (i > j) and its diagonal is 0; each strictly lower element goes to both places (the rounding the
-        # float32 round trip gave: x + 0 rounded once)
+        # here (gc then read: gi_, gjs; None with e_regs, never traced). dkk_sym: dKK into sX1 in the input dtype
+        # (zeros on and above the diagonal) instead of float32 sT: the caller then adds dKK k and dKK^T k as two
+        # products, no dKK + dKK^T tile (each element of that sum is one of the two, x + 0)
         for gi in cutlass.range_constexpr(len(groups)):
             i, _ = cCC[groups[gi][0]]
             gi_ = None if e_regs else sGc[i]
@@ -564,20 +563,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                             ae = accKK[e] * es
                         else:
                             ae = sM[i, j0 + u]
-                        if cutlass.const_expr(dkk_sym):
-                            dkk = (bi * da * es).to(dtype)
-                            sX1[i, j0 + u] = dkk
-                            sX1[j0 + u, i] = dkk
-                    if cutlass.const_expr(dkk_sym):
-                        if i == j0 + u:
-                            sX1[i, i] = dtype(0.0)
                     tdb[e] = da * ae
                     newA[u] = olds[u] + bi * da * ae  # + dA * A
-                    if cutlass.const_expr(not dkk_sym):
-                        newT[u] = bi * da * es  # dKK
+                    newT[u] = bi * da * es  # dKK
                 st2(sA, i, j0, newA[0], newA[1])
-                if cutlass.const_expr(not dkk_sym):
-                    st2(sT, i, j0, newT[0], newT[1])
+                st2(sX1 if dkk_sym else sT, i, j0, newT[0], newT[1])
             if cutlass.const_expr(kk_regs and not e_regs):
                 row_sums(tdb, cCC, sDb, (groups[gi],), tidx, True)
         # (e_regs: grouped as the default's; a row at a time measured 1.161-1.172 ms persistent against 1.140-1.150,
@@ -1102,7 +1092,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             cute.arch.sync_threads()
             # ---- M1 = Tm^T dTm -> sX2 ; dA = -strictly_lower(M1 Tm^T)
             # (DKKSYM: M1 -> sX1, free since dQK^T q, so no barrier for the other warpgroup's reads of dTm^T; then
-            # dKK + dKK^T -> sX2 in dA's terms, free since every warpgroup passed the barrier after its M1 product)
+            # dKK -> sX2 in dA's terms, free since every warpgroup passed the barrier after its M1 product)
             sM1 = sX1 if DKKSYM else sX2
             sDkk = sX2 if DKKSYM else sX1
             accM1 = acc_of(mma_cc, C, tidx)
@@ -1135,7 +1125,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                 next_part(1, ins, smem_in, ta, tma_tiles, tbar, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu,
                           mCuC, T, NT, nseq, tidx)
             pmark(prof, 8)
-            mm1(accDk, K, sDkk, False, tv(sK), True, False, tidx, WGS)  # dk += (dKK + dKK^T) k
+            mm1(accDk, K, sDkk, False, tv(sK), True, False, tidx, WGS)  # dk += (dKK + dKK^T) k (DKKSYM: dKK k)
+            if cutlass.const_expr(DKKSYM):
+                mm1(accDk, K, tv(sDkk), True, tv(sK), True, False, tidx, WGS)  # + dKK^T k: A [M = j, K = i] MN-major
             mma_done()
             if cutlass.const_expr(l2norm):
                 l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx)
@@ -1667,18 +1659,18 @@ def ereg_default() -> bool:
 
 
 def dkk_sym_default() -> bool:
-    """``CUDNN_TRAIN_GDN_DCHUNK_DKKSYM=1`` (twenty-eighth session, GPU-run, off: no faster where it counts): the per-tile
-    and persistent kernels write ``dKK + dKK^T`` into its input-dtype tile from dA's terms (``da_terms``), each
-    strictly lower element of dKK to (i, j) and (j, i), the diagonal 0, instead of dKK into the float32 tile sT and
-    a pass over C x C elements that reads it twice (once transposed) and writes their sum: one CTA barrier and 16
-    such iterations a thread fewer. And ``Tm^T dTm`` goes into the input-dtype tile dQK held (free by then), so
-    writing it waits for no other warpgroup's reads of dTm^T: a second barrier fewer (dKK + dKK^T then takes dTm^T's
-    tile). The same values: dKK is strictly lower, so the sum's elements are x + 0, rounded once either way (bitwise
-    on the GPU; with E in registers dbeta's last bits move, rel L2 4.7e-10, the FMA contraction ``ereg_default``
-    describes). H100 B4 T4096, the training path's call (``time_gdn_dchunk.py --dkksym``): per tile 1.204 / 1.198
-    ms against 1.209 / 1.192 (the same); persistent 1.202 / 1.184 against 1.228 / 1.210 (-2%); persistent with E in
-    registers, the default, **1.323 / 1.321 against 1.140 / 1.140**: at 255 registers ptxas spills 32 bytes
-    instead of 4 there. So off."""
+    """``CUDNN_TRAIN_GDN_DCHUNK_DKKSYM=1`` (twenty-eighth session, second form, prepared, off until GPU-run): the
+    per-tile and persistent kernels write dKK from dA's terms (``da_terms``) into an input-dtype tile (element pairs,
+    as they went into the float32 tile sT) and add ``dKK k`` and ``dKK^T k`` to dk as two products (the second reads
+    the tile transposed), instead of a pass over C x C elements that read sT twice (once transposed) and wrote
+    ``dKK + dKK^T``: one CTA barrier and 16 such iterations a thread fewer. And ``Tm^T dTm`` goes into the tile dQK
+    held (free by then), so writing it waits for no other warpgroup's reads of dTm^T: a second barrier fewer (dKK
+    then takes dTm^T's tile). dq, dv, dg, dbeta as without it (dbeta to float32 rounding with E in registers); dk
+    sums the same products in another order. The first form (GPU-run this session) wrote each strictly lower
+    element to (i, j) and (j, i) of a ``dKK + dKK^T`` tile, bitwise the round trip: per tile 1.204 / 1.198 ms
+    against 1.209 / 1.192, persistent 1.202 / 1.184 against 1.228 / 1.210, but persistent with E in registers (the
+    default) **1.323 / 1.321 against 1.140 / 1.140**: its transposed 2-byte stores' addresses pushed ptxas to spill
+    at 255 registers (32 bytes against 4). The second form stores pairs only."""
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_DKKSYM", False)
 
 
@@ -1746,8 +1738,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     ``len(CHAIN_PHASES) + 1`` elements a CTA (thread 0's phases and total, thread 128's "w:" phases). ``relaxed``:
     the relaxed first cluster arrive (default :func:`relaxed_default`). ``ereg``: E exponentiated once into registers
     (default :func:`ereg_default`; not the two-chain kernel, which ignores it): dq, dk, dv, dg the same bits, dbeta's
-    last bits differ. ``dkk_sym``: dKK + dKK^T formed in dA's terms (default :func:`dkk_sym_default`; not the
-    two-chain kernel, which ignores it): the same values."""
+    last bits differ. ``dkk_sym``: dKK into an input-dtype tile in dA's terms and dk's two products on it (default
+    :func:`dkk_sym_default`; not the two-chain kernel, which ignores it): dk in another summation order."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):

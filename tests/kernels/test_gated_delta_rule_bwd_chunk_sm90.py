@@ -443,10 +443,12 @@ def test_ereg_chunk_gradients_match_the_default(case):
     _check_switch_case(case, "ereg", "E in registers", loose_dbeta=True)
 
 
-def _check_switch_case(case, switch, label, loose_dbeta, **extra):
-    """A stage-3 switch's case (the parametrizations of the E-in-registers and dKK + dKK^T tests): the call the case
-    names off, then on over memory poisoned with NaN (:func:`_off_then_on`); every output finite and bitwise the
-    same, except dbeta within 1e-6 relative L2 where ``loose_dbeta`` (``extra``: more keywords of the call)."""
+def _check_switch_case(case, switch, label, loose_dbeta, reordered=(), **extra):
+    """A stage-3 switch's case (the parametrizations of the E-in-registers and dKK tests): the call the case names
+    off, then on over memory poisoned with NaN (:func:`_off_then_on`); every output finite and bitwise the same,
+    except dbeta within 1e-6 relative L2 where ``loose_dbeta``, and the outputs named in ``reordered`` (sums of the
+    same products in another order) within 1e-4 relative L2 in float32, 1e-3 in half precision (a rounding may
+    flip), the two-chain kernel's bounds (``extra``: more keywords of the call)."""
     lens = [1, 63, 130, 64, 0, 7] if case.startswith("varlen") else None
     pair = case.startswith("pair")
     K = 64 if lens else 128
@@ -470,6 +472,8 @@ def _check_switch_case(case, switch, label, loose_dbeta, **extra):
                 f"max abs {(a.float() - b.float()).abs().max().item():.1e} of {b.abs().max().item():.1e}")
         if name == "dbeta" and loose_dbeta:
             assert rel_l2(a, b) <= 1e-6, what
+        elif name in reordered:
+            assert rel_l2(a, b) <= (1e-4 if a.dtype == torch.float32 else 1e-3), what
         else:
             assert torch.equal(a, b), what
 
@@ -477,17 +481,18 @@ def _check_switch_case(case, switch, label, loose_dbeta, **extra):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["pair", "pair_T65_fp16", "pair_persistent_ereg", "varlen_64", "solve", "wgs4_vn",
                                   "wgs1_T65"])
-def test_dkk_sym_chunk_gradients_are_bitwise_the_round_trip(case):
-    """dKK + dKK^T written from dA's terms into its input-dtype tile (CUDNN_TRAIN_GDN_DCHUNK_DKKSYM: each strictly
-    lower element to (i, j) and (j, i), the diagonal 0) gives every output bit for bit as the float32 round trip
-    through sT (x + 0 rounded once either way), over memory poisoned with NaN: the training path's call (pair sum,
-    vn and Tm read, TMA loads) in bf16 at T 300, fp16 at T 65, persistent with E in registers and several tiles a
-    CTA; K = 64 varlen with empty and one-token sequences; Tm solved in the kernel; four warpgroups with vn read;
-    one warpgroup at T 65. A missed or misplaced element would change dk by O(1). With E in registers dbeta is held
-    to 1e-6 relative L2 instead (its row sums of dA * Ae contract into FMAs differently once the branch changes:
-    4.7e-10 on the first GPU run, the same figure E in registers gives against the default), the rest bitwise."""
+def test_dkk_sym_chunk_gradients_match_the_round_trip(case):
+    """dKK written from dA's terms into an input-dtype tile and dk's ``dKK k + dKK^T k`` as two products on it
+    (CUDNN_TRAIN_GDN_DCHUNK_DKKSYM), against the float32 round trip through sT and the ``dKK + dKK^T`` tile: dq, dv,
+    dg, dbeta bit for bit, dk the same products summed in another order (within 1e-4 relative L2 in float32, 1e-3
+    where the pair sum rounds it to half precision), over memory poisoned with NaN: the training path's call (pair
+    sum, vn and Tm read, TMA loads) in bf16 at T 300, fp16 at T 65, persistent with E in registers and several tiles
+    a CTA; K = 64 varlen with empty and one-token sequences; Tm solved in the kernel; four warpgroups with vn read;
+    one warpgroup at T 65. A missing or misplaced dKK element would change dk by O(1). With E in registers dbeta is
+    held to 1e-6 relative L2 (its row sums of dA * Ae contract into FMAs differently once the branch changes: 4.7e-10
+    on the first form's GPU run, the same figure E in registers gives against the kernel without it)."""
     ereg = case.endswith("ereg")
-    _check_switch_case(case, "dkk_sym", "dKK + dKK^T direct", loose_dbeta=ereg, ereg=ereg)
+    _check_switch_case(case, "dkk_sym", "dKK in dA's terms", loose_dbeta=ereg, reordered=("dk",), ereg=ereg)
 
 
 @pytest.mark.gpu
