@@ -531,11 +531,11 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     def da_terms(accDA: cute.Tensor, accKK: cute.Tensor, tdb: cute.Tensor, cCC: cute.Tensor, groups: cutlass.Constexpr,
                  sM: cute.Tensor, sA: cute.Tensor, sT: cute.Tensor, sGc: cute.Tensor, sB: cute.Tensor, sDb: cute.Tensor,
                  tidx: Int32, kk_regs: cutlass.Constexpr, E: cute.Tensor, e_regs: cutlass.Constexpr,
-                 sX1: cute.Tensor, dkk_sym: cutlass.Constexpr):
+                 sDkk: cute.Tensor, dkk_sym: cutlass.Constexpr):
         # accDA = M1 Tm^T -> dA = -strictly_lower(.) ; Ae = KK * Es from sM (kk_regs: from k k^T's accumulator accKK,
         # whose rows then go a row at a time) ; dbeta += rowsum(dA * Ae), sA += dA * A, dKK = beta dA * Es -> sT;
         # e_regs: Es from the registers the EREG loop of the solve phase filled (the same values), else exponentiated
-        # here (gc then read: gi_, gjs; None with e_regs, never traced). dkk_sym: dKK into sX1 in the input dtype
+        # here (gc then read: gi_, gjs; None with e_regs, never traced). dkk_sym: dKK into sDkk in the input dtype
         # (zeros on and above the diagonal) instead of float32 sT: the caller then adds dKK k and dKK^T k as two
         # products, no dKK + dKK^T tile (each element of that sum is one of the two, x + 0)
         for gi in cutlass.range_constexpr(len(groups)):
@@ -567,7 +567,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                     newA[u] = olds[u] + bi * da * ae  # + dA * A
                     newT[u] = bi * da * es  # dKK
                 st2(sA, i, j0, newA[0], newA[1])
-                st2(sX1 if dkk_sym else sT, i, j0, newT[0], newT[1])
+                st2(sDkk if dkk_sym else sT, i, j0, newT[0], newT[1])
             if cutlass.const_expr(kk_regs and not e_regs):
                 row_sums(tdb, cCC, sDb, (groups[gi],), tidx, True)
         # (e_regs: grouped as the default's; a row at a time measured 1.161-1.172 ms persistent against 1.140-1.150,
