@@ -124,19 +124,13 @@ def main():
             compare_switch(x, kw, "relaxed", rows + rows, f"B{B} T{T} H{H} HV{HV}: relaxed arrive bitwise the release")
             continue
         if args.dkksym:
-            for persist, ereg in ((False, False), (True, False), (True, True)):
-                kw = dict(train_kw(x, H, HV, scale), persist=persist, ereg=ereg)
-                rows = (("sT round trip", False), ("dKK, two products", True))
-                what = (f"B{B} T{T} H{H} HV{HV}{' persistent' if persist else ''}{' E in registers' if ereg else ''}:"
-                        " dKK's two products bitwise the round trip (dk expected not: another summation order)")
-                compare_switch(x, kw, "dkk_sym", rows + rows, what)
+            switch_rows(x, B, T, H, HV, scale, "dkk_sym", ("sT round trip", "dKK, two products"),
+                        "dKK's two products bitwise the round trip (dk expected not: another summation order)",
+                        ((False, False), (True, False), (True, True)))
             continue
         if args.ereg:
-            for persist in (False, True):
-                kw = dict(train_kw(x, H, HV, scale), persist=persist)
-                rows = (("default", False), ("E in registers", True))
-                what = f"B{B} T{T} H{H} HV{HV}{' persistent' if persist else ''}: E in registers bitwise the default"
-                compare_switch(x, kw, "ereg", rows + rows, what)
+            switch_rows(x, B, T, H, HV, scale, "ereg", ("default", "E in registers"), "E in registers bitwise the default",
+                        ((False, None), (True, None)))
             continue
         variants = (("one warpgroup", 1, False), ("two warpgroups", 2, False), ("four warpgroups", 4, False),
                     ("two, overlap", 2, True), ("four, overlap", 4, True))
@@ -198,6 +192,18 @@ def compare_switch(x, kw, switch, rows, what):
             print(f"  {name}: {diffs}")
     for name, on in rows:
         print(f"  {name:22s} {bench(lambda: B3.chunk_grads(*x, **kw, **{switch: on}), warmup=10, rep=50):.3f} ms")
+
+
+def switch_rows(x, B, T, H, HV, scale, switch, names, claim, kernels):
+    """The training path's call with the keyword ``switch`` off and on (``names``), at each ``(persist, ereg)`` of
+    ``kernels`` (None: the default), through :func:`compare_switch`: twice each, alternating."""
+    for persist, ereg in kernels:
+        kw = dict(train_kw(x, H, HV, scale), persist=persist)
+        if ereg is not None:
+            kw["ereg"] = ereg
+        rows = ((names[0], False), (names[1], True))
+        what = f"B{B} T{T} H{H} HV{HV}{' persistent' if persist else ''}{' E in registers' if ereg else ''}: {claim}"
+        compare_switch(x, kw, switch, rows + rows, what)
 
 
 def loads(x, B, T, H, HV, scale):
