@@ -78,6 +78,7 @@
 #                                   # tier (not the two-chain cases, which refuse it) and the training tier's kernel half
 #   bash tools/gpu_next.sh s43rest  # the cases s43 left unfinished (twenty-seventh session), the same switches
 #   bash tools/gpu_next.sh s44      # stage 3's dKK in dA's terms, dk's two products (prepared): its cases, timing
+#   bash tools/gpu_next.sh s46      # the default stage 3 and the per-tile one: timing, per-phase profiles (B4)
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
 #                                   # registers, the candidate defaults (GDN_S; TRAIN_S: then the training cases)
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
@@ -506,6 +507,10 @@ s44)
   # then the timing against the sT round trip per tile, persistent, persistent with E in registers (TIME_S)
   tier s44 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k "dkk_sym"
   timed dkksym ${TIME_S:-150} python3 tools/time_gdn_dchunk.py --dkksym --shapes 1 ;;
+s46)
+  # the default stage 3 (persistent, E in registers) and the per-tile kernel, both with their profile variants
+  # (time_gdn_dchunk.py --persist: bitwise, timed, then the per-phase cycles a tile of each), B4 T4096 (TIME_S)
+  timed persist ${TIME_S:-300} python3 tools/time_gdn_dchunk.py --persist --shapes 1 ;;
 s45)
   # the candidate stage-3 defaults through the GDN kernel tiers (forward, sweeps, stage 3; the two-chain cases
   # refuse persistent and E in registers: a ValueError, not a result); then the training tier's kernel half with
