@@ -5,7 +5,12 @@ also the wy and state kernels on two warpgroups (the wy kernel's default at K = 
 kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
-                                   --onfly | --chain-stores | --out-otma | --chain-seg]
+                                   --onfly | --chain-stores | --out-otma | --chain-seg | --tstore]
+
+``--tstore``: only the training forward (chunk states, vn and Tm kept) on the split pass (its default), on the
+specialized warpgroups with the gathered stores at 64 columns, and with the stores by TMA from transposed tiles
+(``CUDNN_TRAIN_GDN_FWD_WS_TSTORE``) at 64 and 128 columns: o, the chunk states and vn compared (bitwise expected
+between the warpgroup rows), then each timed twice, alternating.
 
 ``--chain-seg``: only the split pass's chain cut into 1, 2, 4 and 8 segments a sequence (``CUDNN_TRAIN_GDN_CHAIN_SEG``,
 each at the V block its grid takes): hs and vn against one segment's (bitwise, and the relative L2 where not),
@@ -84,6 +89,9 @@ def main():
                     help="only the split pass's chain cut into segments against one, then whole forwards 1 / auto")
     ap.add_argument("--onfly", action="store_true",
                     help="only the whole forward with w and u formed in the chain against the default, twice, alternating")
+    ap.add_argument("--tstore", action="store_true",
+                    help="only the training forward: the split pass, the specialized warpgroups with the gathered "
+                         "stores and with the transposed tiles' TMA stores (64 and 128 columns): bitwise, then timed")
     ap.add_argument("--only", type=int, default=None, help="only the shape of this index (0: B4 T4096, 1: B1 T16384)")
     args = ap.parse_args()
     shapes = SHAPES[: args.shapes] if args.only is None else [SHAPES[args.only]]
@@ -113,6 +121,10 @@ def main():
 
         def run_wy_default():  # w, u, gc for the state-pass kernels timed below
             wyd(k, v, g, beta, f32, f32, cu, cuc, w, u, gc, w[..., :64], T, NT, B, group, rows, i64)
+
+        if args.tstore:
+            tstore_rows(q, k, v, g, beta, B, T, H, HV)
+            continue
 
         if args.wy_only:  # the scan preparation against the serial one, its tile loads, the two-pass A; then times
             outs = {}
@@ -532,6 +544,45 @@ def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     print(f"  specialized warpgroups {kw}: o finite {bool(torch.isfinite(o_ws).all())}, bitwise the fused kernel's "
           f"{torch.equal(o_ws, o_ref)}, rel L2 {rel_l2(o_ws.float(), o_ref.float()):.2e}")
     return run, o_ws
+
+
+def tstore_rows(q, k, v, g, beta, B, T, H, HV):
+    """The training forward (chunk states, vn and Tm kept, as the training path calls it) on the split pass (its
+    default), on the specialized warpgroups with the gathered stores (64 columns), and with the stores by TMA from
+    transposed tiles (``CUDNN_TRAIN_GDN_FWD_WS_TSTORE``) at 64 and 128 columns: o, chunk states and vn bitwise the
+    gathered stores' at 64 columns (and 128 against 64), then each timed twice, alternating."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)
+    saved = F90.SPLIT, F90.STATE_WS, WS.VB_MODE, WS.TSTORE
+    rows = {"split pass (default)": (None, None, "auto", False),
+            "warpgroups, gathered stores, 64": (False, True, "64", False),
+            "warpgroups, TMA stores, 64": (False, True, "64", True),
+            "warpgroups, TMA stores, 128": (False, True, "128", True)}
+
+    def run(name):
+        F90.SPLIT, F90.STATE_WS, WS.VB_MODE, WS.TSTORE = rows[name]
+        try:
+            return F90.forward(q, k, v, g, beta, **train).value
+        finally:
+            F90.SPLIT, F90.STATE_WS, WS.VB_MODE, WS.TSTORE = saved
+
+    outs = {name: run(name) for name in rows}
+    torch.cuda.synchronize()
+
+    def parts(r):
+        return {"o": r[0], "chunk_states": r[2][3], "vn": r[2][4]}
+
+    names = list(rows)
+    print(f"\nB{B} T{T} H{H} HV{HV}, the training forward:")
+    for a, b in ((names[2], names[1]), (names[3], names[2]), (names[3], names[0])):
+        pa, pb = parts(outs[a]), parts(outs[b])
+        print(f"  {a} against {b}: " + ", ".join(
+            f"{n} {'bitwise' if torch.equal(pa[n], pb[n]) else f'rel L2 {rel_l2(pa[n].float(), pb[n].float()):.1e}'}"
+            for n in pa))
+    for _ in range(2):
+        for name in names:
+            print(f"  {name:34s} {bench(lambda: run(name), 10, 40):.3f} ms")
 
 
 def profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):

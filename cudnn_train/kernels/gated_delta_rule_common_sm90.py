@@ -205,6 +205,52 @@ def check_stmatrix_order(mma, copy, shape_mn, threads) -> None:
                 raise AssertionError(f"thread {t}, value {f}: holds {tuple(held[f])}, the copy writes {tuple(dest[f])}")
 
 
+def acc_to_stmatrix_map(mma, copy, shape_mn, threads=SAMPLE_THREADS):
+    """Static map ``value index -> accumulator index``: value f of ``copy``'s source partition (a
+    :func:`make_acc_stmatrix_t` copy of ``mma``'s accumulator over ``shape_mn``) writes the element that accumulator
+    value ``map[f]`` holds; for accumulators whose retiled order is not the copy's (M = 128 on one warpgroup: the
+    two group their modes differently, so :func:`check_stmatrix_order` fails there). Raises if the map differs
+    between threads."""
+    _, cute = kc.import_cute()
+    ident = cute.make_identity_tensor(shape_mn)
+    ref = None
+    for t in threads:
+        cC = mma.get_slice(t).partition_C(ident)
+        where = {tuple(cC[e]): e for e in range(cute.size(cC))}
+        dest = copy.get_slice(t).partition_S(ident)
+        if cute.size(dest) != cute.size(cC):
+            raise AssertionError(f"thread {t}: {cute.size(cC)} accumulator values, {cute.size(dest)} copied")
+        m = []
+        for f in range(cute.size(dest)):
+            crd = tuple(dest[f])
+            if crd not in where:
+                raise AssertionError(f"thread {t}: the copy writes {crd}, which the accumulator does not hold")
+            m.append(where[crd])
+        if ref is None:
+            ref = m
+        elif m != ref:
+            raise AssertionError(f"thread {t}: acc->stmatrix map differs from thread {threads[0]}")
+    return tuple(ref)
+
+
+def stmatrix_acc_mapped(copy, acc, amap, dtype, tile_mn, tidx) -> None:
+    """(Every thread, while tracing) the float32 accumulator ``acc`` rounded to ``dtype`` into ``tile_mn`` (the
+    (M, N) view of an M-major tile) by the transposed ``stmatrix`` ``copy``, value f taking ``acc[amap[f]]``
+    (:func:`acc_to_stmatrix_map`)."""
+    _, cute = kc.import_cute()
+    thr = copy.get_slice(tidx)
+    dst = thr.partition_D(tile_mn)
+    shp = thr.partition_S(tile_mn).shape  # ((the atom's values), M iterations, N iterations)
+    nv, nm, nn = cute.size(shp[0]), cute.size(shp[1]), cute.size(shp[2])
+    for ni in range(nn):  # one stmatrix at a time, its values converted just before it (few live registers)
+        for mi in range(nm):
+            d = dst[(None, mi, ni)]
+            src = cute.make_rmem_tensor(d.shape, dtype)
+            for f in range(nv):
+                src[f] = acc[amap[f + nv * (mi + nm * ni)]].to(dtype)
+            cute.copy(copy, src, d)
+
+
 def acc_to_frag_map(mma_c, shape_mn, mma_a, shape_mk, threads=SAMPLE_THREADS):
     """Static map ``frag index -> acc index`` so that A-fragment element ``i`` of ``mma_a``
     (operand tile ``shape_mk``) holds the accumulator element of ``mma_c`` (tile ``shape_mn``)

@@ -1243,6 +1243,14 @@ def forward(
         from . import gated_delta_rule_fwd_split_sm90 as sp
 
         carry = sp.carry_segments(nseq, HV, K, V, B * T, use_qk_l2norm_in_kernel, dev, q.dtype)
+    # the training forward's stores by TMA from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE, prepared, off): with
+    # them the training forward takes the specialized warpgroups where the inference forward would (the split pass
+    # where its grid leaves SMs idle), since what kept it on the split pass was the gathered stores' cost
+    tstore = False
+    if store_states:
+        from . import gated_delta_rule_fwd_ws_sm90 as WS
+
+        tstore = WS.TSTORE
     if carry > 1:
         ws_nseg, split = 1, False
     elif ws_nseg > 1:
@@ -1250,10 +1258,10 @@ def forward(
     elif split and SPLIT is None:
         from . import gated_delta_rule_fwd_split_sm90 as sp
 
-        split = (store_states and STATE_WS is not True) or sp.preferred(nseq, HV, V, dev)
+        split = (store_states and STATE_WS is not True and not tstore) or sp.preferred(nseq, HV, V, dev)
     elif split:
         split = SPLIT
-    ws = ws_nseg > 1 or (not split and (not store_states if STATE_WS is None else STATE_WS))
+    ws = ws_nseg > 1 or (not split and ((not store_states or tstore) if STATE_WS is None else STATE_WS))
     onfly = ws and not store_states and not return_intermediates and carry == 1
     if onfly and ONFLY is None:  # the measured default: where one CTA holds all of V (the vb state_pass_onfly takes)
         from . import gated_delta_rule_fwd_ws_sm90 as WS

@@ -110,13 +110,26 @@ VB_MODE = os.environ.get("CUDNN_TRAIN_GDN_FWD_WS_VB", "").strip() or "auto"
 if VB_MODE not in ("64", "128", "auto"):
     raise ValueError(f"CUDNN_TRAIN_GDN_FWD_WS_VB={VB_MODE!r}: expected 64, 128 or auto")
 SMEM_BYTES = 227 * 1024  # an SM90 CTA's shared memory at most
+# The training forward's stores by TMA from tiles the chain writes transposed (CUDNN_TRAIN_GDN_FWD_WS_TSTORE,
+# twenty-ninth session, prepared, off until GPU-run): with ``store_states`` the chain writes the chunk-start state
+# as S [d, v] and vn as vn [i, v] (v contiguous, by transposed ``stmatrix`` from its accumulators, the reverse
+# sweep's dH pattern) instead of S^T [v, d] and vn^T [v, i]; the output warpgroup and the chain's own first product
+# at 128 columns read them as MN-major operands (the same products on the same values), and each leaves by one TMA
+# store from the tile it is already in (a partial chunk's vn rows by 16-byte vectors from the same tile), where
+# the output warpgroup now gathers every 16-byte row element by element out of the transposed tiles. Measured
+# before it (H100, B4 T4096 H16 HV32, whole forward): the training forward on this pass at 64 columns 0.99 ms
+# against 0.69 for the inference forward on it (the stores' 0.30 ms), and the inference forward at 128 columns
+# 0.58 against the training forward's split pass 0.83. With it the training forward may take 128 columns (no
+# more shared memory: the same tiles). 1: on (with store_states); unset or 0: off.
+TSTORE = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TSTORE", False)
 
 
-def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False) -> int:
+def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False, tstore: bool = False) -> int:
     """The specialized warpgroups' V columns per CTA: 64, or 128 (V = 128 only) as ``CUDNN_TRAIN_GDN_FWD_WS_VB``
-    asks (auto: where 2 N HV CTAs of 64 columns exceed the SMs, and not for the training forward's call, which
-    measured slower at 128: 1.30 against 0.98 ms at B4 T4096 H16 HV32, sixteenth session)."""
-    if V != 128 or VB_MODE == "64" or (VB_MODE == "auto" and store_states):
+    asks (auto: where 2 N HV CTAs of 64 columns exceed the SMs, and not for the training forward's call with its
+    stores gathered out of the transposed tiles, which measured slower at 128: 1.30 against 0.98 ms at B4 T4096 H16
+    HV32, sixteenth session; with ``tstore``, the stores by TMA, as for inference)."""
+    if V != 128 or VB_MODE == "64" or (VB_MODE == "auto" and store_states and not tstore):
         return 64
     if VB_MODE == "128":
         return 128
@@ -144,7 +157,7 @@ WS_PHASES = (
 
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
            store_states: bool, keep_vn: bool, profile: bool = False, tma: bool = False, onfly: bool = False,
-           wg3: bool = False, vb: int = VB, nseg: int = 1):
+           wg3: bool = False, vb: int = VB, nseg: int = 1, tstore: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -209,6 +222,10 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     # (``gated_delta_rule_fwd_split_sm90``): only with l2norm.
     SEG = nseg > 1
     assert not SEG or (l2norm and nseg in cm.SEGMENTS and not store_states and not profile), (nseg, l2norm)
+    # tstore (TSTORE): the state tile S [d, v] and the vn tile [i, v] (v contiguous, written by transposed stmatrix),
+    # read as MN-major operands; hs and (keep_vn) vn leave by TMA stores from them (warp TMA_WARP of the output
+    # warpgroup, issued after the CTA barrier that publishes them, their reads waited for before the next one)
+    assert not tstore or (store_states and not onfly and not wg3), (tstore, store_states, onfly, wg3)
     walk = cm.make_segment_walk(forward=True)
     zero_unless = cm.make_zero_unless()
 
@@ -360,12 +377,42 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                     vec[e] = sX[v8 * 8 + e, r]
                 cute.autovec_copy(vec, cute.local_tile(gX, (1, 8), (r, v0 // 8 + v8)))
 
+    @cute.jit
+    def tstores(ci: Int32, par: cutlass.Constexpr, nchunks: Int32, b: Int32, hv: Int32, ts: Int32, te: Int32,
+                cbase: Int32, v0: Int32, store_warp, lt: Int32, sts: cutlass.Constexpr):
+        """(The output warpgroup, tstore, right after the CTA barrier of iteration ci) chunk ci's start state from
+        its [d, v] tile to its row of hs, one TMA store (the warp ``store_warp``); with ``keep_vn`` chunk ci - 1's vn
+        from its [i, v] tile: a full chunk's by one TMA store, a partial chunk's rows past its end left alone, its
+        valid rows by 16-byte vectors (every thread of the warpgroup)."""
+        aHs, tHs, aVo, tVo, sSb, sVob, mVn = sts
+        if store_warp:
+            if ci < nchunks:
+                cm.tma_store(aHs, cm.token_box(tHs, cbase + ci, hv, 0, v0, K, VB), sSb[par])
+        if cutlass.const_expr(keep_vn):
+            if ci > 0:
+                tq = ts + (ci - 1) * C
+                lq = cutlass.min(te - tq, C)
+                if lq == C:
+                    if store_warp:
+                        cm.tma_store(aVo, cm.token_box(tVo, b, hv, tq, v0, C, VB), sVob[1 - par])
+                else:
+                    gVn = cute.domain_offset((tq, 0), mVn[b, None, hv, None])
+                    for p in cutlass.range_constexpr(C * VB // 8 // 128):
+                        idx = p * 128 + lt
+                        r = idx // (VB // 8)
+                        c8 = idx % (VB // 8)
+                        if r < lq:
+                            vec = cute.make_rmem_tensor((1, 8), dtype)
+                            cute.autovec_copy(cute.local_tile(sVob[1 - par], (1, 8), (r, c8)), vec)
+                            cute.autovec_copy(vec, cute.local_tile(gVn, (1, 8), (r, v0 // 8 + c8)))
+
     @cute.kernel
     def kernel(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
                mH0: cute.Tensor, mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
                mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32,
                mProf: cute.Tensor, aQ: cute.CopyAtom, aK: cute.CopyAtom, aW: cute.CopyAtom, aU: cute.CopyAtom,
-               tQ: cute.Tensor, tK: cute.Tensor, tW: cute.Tensor, tU: cute.Tensor, mBe: cute.Tensor):
+               tQ: cute.Tensor, tK: cute.Tensor, tW: cute.Tensor, tU: cute.Tensor, mBe: cute.Tensor,
+               aHs: cute.CopyAtom, tHs: cute.Tensor, aVo: cute.CopyAtom, tVo: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
         seg = Int32(0)
@@ -381,7 +428,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         # chain: the fused kernel's orientation (S^T [v, d] accumulators, register A operands)
         mma_s = cm.make_mma(dtype, K, a_regs=True, b_mn_major=True)  # S^T += vd^T k      [v, d]
         mma_xr = cm.make_mma(dtype, C, a_regs=True, b_mn_major=False)  # [v, i] products, A in registers
-        mma_x = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False) if SA else mma_xr  # S^T w^T  [v, i]
+        mma_x = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False, a_mn_major=tstore) if SA else mma_xr  # S^T w^T
         cm.check_same_acc_layout(mma_x, mma_xr, (VB, C))
         map_s = None if SA else cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
         map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
@@ -390,8 +437,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         cm.check_acc_pairs(mma_x, (VB, C))  # vn^T pairs -> sVo
         # output: the out kernel's orientation (o [i, v])
         mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)  # q k^T   [i, j]
-        mma_o = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=False)  # q S   [i, v], B = the S^T tile [v, d]
-        mma_ov = cm.make_mma(dtype, VB, a_regs=True, b_mn_major=False)  # P vn  [i, v], B = the vn^T tile [v, j]
+        # q S [i, v], B = the S^T tile [v, d] (tstore: S [d, v], MN-major); P vn [i, v], B = vn^T [v, j] (vn [j, v])
+        mma_o = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=tstore)
+        mma_ov = cm.make_mma(dtype, VB, a_regs=True, b_mn_major=tstore)
         cm.check_same_acc_layout(mma_o, mma_ov, (C, VB))
         cm.check_acc_pairs(mma_o, (C, VB))
         map_p = cm.acc_to_frag_map(mma_p, (C, C), mma_ov, (C, C))
@@ -400,8 +448,12 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         sQb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
         sKb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
         sWb = [cm.alloc_tile(smem, dtype, C, WCOLS) for _ in range(2)]  # w, or with onfly A0
-        sSb = [cm.alloc_tile(smem, dtype, VB, K) for _ in range(2)]  # S^T [v, d] at a chunk's start
-        sVob = [cm.alloc_tile(smem, dtype, VB, C) for _ in range(2)]  # vn^T [v, i]
+        # S^T [v, d] at a chunk's start, vn^T [v, i]; tstore: S [d, v], vn [i, v] (the same bytes)
+        sSb = [cm.alloc_tile(smem, dtype, K, VB) if tstore else cm.alloc_tile(smem, dtype, VB, K) for _ in range(2)]
+        sVob = [cm.alloc_tile(smem, dtype, C, VB) if tstore else cm.alloc_tile(smem, dtype, VB, C) for _ in range(2)]
+        # the (v, d) and (v, i) views every reader and writer below takes
+        sSv = [cm.transpose_view(t) for t in sSb] if tstore else sSb
+        sVov = [cm.transpose_view(t) for t in sVob] if tstore else sVob
         if cutlass.const_expr(tma or SA):
             sUb = [cm.alloc_tile(smem, dtype, C, VB) for _ in range(2)]
         else:
@@ -457,11 +509,16 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             rR = mma_xr.make_fragment_A(thr_xr.partition_shape_A((VB, C)))
             tBkt = [mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(t))) for t in sKb]
             # S^T, the A operand of the first product: a register copy, or (SA) the sS tile itself
-            rS = [mma_x.make_fragment_A(thr_x.partition_A(t)) for t in sSb] if SA else \
+            rS = [mma_x.make_fragment_A(thr_x.partition_A(t)) for t in sSv] if SA else \
                 mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
             rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
             cS = thr_s.partition_C(cute.make_identity_tensor((VB, K)))  # (v, d)
             cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
+            if cutlass.const_expr(tstore):  # S and vn rounded into their [d, v] / [i, v] tiles by stmatrix, each
+                r2s = cm.make_acc_stmatrix_t(dtype, mma_s)  # copy value from the accumulator element of its place
+                r2x = cm.make_acc_stmatrix_t(dtype, mma_x)
+                map_ss = cm.acc_to_stmatrix_map(mma_s, r2s, (VB, K))
+                map_sx = cm.acc_to_stmatrix_map(mma_x, r2x, (VB, C))
             accS = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
             start_state(accS, cS, mH0, n, hv, v0, state_vk, has_h0)
             if cutlass.const_expr(SEG and has_h0):  # a walk from a later chunk starts from zero
@@ -476,7 +533,10 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             if cutlass.const_expr(not SA):
                                 for f in cutlass.range_constexpr(cute.size(rS)):
                                     rS[f] = accS[map_s[f]].to(dtype)
-                            pairs_to_tile(accS, cS, sSb[par])
+                            if cutlass.const_expr(tstore):
+                                cm.stmatrix_acc_mapped(r2s, accS, map_ss, dtype, sSv[par], lt)
+                            else:
+                                pairs_to_tile(accS, cS, sSb[par])
                         pmark(prof, 0)
                         handover(ci, cp, nchunks, None if mbar is None else mbar + par, sKb[par],
                                  cutlass.min(te - (ts + ci * C), C), tidx)
@@ -528,7 +588,10 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                 for e in cutlass.range_constexpr(cute.size(accX)):  # a select, not a branch:
                                     _, xi = cX[e]  # accumulator registers written under one make ptxas serialize
                                     accX[e] = Float32(cutlass.select_(xi < length, accX[e], Float32(0.0)))
-                            pairs_to_tile(accX, cX, sVob[par])
+                            if cutlass.const_expr(tstore):
+                                cm.stmatrix_acc_mapped(r2x, accX, map_sx, dtype, sVov[par], lt)
+                            else:
+                                pairs_to_tile(accX, cX, sVob[par])
                             glast = sGcb[par][C - 1]
                             for f in cutlass.range_constexpr(cute.size(rVd)):
                                 _, dj = cX[map_vd[f]]
@@ -555,7 +618,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             cute.arch.setmaxregister_decrease(OUT_REGS)
             j = wg - 1  # this warpgroup's chunks: ci % 2 == j
             thr_p, thr_o, thr_ov, tAq, tBk, tAqo, tBs, tBvo, cP, cO = output_operands(
-                lt, mma_p, mma_o, mma_ov, sQb, sKb, sSb, sVob)
+                lt, mma_p, mma_o, mma_ov, sQb, sKb, sSv, sVov)
             accO = cute.make_rmem_tensor(thr_o.partition_shape_C((C, VB)), Float32)
             rP = mma_ov.make_fragment_A(thr_ov.partition_shape_A((C, C)))
             for cp in cutlass.range((niter + 1) // 2, unroll=1):
@@ -593,7 +656,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         else:
             # ---------------------------------------------------------------- the output
             thr_p, thr_o, thr_ov, tAq, tBk, tAqo, tBs, tBvo, cP, cO = output_operands(
-                lt, mma_p, mma_o, mma_ov, sQb, sKb, sSb, sVob)
+                lt, mma_p, mma_o, mma_ov, sQb, sKb, sSv, sVov)
+            store_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP
+            sts = (aHs, tHs, aVo, tVo, sSb, sVob, mVn)
             # chunk c's o and P live from iteration c (q S, P) to c + 1 (P vn, the stores): one of each a parity
             accOb = [cute.make_rmem_tensor(thr_o.partition_shape_C((C, VB)), Float32) for _ in range(2)]
             rPb = [mma_ov.make_fragment_A(thr_ov.partition_shape_A((C, C))) for _ in range(2)]
@@ -602,9 +667,14 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                     ci = cp * 2 + par
                     if ci < niter:
                         pmark(prof, -1)
+                        if cutlass.const_expr(tstore):  # the last iteration's stores have read their tiles, which
+                            if store_warp:  # the chain writes again after the barrier below
+                                cute.arch.cp_async_bulk_wait_group(0, read=True)
                         handover(ci, cp, nchunks, None if mbar is None else mbar + par, sKb[par],
                                  cutlass.min(te - (ts + ci * C), C), tidx)
                         pmark(prof, 1)
+                        if cutlass.const_expr(tstore):  # chunk ci's start state, chunk ci - 1's vn (a full chunk)
+                            tstores(ci, par, nchunks, b, hv, ts, te, cbase, v0, store_warp, lt, sts)
                         if cutlass.const_expr(not late):
                             issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
                         accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
@@ -617,7 +687,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         if cutlass.const_expr(late):
                             issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
                         pmark(prof, 2)
-                        if cutlass.const_expr(store_states):  # while the products run (they only read sS, sVo)
+                        if cutlass.const_expr(store_states and not tstore):  # while the products run (they only
+                            # read sS, sVo)
                             if ci < nchunks:  # chunk ci's start state: a row of the chunk states
                                 tile_to_rows(sSb[par], mHs[cbase + ci, hv, None, None], K, K, v0, lt)
                             if cutlass.const_expr(keep_vn):
@@ -646,6 +717,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         elif ci < nchunks:
                             p_and_scale(accP, rPb[par], accOb[par], cP, cO, sGcb[par], sRq, sRk, scale, map_p)
                         pmark(prof, 5)
+            if cutlass.const_expr(tstore):  # every store done before the CTA's shared memory goes
+                if store_warp:
+                    cute.arch.cp_async_bulk_wait_group(0)
         if cutlass.const_expr(profile):  # thread 0 of each warpgroup: [phase sums..., kernel total]
             prof[NPH] = cute.arch.clock64() - prof[NPH]
             if lt == 0:
@@ -660,11 +734,17 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
              mProf: cute.Tensor, mBe: cute.Tensor, stream):
         F._static_checks(dtype, K, V)
         cm.check_mn_major_view(dtype, C, K)  # k: MN-major B operand of the state update
+        if cutlass.const_expr(tstore):  # S [d, v] and vn [i, v]: MN-major operands through their (v, .) views;
+            cm.check_mn_major_view(dtype, K, VB)
+            cm.check_mn_major_view(dtype, C, VB)
+
         HV = mU.shape[2]
         (aQ, aK, aW, aU), (tQ, tK, tW, tU) = cm.make_tma_rows_atoms(
             tma, dtype, ((mQ, C, K), (mK, C, K), (mW, C, WCOLS), (mU, C, VB)))
+        aHs, tHs = cm.make_tma_store(tstore, dtype, mHs, cm.STATE_ROWS, K, VB)  # (tstore) [d, v] tiles -> hs rows
+        aVo, tVo = cm.make_tma_store(tstore and keep_vn, dtype, mVn, cm.TOKEN_ROWS, C, VB)  # [i, v] tiles -> vn
         kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group, mProf,
-               aQ, aK, aW, aU, tQ, tK, tW, tU, mBe).launch(
+               aQ, aK, aW, aU, tQ, tK, tW, tU, mBe, aHs, tHs, aVo, tVo).launch(
             grid=[nseq * nseg, HV, V // VB], block=[NTHR, 1, 1], stream=stream,
         )
 
@@ -679,8 +759,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
-               profile=False, tma=None, onfly=False, wg3=None, vb=VB, nseg=1):
+               profile=False, tma=None, onfly=False, wg3=None, vb=VB, nseg=1, tstore=None):
+    """The compiled state pass; ``tstore`` (default :data:`TSTORE`, only with ``store_states``): the chunk states
+    and vn written by TMA stores from tiles the chain writes transposed (see ``TSTORE``)."""
     tma = (K == V if TMA is None else TMA) if tma is None else bool(tma)
+    tstore = bool(store_states) and (TSTORE if tstore is None else bool(tstore))
     if wg3 is None:
         want = (vb == 64 and K == V) if WG3 is None else (WG3 and not (vb == 128 and onfly))
         wg3 = tma and want and not store_states and not profile
@@ -692,16 +775,18 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
                          f"formed in the chain (V={V}, wg3={wg3}, onfly={onfly})")
     if keep_vn and not store_states:
         raise ValueError("keep_vn: only with store_states (the training forward)")
+    if tstore and onfly:
+        raise ValueError("tstore: the training forward's stores (w and u are not formed in its chain)")
     if nseg not in cm.SEGMENTS or (nseg > 1 and not (l2norm and not store_states and not profile)):
         raise ValueError(f"nseg={nseg}: one of {cm.SEGMENTS}; more than 1 only with l2norm, for inference, not the "
                          "profile variant")
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ()) + (("vb", vb) if vb != VB else ()) + (
-        (("nseg", nseg),) if nseg > 1 else ())
+        (("nseg", nseg),) if nseg > 1 else ()) + (("tstore",) if tstore else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb, nseg)
+                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb, nseg, tstore)
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 
@@ -715,7 +800,7 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, stat
     inference only)."""
     B, T, HV, V = u.shape
     K = q.shape[-1]
-    vb = v_block(V, nseq * nseg, HV, q.device, hs is not None) if vb is None else vb
+    vb = v_block(V, nseq * nseg, HV, q.device, hs is not None, hs is not None and TSTORE) if vb is None else vb
     fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, hs is not None,
                     vn is not None, vb=vb, nseg=nseg)
     f32_dummy, _, i64_dummy = F._dummies(q.device)

@@ -222,6 +222,23 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(kernel_cache):
         WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True, onfly=True, vb=128)
 
 
+@pytest.mark.compile
+def test_specialized_warpgroups_transposed_stores_compile_for_sm90a(kernel_cache):
+    """The training forward's stores by TMA from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE): at 64 and 128
+    columns with the TMA loads (the B4 T4096 call), cp.async at K = V = 64 fp16 with [V, K] states, and K = 128 with
+    V = 64 without vn; w and u formed in the chain refuse it (the inference forward's)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    train = dict(store_states=True, keep_vn=True, tstore=True)
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, vb=64, **train))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, vb=128, **train))
+    assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=False, **train))
+    assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, tma=True, tstore=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 4
+    with pytest.raises(ValueError, match="tstore"):
+        WS.get_kernel(*WS_VARIANTS[0], store_states=True, onfly=True, tstore=True)
+
+
 def test_specialized_warpgroups_v_block_choice(monkeypatch):
     """CUDNN_TRAIN_GDN_FWD_WS_VB: auto (the default) takes 128 where two CTAs a (sequence, value head) would not all
     be resident (2 N HV > SMs), never for the training forward's call (store_states); 64 and 128 force either;
@@ -238,6 +255,8 @@ def test_specialized_warpgroups_v_block_choice(monkeypatch):
         assert [WS.v_block(V, n, hv, dev) for V, n, hv in shapes] == vbs, mode
         want_store = [64] * len(shapes) if mode == "auto" else vbs
         assert [WS.v_block(V, n, hv, dev, store_states=True) for V, n, hv in shapes] == want_store, mode
+        # with the stores by TMA (tstore) the training forward's call takes what inference takes
+        assert [WS.v_block(V, n, hv, dev, store_states=True, tstore=True) for V, n, hv in shapes] == vbs, mode
     monkeypatch.undo()
     assert WS.VB_MODE == "auto" or os.environ.get("CUDNN_TRAIN_GDN_FWD_WS_VB", "").strip(), "the default is auto"
 
@@ -1322,6 +1341,75 @@ def test_specialized_warpgroups_v_block_128_is_bitwise_64(case, monkeypatch, poi
             out.update(vn=inter[0][4], chunk_states=inter[0][3][:rows])
         outs.append(out)
     _assert_bitwise(case, outs[1], outs[0], "128 columns a CTA")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["varlen", "varlen_vb128", "tma_dense_vb128", "tma_varlen", "k64_fp16_no_l2norm_vk",
+                                  "v64_tma_varlen"])
+def test_specialized_warpgroups_transposed_stores_are_bitwise(case, monkeypatch, poisoned):
+    """The training forward on the specialized warpgroups with its chunk states and vn leaving by TMA stores from
+    tiles the chain writes transposed (CUDNN_TRAIN_GDN_FWD_WS_TSTORE): the same values through the same products
+    (their operands read MN-major), so o, the final state, the chunk-start states and vn are bitwise those of the
+    gathered stores, at 64 and 128 columns a CTA, with cp.async and TMA loads (varlen: empty, one-token and partial
+    sequences, whose vn rows go by vectors; dense T 333: a partial last chunk), K = V = 64 fp16 with [V, K] states,
+    and K = 128 with V = 64."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    K, V, vk, l2, dtype = 128, 128, False, True, torch.bfloat16
+    monkeypatch.setattr(WS, "TMA", case.startswith("tma") or case.startswith("v64_tma"))
+    monkeypatch.setattr(WS, "VB_MODE", "128" if case.endswith("vb128") else "64")
+    case = case.removeprefix("tma_").removesuffix("_vb128")
+    if case.startswith("k64"):
+        K, V, vk, l2, dtype = 64, 64, True, False, torch.float16
+    if case.startswith("v64"):
+        V = 64
+        case = case.removeprefix("v64_tma_")
+    q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False, state_v_first=vk)
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                state_v_first=vk, store_states=True, keep_vn=True)
+    rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(WS, "TSTORE", on)
+        o, ht, (_, _, _, hs, vn, _) = F90.forward(q, k, v, g, beta, **args).value
+        outs.append({"o": o, "final_state": ht, "vn": vn, "chunk_states": hs[:rows]})
+    _assert_bitwise(case, outs[1], outs[0], "the transposed tiles' stores")
+
+
+@pytest.mark.gpu
+def test_training_forward_takes_the_specialized_warpgroups_with_tstore(monkeypatch, poisoned):
+    """With CUDNN_TRAIN_GDN_FWD_WS_TSTORE the training forward takes the specialized warpgroups wherever the grid
+    does not leave SMs idle (here: a card of 4 SMs), at the V block inference would take, and its o, chunk states
+    and vn agree with the split pass's (another summation order: within float32 rounding of bf16 values)."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    q, k, v, g, beta, h0, cu = _ws_inputs("varlen", 128, 128, torch.bfloat16)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                store_states=True, keep_vn=True)
+    rows = int(F90.chunk_map(cu, 1, q.shape[1], q.device)[1][-1])
+    monkeypatch.setattr(F90, "SPLIT", None)
+    monkeypatch.setattr(F90, "STATE_WS", None)
+    monkeypatch.setattr(WS, "VB_MODE", "auto")
+    monkeypatch.setattr(kc, "num_sms", lambda device: 4)
+    ran = []
+    orig = WS.state_pass
+    monkeypatch.setattr(WS, "state_pass", lambda *a, **kw: ran.append(kw.get("vb")) or orig(*a, **kw))
+    monkeypatch.setattr(WS, "TSTORE", False)
+    o_s, ht_s, (_, _, _, hs_s, vn_s, _) = F90.forward(q, k, v, g, beta, **args).value
+    assert ran == [], "without tstore the training forward takes the split pass"
+    monkeypatch.setattr(WS, "TSTORE", True)
+    o, ht, (_, _, _, hs, vn, _) = F90.forward(q, k, v, g, beta, **args).value
+    assert len(ran) == 1, "with tstore the training forward takes the specialized warpgroups"
+    for name, a, b in (("o", o, o_s), ("final_state", ht, ht_s), ("chunk_states", hs[:rows], hs_s[:rows]),
+                       ("vn", vn, vn_s)):
+        assert torch.isfinite(a).all(), f"{name}: elements the kernel did not write"
+        err = rel_l2(a.float(), b.float())
+        assert err < 2e-3, f"{name} differs from the split pass's by {err:.2e}"
 
 
 @pytest.mark.gpu
