@@ -474,7 +474,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         mbar = None
         if cutlass.const_expr(tma):  # one mbarrier a buffer: chunk c in buffer c % 2 completes its phase (c // 2) % 2
             mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
-            init_barriers(mbar, 2, (aQ, aK, aW, aU), TMA_WARP)
+            # (the warp that issues the loads also issues tstore's stores: their descriptors too)
+            init_barriers(mbar, 2, (aQ, aK, aW, aU) + ((aHs,) if tstore else ()) + ((aVo,) if tstore and keep_vn else ()),
+                          TMA_WARP)
 
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
         c_w = Int32(0)  # (SEG) the walk's first chunk, and the first local chunk whose o is stored
@@ -775,8 +777,9 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
                          f"formed in the chain (V={V}, wg3={wg3}, onfly={onfly})")
     if keep_vn and not store_states:
         raise ValueError("keep_vn: only with store_states (the training forward)")
-    if tstore and onfly:
-        raise ValueError("tstore: the training forward's stores (w and u are not formed in its chain)")
+    if tstore and (onfly or wg3):
+        raise ValueError("tstore: the training forward's stores (w and u are not formed in its chain, one output "
+                         "warpgroup)")
     if nseg not in cm.SEGMENTS or (nseg > 1 and not (l2norm and not store_states and not profile)):
         raise ValueError(f"nseg={nseg}: one of {cm.SEGMENTS}; more than 1 only with l2norm, for inference, not the "
                          "profile variant")

@@ -232,17 +232,19 @@ def test_specialized_warpgroups_transposed_stores_compile_for_sm90a(kernel_cache
     train = dict(store_states=True, keep_vn=True, tstore=True)
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, vb=64, **train))
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, vb=128, **train))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=128, **train))
     assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=False, **train))
     assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, tma=True, tstore=True))
-    assert len(list(kernel_cache.rglob("*.o"))) == 4
-    with pytest.raises(ValueError, match="tstore"):
-        WS.get_kernel(*WS_VARIANTS[0], store_states=True, onfly=True, tstore=True)
+    assert len(list(kernel_cache.rglob("*.o"))) == 5
+    for bad in (dict(onfly=True), dict(tma=True, wg3=True)):
+        with pytest.raises(ValueError, match="tstore"):
+            WS.get_kernel(*WS_VARIANTS[0], store_states=True, tstore=True, **bad)
 
 
 def test_specialized_warpgroups_v_block_choice(monkeypatch):
     """CUDNN_TRAIN_GDN_FWD_WS_VB: auto (the default) takes 128 where two CTAs a (sequence, value head) would not all
-    be resident (2 N HV > SMs), never for the training forward's call (store_states); 64 and 128 force either;
-    128 only at V = 128."""
+    be resident (2 N HV > SMs), not for the training forward's call (store_states) unless its stores go by TMA from
+    transposed tiles (tstore); 64 and 128 force either; 128 only at V = 128."""
     from cudnn_train.kernels import compile as kc
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
@@ -1396,15 +1398,15 @@ def test_training_forward_takes_the_specialized_warpgroups_with_tstore(monkeypat
     monkeypatch.setattr(F90, "STATE_WS", None)
     monkeypatch.setattr(WS, "VB_MODE", "auto")
     monkeypatch.setattr(kc, "num_sms", lambda device: 4)
-    ran = []
-    orig = WS.state_pass
-    monkeypatch.setattr(WS, "state_pass", lambda *a, **kw: ran.append(kw.get("vb")) or orig(*a, **kw))
+    ran = []  # the V block of every specialized-warpgroup kernel the forward asks for
+    orig = WS.get_kernel
+    monkeypatch.setattr(WS, "get_kernel", lambda *a, **kw: ran.append(kw.get("vb")) or orig(*a, **kw))
     monkeypatch.setattr(WS, "TSTORE", False)
     o_s, ht_s, (_, _, _, hs_s, vn_s, _) = F90.forward(q, k, v, g, beta, **args).value
     assert ran == [], "without tstore the training forward takes the split pass"
     monkeypatch.setattr(WS, "TSTORE", True)
     o, ht, (_, _, _, hs, vn, _) = F90.forward(q, k, v, g, beta, **args).value
-    assert len(ran) == 1, "with tstore the training forward takes the specialized warpgroups"
+    assert ran == [128], f"with tstore the training forward takes the specialized warpgroups at 128 columns: {ran}"
     for name, a, b in (("o", o, o_s), ("final_state", ht, ht_s), ("chunk_states", hs[:rows], hs_s[:rows]),
                        ("vn", vn, vn_s)):
         assert torch.isfinite(a).all(), f"{name}: elements the kernel did not write"
