@@ -1237,22 +1237,25 @@ def forward(
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
         ws_nseg = WS.segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
-    # the carried split (CUDNN_TRAIN_GDN_FWD_CARRY, on by default): where it gives more than one segment (few long
-    # sequences) it takes the call (over the segmented specialized warpgroups too, not over a forced split pass or
-    # fused state kernel), w and u from the wy kernel
-    carry = 1
-    if not (store_states or return_intermediates or state_v_first or SPLIT is True or STATE_WS is False):
-        from . import gated_delta_rule_fwd_split_sm90 as sp
-
-        carry = sp.carry_segments(nseq, HV, K, V, B * T, use_qk_l2norm_in_kernel, dev, q.dtype)
     # the training forward's stores by TMA from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE, prepared, off): with
     # them the training forward takes the specialized warpgroups where the inference forward would (the split pass
-    # where its grid leaves SMs idle), since what kept it on the split pass was the gathered stores' cost
+    # where its grid leaves SMs idle; the carried split where that one would take the call, below), since what kept
+    # it on the split pass was the gathered stores' cost
     tstore = False
     if store_states:
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
         tstore = WS.TSTORE
+    # the carried split (CUDNN_TRAIN_GDN_FWD_CARRY, on by default): where it gives more than one segment (few long
+    # sequences) it takes the call (over the segmented specialized warpgroups too, not over a forced split pass or
+    # fused state kernel), w and u from the wy kernel; the training forward's only with tstore (its segments' passes
+    # then write the chunk states and vn of their chunks, from exact start states)
+    carry = 1
+    if not ((store_states and not tstore) or return_intermediates or state_v_first or SPLIT is True
+            or STATE_WS is False):
+        from . import gated_delta_rule_fwd_split_sm90 as sp
+
+        carry = sp.carry_segments(nseq, HV, K, V, B * T, use_qk_l2norm_in_kernel, dev, q.dtype)
     if carry > 1:
         ws_nseg, split = 1, False
     elif ws_nseg > 1:
@@ -1322,7 +1325,7 @@ def forward(
             from . import gated_delta_rule_fwd_split_sm90 as sp
 
             sp.carried_state_pass(q, k, w, u, gc, o, initial_state, ht, cu_seqlens, cu, cu_chunks, T, NT, scale,
-                                  group, nseq, carry)
+                                  group, nseq, carry, hs=hs, vn=vn)
         elif split:
             from . import gated_delta_rule_fwd_split_sm90 as sp
 

@@ -825,12 +825,15 @@ def virtual_cu(cu_seqlens, B: int, T: int, nseg: int, device) -> torch.Tensor:
     return torch.cat([starts.reshape(-1), cu[-1:]])
 
 
-def carried_state_pass(q, k, w, u, gc, o, h0, ht, cu_seqlens, cu, cu_chunks, T, NT, scale, group, nseq, nseg):
+def carried_state_pass(q, k, w, u, gc, o, h0, ht, cu_seqlens, cu, cu_chunks, T, NT, scale, group, nseq, nseg, hs=None,
+                       vn=None):
     """The inference forward's state pass with each sequence cut into ``nseg`` segments (``CUDNN_TRAIN_GDN_FWD_
     CARRY``): :func:`carries` (the prepare step: a warm-up of at most ``CARRY_CAP`` chunks before each boundary, or
     the previous segment's state from zero and its transition), :func:`cm.combine_carries`, then the specialized
     warpgroups' pass over the segments as sequences from their start states (``[K, V]`` states, l2norm). The plan
-    and its exactness: ``tests/fused/test_gdn_segments_carry.py``. Fills ``o`` (and ``ht`` when given)."""
+    and its exactness: ``tests/fused/test_gdn_segments_carry.py``. Fills ``o`` (and ``ht`` when given); the training
+    forward's ``hs`` and ``vn`` too when given (with ``CUDNN_TRAIN_GDN_FWD_WS_TSTORE``): the segments start at chunk
+    boundaries, so a segment's chunk rows and tokens as a sequence are the sequence's own."""
     from . import gated_delta_rule_fwd_ws_sm90 as WS
 
     B, _, HV, V = u.shape
@@ -841,6 +844,6 @@ def carried_state_pass(q, k, w, u, gc, o, h0, ht, cu_seqlens, cu, cu_chunks, T, 
     ht_v = None if ht is None else F._empty(nseq * nseg, HV, K, V, dtype=torch.float32, device=q.device)
     flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, w, u, gc)]  # views where the strides allow
     WS.state_pass(*flat, o.view(1, B * T, HV, V), starts, ht_v, cu_v, cuc_v, 0, scale, True, False, group,
-                  nseq * nseg)
+                  nseq * nseg, hs=hs, vn=None if vn is None else vn.view(1, B * T, HV, V))
     if ht is not None:
         ht.copy_(ht_v.view(nseq, nseg, HV, K, V)[:, -1])

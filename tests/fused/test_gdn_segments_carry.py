@@ -202,3 +202,32 @@ def test_the_sweeps_transition_is_the_forwards_transposed(decay):
         M_fwd = chunked_core(q[sl], k[sl], zero, g[sl].unsqueeze(-1), beta[sl], q.shape[-1] ** -0.5, eye, C)[1]
         M_sweep = reverse_sweep_ref(q[sl], k[sl], g[sl].unsqueeze(-1), beta[sl], 1.0, zero, eye, C)[2]
         assert _rel(M_sweep, M_fwd.transpose(-1, -2)) < 1e-12, (decay, h)
+
+
+@pytest.mark.parametrize("lengths", [None, [0, 1, 63, 130, 1, 257, 64, 0, 5, 2000]])
+def test_the_segments_chunk_rows_are_the_sequences_own(lengths):
+    """The carried training forward (CUDNN_TRAIN_GDN_FWD_WS_TSTORE) writes each segment's chunk states at the rows
+    its pass over the segments as sequences computes (the chunk map of ``virtual_cu``): those must be the rows the
+    unsplit forward gives the same chunks (``b NT + c`` dense, ``cu_chunks[n] + c`` varlen), for dense sequences with
+    a partial last chunk and varlen ones with fewer chunks than segments, and the segments' tokens the sequences'."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_split_sm90 as SP
+
+    dev = torch.device("cpu")
+    B, T = (2, 2000) if lengths is None else (1, sum(lengths))
+    cu_in = None if lengths is None else torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    for nseg in (2, 4, 16):
+        cu_v = SP.virtual_cu(cu_in, B, T, nseg, dev)
+        _, cuc_v, _, _ = F90.chunk_map(cu_v, 1, B * T, dev)
+        cu_real = torch.arange(B + 1, dtype=torch.int32) * T if cu_in is None else cu_in
+        NT = -(-T // C)
+        for n in range(len(cu_real) - 1):
+            ts, te = int(cu_real[n]), int(cu_real[n + 1])
+            nch = -(-(te - ts) // C)
+            base = n * NT if cu_in is None else int(F90.chunk_map(cu_in, B, T, dev)[1][n])
+            for s in range(nseg):
+                r = n * nseg + s
+                lo = nch * s // nseg
+                assert int(cu_v[r]) == ts + lo * C, (nseg, n, s)  # the segment starts at its first chunk's token
+                assert int(cuc_v[r]) == base + lo, (nseg, n, s)  # and its chunk rows are the sequence's
+            assert int(cu_v[(n + 1) * nseg]) == te, (nseg, n)  # the last segment ends with the sequence

@@ -1019,6 +1019,44 @@ def test_carried_forward(case, nseg, monkeypatch, poisoned):
         assert err <= 1.25 * err_base, f"{case}: {name} {err:.3e} from the oracle against the unsplit {err_base:.3e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, nseg", [("dense", 4), ("varlen", 4)])
+def test_carried_training_forward_with_tstore(case, nseg, monkeypatch, poisoned):
+    """The training forward carried (CUDNN_TRAIN_GDN_FWD_CARRY with CUDNN_TRAIN_GDN_FWD_WS_TSTORE: prepare, combine,
+    the specialized warpgroups over the segments as sequences, writing the chunk states and vn of their chunks)
+    against the same forward unsplit on the same kernel: o and the final state under the FLA-compat rule and within
+    1.25x the unsplit forward's error from the float32 oracle (as the inference forward's carried cases), and the
+    chunk states and vn, every row written, within 1e-3 relative L2 of the unsplit ones (exact start states, rounded
+    to bf16 from float32 values that differ only in their last bits)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    monkeypatch.setattr(WS, "TSTORE", True)
+    K, (q, k, v, g, beta, h0), cu = _segment_inputs(case == "varlen")
+    args = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu, store_states=True, keep_vn=True)
+    rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
+    end = q.shape[1] if cu is None else int(cu[-1])
+    outs = []
+    for n in ("1", str(nseg)):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_FWD_CARRY", n)
+        o, ht, (_, _, _, hs, vn, _) = F90.forward(q, k, v, g, beta, **args).value
+        outs.append(dict(o=o[:, :end].float(), final_state=ht, chunk_states=hs[:rows].float(),
+                         vn=vn[:, :end].float()))
+    ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=True)
+    for name, ref in (("o", ref_o[:, :end]), ("final_state", ref_h)):
+        base, split = outs[0][name], outs[1][name]
+        _check(name, split, ref, None)
+        err, err_base = rel_l2(split, ref), rel_l2(base, ref)
+        assert err <= 1.25 * err_base, f"{case}: {name} {err:.3e} from the oracle against the unsplit {err_base:.3e}"
+    for name in ("chunk_states", "vn"):
+        assert torch.isfinite(outs[1][name]).all(), f"{case}: {name} has elements the carried pass did not write"
+        err = rel_l2(outs[1][name], outs[0][name])
+        assert err < 1e-3, f"{case}: {name} {err:.2e} from the unsplit forward's"
+
+
 def _check_segments(case, switch, nseg, monkeypatch, training):
     """The segment cases' check: the forward with ``switch`` at 1 and at ``nseg`` (with ``training``, also the
     chunk-start states and vn): the slow head (head 0) bitwise, all heads within 1e-4 relative L2, every output
