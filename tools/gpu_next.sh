@@ -80,7 +80,8 @@
 #   bash tools/gpu_next.sh s44      # stage 3's dKK in dA's terms, dk's two products (prepared): its cases, timing
 #   bash tools/gpu_next.sh s46      # the default stage 3 and the per-tile one: timing, per-phase profiles (B4)
 #   bash tools/gpu_next.sh s47      # the training forward's stores by TMA from transposed tiles (prepared):
-#                                   # cases, timing, op fwd+bwd off / on (s47train: the training tier's kernel half)
+#                                   # cases, timing (s47b: op fwd+bwd off / on; s47train: the training tier's
+#                                   # kernel half)
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
 #                                   # registers, the candidate defaults (GDN_S; TRAIN_S: then the training cases)
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
@@ -513,20 +514,22 @@ s46)
   # the default stage 3 (persistent, E in registers) and the per-tile kernel, both with their profile variants
   # (time_gdn_dchunk.py --persist: bitwise, timed, then the per-phase cycles a tile of each), B4 T4096 (TIME_S)
   timed persist ${TIME_S:-300} python3 tools/time_gdn_dchunk.py --persist --shapes 1 ;;
-s47|s47train)
+s47|s47b|s47train)
   # the twenty-ninth session's training forward on the specialized warpgroups with its chunk states and vn by TMA
   # stores from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE, prepared): its bitwise cases and the dispatch case
-  # (GDN_S), time_gdn_fwd.py --tstore at B4 (TIME_S), then forward+backward through the op at B4 with the switch
-  # off and on (graphed, ours only; BENCH_S each). s47train: the training tier's kernel half with it on and the
-  # specialized warpgroups forced (CUDNN_TRAIN_GDN_FWD_WS=1: the tier's small grids would take the split pass) (TRAIN_S)
+  # (GDN_S), time_gdn_fwd.py --tstore at B4 (TIME_S). s47b: forward+backward through the op at B4 (SHAPES) with the
+  # switch off and on, alternating (graphed, ours only; BENCH_S each). s47train: the training tier's kernel half with
+  # it on and the specialized warpgroups forced (CUDNN_TRAIN_GDN_FWD_WS=1: the tier's small grids would take the
+  # split pass) (TRAIN_S)
   if [ "$1" = s47train ]; then
     CUDNN_TRAIN_GDN_FWD_WS=1 CUDNN_TRAIN_GDN_FWD_WS_TSTORE=1 TRAIN_K=1 bash "$0" gdn_train
-  else
+  elif [ "$1" = s47 ]; then
     tier s47 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py -k "transposed_stores or with_tstore"
     timed tstore ${TIME_S:-150} python3 tools/time_gdn_fwd.py --tstore --only 0
+  else
     for on in 0 1 0 1; do
-      CUDNN_TRAIN_GDN_FWD_WS_TSTORE=$on timeout -k 10 ${BENCH_S:-150} python3 -m benchmarks.bench_gated_delta_rule \
-        --warmup 10 --rep 40 --shapes 1 --graphed --rounds 1 --skip fla,cutedsl,flashqla,sm90-train \
+      CUDNN_TRAIN_GDN_FWD_WS_TSTORE=$on timeout -k 10 ${BENCH_S:-130} python3 -m benchmarks.bench_gated_delta_rule \
+        --warmup 10 --rep 40 --shapes ${SHAPES:-1} --graphed --rounds 1 --skip fla,cutedsl,flashqla,sm90-train \
         > $OUT/bench_tstore$on.log 2>&1
       echo "bench TSTORE=$on rc=$?"; grep -E "round" $OUT/bench_tstore$on.log | cut -c1-200
     done
