@@ -205,32 +205,41 @@ def check_stmatrix_order(mma, copy, shape_mn, threads) -> None:
                 raise AssertionError(f"thread {t}, value {f}: holds {tuple(held[f])}, the copy writes {tuple(dest[f])}")
 
 
-def acc_to_stmatrix_map(mma, copy, shape_mn, threads=SAMPLE_THREADS):
-    """Static map ``value index -> accumulator index``: value f of ``copy``'s source partition (a
-    :func:`make_acc_stmatrix_t` copy of ``mma``'s accumulator over ``shape_mn``) writes the element that accumulator
-    value ``map[f]`` holds; for accumulators whose retiled order is not the copy's (M = 128 on one warpgroup: the
-    two group their modes differently, so :func:`check_stmatrix_order` fails there). Raises if the map differs
-    between threads."""
+def _coordinate_map(threads, held_of, wanted_of, what: str):
+    """Static map ``index -> accumulator index``: for every thread t of ``threads``, element i of ``wanted_of(t)``
+    (coordinates another partition takes) is the accumulator element ``map[i]`` of ``held_of(t)`` (the
+    accumulator's coordinates). Raises if a coordinate is not held or the map differs between threads."""
     _, cute = kc.import_cute()
-    ident = cute.make_identity_tensor(shape_mn)
     ref = None
     for t in threads:
-        cC = mma.get_slice(t).partition_C(ident)
-        where = {tuple(cC[e]): e for e in range(cute.size(cC))}
-        dest = copy.get_slice(t).partition_S(ident)
-        if cute.size(dest) != cute.size(cC):
-            raise AssertionError(f"thread {t}: {cute.size(cC)} accumulator values, {cute.size(dest)} copied")
+        held, wanted = held_of(t), wanted_of(t)
+        where = {tuple(held[e]): e for e in range(cute.size(held))}
         m = []
-        for f in range(cute.size(dest)):
-            crd = tuple(dest[f])
+        for i in range(cute.size(wanted)):
+            crd = tuple(wanted[i])
             if crd not in where:
-                raise AssertionError(f"thread {t}: the copy writes {crd}, which the accumulator does not hold")
+                raise AssertionError(f"thread {t}: {what} coordinate {crd} is not held by the accumulator")
             m.append(where[crd])
         if ref is None:
             ref = m
         elif m != ref:
-            raise AssertionError(f"thread {t}: acc->stmatrix map differs from thread {threads[0]}")
+            raise AssertionError(f"thread {t}: acc->{what} map differs from thread {threads[0]}")
     return tuple(ref)
+
+
+def acc_to_stmatrix_map(mma, copy, shape_mn, threads=SAMPLE_THREADS):
+    """Static map ``value index -> accumulator index``: value f of ``copy``'s source partition (a
+    :func:`make_acc_stmatrix_t` copy of ``mma``'s accumulator over ``shape_mn``) writes the element that accumulator
+    value ``map[f]`` holds; for accumulators whose retiled order is not the copy's (M = 128 on one warpgroup: the
+    two group their modes differently, so :func:`check_stmatrix_order` fails there). Every accumulator value is
+    copied once. Raises if the map differs between threads."""
+    _, cute = kc.import_cute()
+    ident = cute.make_identity_tensor(shape_mn)
+    amap = _coordinate_map(threads, lambda t: mma.get_slice(t).partition_C(ident),
+                           lambda t: copy.get_slice(t).partition_S(ident), "stmatrix")
+    if sorted(amap) != list(range(len(amap))):
+        raise AssertionError(f"the stmatrix copy does not take each of the {len(amap)} accumulator values once")
+    return amap
 
 
 def stmatrix_acc_mapped(copy, acc, amap, dtype, tile_mn, tidx) -> None:
@@ -256,24 +265,8 @@ def acc_to_frag_map(mma_c, shape_mn, mma_a, shape_mk, threads=SAMPLE_THREADS):
     (operand tile ``shape_mk``) holds the accumulator element of ``mma_c`` (tile ``shape_mn``)
     with the same coordinate (m, k = n). Raises if the map differs between threads."""
     _, cute = kc.import_cute()
-    ref = None
-    for t in threads:
-        cC = mma_c.get_slice(t).partition_C(cute.make_identity_tensor(shape_mn))
-        cA = mma_a.get_slice(t).partition_A(cute.make_identity_tensor(shape_mk))
-        where = {}
-        for e in range(cute.size(cC)):
-            where[tuple(cC[e])] = e
-        m = []
-        for i in range(cute.size(cA)):
-            crd = tuple(cA[i])
-            if crd not in where:
-                raise AssertionError(f"thread {t}: A coordinate {crd} is not held by the accumulator")
-            m.append(where[crd])
-        if ref is None:
-            ref = m
-        elif m != ref:
-            raise AssertionError(f"thread {t}: acc->A map differs from thread {threads[0]}")
-    return tuple(ref)
+    return _coordinate_map(threads, lambda t: mma_c.get_slice(t).partition_C(cute.make_identity_tensor(shape_mn)),
+                           lambda t: mma_a.get_slice(t).partition_A(cute.make_identity_tensor(shape_mk)), "A")
 
 
 def make_mma(ab_dtype, n: int, a_regs: bool, b_mn_major: bool, a_mn_major: bool = False, wgs: int = 1,
