@@ -202,7 +202,8 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     if EREG and CHAINS:
         raise ValueError("EREG (E in registers) serves the per-tile and persistent kernels, not the two-chain one")
     if DKKSYM and CHAINS:
-        raise ValueError("DKKSYM (dKK in dA's terms, dk's two products on it) serves the per-tile and persistent kernels")
+        raise ValueError("DKKSYM (dKK in dA's terms, dk's two products on it) serves the per-tile and persistent "
+                         "kernels")
     if CHAINS and not (TMA and not PERSIST and WGS == 2 and K == 128 and V == 128):
         raise ValueError("the two-chain stage 3 serves the training path's call per tile with the TMA loads, "
                          "two warpgroups, K = V = 128")
@@ -1659,15 +1660,14 @@ def ereg_default() -> bool:
 
 
 def dkk_sym_default() -> bool:
-    """``CUDNN_TRAIN_GDN_DCHUNK_DKKSYM=1`` (twenty-eighth session, second form; GPU-run in the twenty-ninth: no gain,
-    off): the
-    per-tile and persistent kernels write dKK from dA's terms (``da_terms``) into an input-dtype tile (element pairs,
+    """``CUDNN_TRAIN_GDN_DCHUNK_DKKSYM=1`` (twenty-eighth session, second form; GPU-run in the twenty-ninth: no
+    gain, off): the per-tile and persistent kernels write dKK from dA's terms (``da_terms``) into an input-dtype tile (element pairs,
     as they went into the float32 tile sT) and add ``dKK k`` and ``dKK^T k`` to dk as two products (the second reads
     the tile transposed), instead of a pass over C x C elements that read sT twice (once transposed) and wrote
     ``dKK + dKK^T``: one CTA barrier and 16 such iterations a thread fewer. And ``Tm^T dTm`` goes into the tile dQK
     held (free by then), so writing it waits for no other warpgroup's reads of dTm^T: a second barrier fewer (dKK
     then takes dTm^T's tile). dq, dv, dg, dbeta as without it (dbeta to float32 rounding with E in registers); dk
-    sums the same products in another order. The first form (GPU-run this session) wrote each strictly lower
+    sums the same products in another order. The first form (GPU-run in the twenty-eighth session) wrote each strictly lower
     element to (i, j) and (j, i) of a ``dKK + dKK^T`` tile, bitwise the round trip: per tile 1.204 / 1.198 ms
     against 1.209 / 1.192, persistent 1.202 / 1.184 against 1.228 / 1.210, but persistent with E in registers (the
     default) **1.323 / 1.321 against 1.140 / 1.140**: its transposed 2-byte stores' addresses pushed ptxas to spill

@@ -475,8 +475,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         if cutlass.const_expr(tma):  # one mbarrier a buffer: chunk c in buffer c % 2 completes its phase (c // 2) % 2
             mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
             # (the warp that issues the loads also issues tstore's stores: their descriptors too)
-            init_barriers(mbar, 2, (aQ, aK, aW, aU) + ((aHs,) if tstore else ()) + ((aVo,) if tstore and keep_vn else ()),
-                          TMA_WARP)
+            stores = ((aHs,) if tstore else ()) + ((aVo,) if tstore and keep_vn else ())
+            init_barriers(mbar, 2, (aQ, aK, aW, aU) + stores, TMA_WARP)
 
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
         c_w = Int32(0)  # (SEG) the walk's first chunk, and the first local chunk whose o is stored
@@ -689,8 +689,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         if cutlass.const_expr(late):
                             issue_next(gm, sb, 1 - par, b, h, hv, ts, te, ci, v0, tidx, ta, mbar)
                         pmark(prof, 2)
-                        if cutlass.const_expr(store_states and not tstore):  # while the products run (they only
-                            # read sS, sVo)
+                        # the gathered stores, while the products run (they only read sS, sVo)
+                        if cutlass.const_expr(store_states and not tstore):
                             if ci < nchunks:  # chunk ci's start state: a row of the chunk states
                                 tile_to_rows(sSb[par], mHs[cbase + ci, hv, None, None], K, K, v0, lt)
                             if cutlass.const_expr(keep_vn):
@@ -736,10 +736,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
              mProf: cute.Tensor, mBe: cute.Tensor, stream):
         F._static_checks(dtype, K, V)
         cm.check_mn_major_view(dtype, C, K)  # k: MN-major B operand of the state update
-        if cutlass.const_expr(tstore):  # S [d, v] and vn [i, v]: MN-major operands through their (v, .) views;
+        if cutlass.const_expr(tstore):  # S [d, v] and vn [i, v]: MN-major operands through their (v, .) views
             cm.check_mn_major_view(dtype, K, VB)
             cm.check_mn_major_view(dtype, C, VB)
-
         HV = mU.shape[2]
         (aQ, aK, aW, aU), (tQ, tK, tW, tU) = cm.make_tma_rows_atoms(
             tma, dtype, ((mQ, C, K), (mK, C, K), (mW, C, WCOLS), (mU, C, VB)))
