@@ -518,7 +518,7 @@ s47|s47b|s47train)
   # the twenty-ninth session's training forward on the specialized warpgroups with its chunk states and vn by TMA
   # stores from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE, prepared): its bitwise cases and the dispatch case
   # (GDN_S), time_gdn_fwd.py --tstore at B4 (TIME_S). s47b: forward+backward through the op at B4 (SHAPES) with the
-  # switch off and on, alternating (graphed, ours only; BENCH_S each). s47train: the training tier's kernel half with
+  # switch off and on, alternating (graphed, ours only; BENCH_S each; ONS the order). s47train: the training tier's kernel half with
   # it on and the specialized warpgroups forced (CUDNN_TRAIN_GDN_FWD_WS=1: the tier's small grids would take the
   # split pass) (TRAIN_S)
   if [ "$1" = s47train ]; then
@@ -527,7 +527,7 @@ s47|s47b|s47train)
     tier s47 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py -k "transposed_stores or with_tstore"
     timed tstore ${TIME_S:-150} python3 tools/time_gdn_fwd.py --tstore --only 0
   else
-    for on in 0 1 0 1; do
+    for on in ${ONS:-0 1 0 1}; do
       CUDNN_TRAIN_GDN_FWD_WS_TSTORE=$on timeout -k 10 ${BENCH_S:-130} python3 -m benchmarks.bench_gated_delta_rule \
         --warmup 10 --rep 40 --shapes ${SHAPES:-1} --graphed --rounds 1 --skip fla,cutedsl,flashqla,sm90-train \
         > $OUT/bench_tstore$on.log 2>&1
