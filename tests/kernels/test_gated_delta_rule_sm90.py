@@ -1024,10 +1024,13 @@ def test_carried_forward(case, nseg, monkeypatch, poisoned):
 def test_carried_training_forward_with_tstore(case, nseg, monkeypatch, poisoned):
     """The training forward carried (CUDNN_TRAIN_GDN_FWD_CARRY with CUDNN_TRAIN_GDN_FWD_WS_TSTORE: prepare, combine,
     the specialized warpgroups over the segments as sequences, writing the chunk states and vn of their chunks)
-    against the same forward unsplit on the same kernel: o and the final state under the FLA-compat rule and within
-    1.25x the unsplit forward's error from the float32 oracle (as the inference forward's carried cases), and the
-    chunk states and vn, every row written, within 1e-3 relative L2 of the unsplit ones (exact start states, rounded
-    to bf16 from float32 values that differ only in their last bits)."""
+    against the same forward unsplit on the same kernel: o and the final state under the FLA-compat rule, and o, the
+    final state, the chunk states and vn (every row written) each within 1.25x the unsplit forward's error from
+    their oracle (the float32 recurrence; for the chunk states and vn the float64 chunked forward of
+    ``fused/delta_rule_bwd``), as the inference forward's carried cases. (The first GPU run, on the H200, held the
+    chunk states to 1e-3 relative L2 of the unsplit ones and found 2.95e-3 and 2.67e-3: the segments' start states
+    are not the unsplit chain's to the last float32 bits, since the prepare step builds each segment's transition
+    through the chain's bf16 products, so they differ at the chain's own rounding; o and the final state passed.)"""
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
@@ -1046,15 +1049,32 @@ def test_carried_training_forward_with_tstore(case, nseg, monkeypatch, poisoned)
         outs.append(dict(o=o[:, :end].float(), final_state=ht, chunk_states=hs[:rows].float(),
                          vn=vn[:, :end].float()))
     ref_o, ref_h = oracle(q, k, v, g, beta, K**-0.5, h0, cu, l2norm=True)
-    for name, ref in (("o", ref_o[:, :end]), ("final_state", ref_h)):
+    ref_hs, ref_vn = _chunk_oracle(q, k, v, g, beta, K**-0.5, h0, cu)
+    refs = dict(o=ref_o[:, :end], final_state=ref_h, chunk_states=ref_hs[:rows].float(), vn=ref_vn[:, :end].float())
+    for name, ref in refs.items():
         base, split = outs[0][name], outs[1][name]
-        _check(name, split, ref, None)
+        assert torch.isfinite(split).all(), f"{case}: {name} has elements the carried pass did not write"
+        if name in ("o", "final_state"):
+            _check(name, split, ref, None)
         err, err_base = rel_l2(split, ref), rel_l2(base, ref)
-        assert err <= 1.25 * err_base, f"{case}: {name} {err:.3e} from the oracle against the unsplit {err_base:.3e}"
-    for name in ("chunk_states", "vn"):
-        assert torch.isfinite(outs[1][name]).all(), f"{case}: {name} has elements the carried pass did not write"
-        err = rel_l2(outs[1][name], outs[0][name])
-        assert err < 1e-3, f"{case}: {name} {err:.2e} from the unsplit forward's"
+        assert err <= 1.25 * err_base, (f"{case}: {name} {err:.3e} from the oracle against the unsplit {err_base:.3e} "
+                                        f"({rel_l2(split, base):.2e} from the unsplit)")
+
+
+def _chunk_oracle(q, k, v, g, beta, scale, h0, cu):
+    """The float64 chunk-start states (kernel rows ``[rows, HV, K, V]``) and vn (``[B, T, HV, V]``) of the chunked
+    forward with q and k l2-normalized: ``fused/delta_rule_bwd``'s stage 1 (``_recompute``) and forward sweep
+    (``sweeps_ref``), vn = u - w S per chunk."""
+    from cudnn_train.fused.delta_rule_bwd import ChunkLayout, _recompute, sweeps_ref
+
+    B, T, H, _ = q.shape
+    HV = v.shape[2]
+    lay = ChunkLayout(B, T, 64, cu)
+    qc, kc = (lay.to_chunks(_l2n(t.double()).repeat_interleave(HV // H, dim=2)) for t in (q, k))
+    r = _recompute(qc, kc, lay.to_chunks(v.double()), lay.to_chunks(g.double().unsqueeze(-1)),
+                   lay.to_chunks(beta.double().unsqueeze(-1)), scale, 64)
+    Sc, _ = sweeps_ref(r, lay, None if h0 is None else h0.double(), None, None)
+    return lay.chunks_to_rows(Sc), lay.from_chunks(r["u"] - r["w"] @ Sc)
 
 
 def _check_segments(case, switch, nseg, monkeypatch, training):
