@@ -1660,22 +1660,21 @@ def ereg_default() -> bool:
 
 
 def dkk_sym_default() -> bool:
-    """``CUDNN_TRAIN_GDN_DCHUNK_DKKSYM=1`` (twenty-eighth session, second form; GPU-run in the twenty-ninth: no
-    gain, off): the per-tile and persistent kernels write dKK from dA's terms (``da_terms``) into an input-dtype tile (element pairs,
-    as they went into the float32 tile sT) and add ``dKK k`` and ``dKK^T k`` to dk as two products (the second reads
-    the tile transposed), instead of a pass over C x C elements that read sT twice (once transposed) and wrote
-    ``dKK + dKK^T``: one CTA barrier and 16 such iterations a thread fewer. And ``Tm^T dTm`` goes into the tile dQK
-    held (free by then), so writing it waits for no other warpgroup's reads of dTm^T: a second barrier fewer (dKK
-    then takes dTm^T's tile). dq, dv, dg, dbeta as without it (dbeta to float32 rounding with E in registers); dk
-    sums the same products in another order. The first form (GPU-run in the twenty-eighth session) wrote each strictly lower
-    element to (i, j) and (j, i) of a ``dKK + dKK^T`` tile, bitwise the round trip: per tile 1.204 / 1.198 ms
-    against 1.209 / 1.192, persistent 1.202 / 1.184 against 1.228 / 1.210, but persistent with E in registers (the
-    default) **1.323 / 1.321 against 1.140 / 1.140**: its transposed 2-byte stores' addresses pushed ptxas to spill
-    at 255 registers (32 bytes against 4). The second form stores pairs only. GPU-run (twenty-ninth session, H100,
-    ``gpu_next.sh s44``): its 7 cases passed (dk within 4.4e-6 / 6.3e-6 relative L2 of the round trip, the rest
-    bitwise), and B4 T4096 per tile 1.202 / 1.198 ms against 1.197 / 1.198, persistent 1.203 / 1.200 against
-    1.215 / 1.202, persistent with E in registers (the default) **1.154 / 1.157 against 1.142 / 1.144**: no gain
-    where it would count, so off."""
+    """``CUDNN_TRAIN_GDN_DCHUNK_DKKSYM=1`` (twenty-eighth session, second form; GPU-run in the twenty-ninth: no gain,
+    off): the per-tile and persistent kernels write dKK from dA's terms (``da_terms``) into an input-dtype tile (element
+    pairs, as they went into the float32 tile sT) and add ``dKK k`` and ``dKK^T k`` to dk as two products (the second
+    reads the tile transposed), instead of a pass over C x C elements that read sT twice (once transposed) and wrote
+    ``dKK + dKK^T``: one CTA barrier and 16 such iterations a thread fewer. And ``Tm^T dTm`` goes into the tile dQK held
+    (free by then), so writing it waits for no other warpgroup's reads of dTm^T: a second barrier fewer (dKK then takes
+    dTm^T's tile). dq, dv, dg, dbeta as without it (dbeta to float32 rounding with E in registers); dk sums the same
+    products in another order. The first form (GPU-run in the twenty-eighth session) wrote each strictly lower element
+    to (i, j) and (j, i) of a ``dKK + dKK^T`` tile, bitwise the round trip: per tile 1.204 / 1.198 ms against 1.209 /
+    1.192, persistent 1.202 / 1.184 against 1.228 / 1.210, but persistent with E in registers (the default) **1.323 /
+    1.321 against 1.140 / 1.140**: its transposed 2-byte stores' addresses pushed ptxas to spill at 255 registers (32
+    bytes against 4). The second form stores pairs only. GPU-run (twenty-ninth session, H100, ``gpu_next.sh s44``): its
+    7 cases passed (dk within 4.4e-6 / 6.3e-6 relative L2 of the round trip, the rest bitwise), and B4 T4096 per tile
+    1.202 / 1.198 ms against 1.197 / 1.198, persistent 1.203 / 1.200 against 1.215 / 1.202, persistent with E in
+    registers (the default) **1.154 / 1.157 against 1.142 / 1.144**: no gain where it would count, so off."""
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_DKKSYM", False)
 
 
