@@ -7,7 +7,7 @@ kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
                                    --onfly | --chain-stores | --out-otma | --chain-seg | --tstore]
 
-``--tstore``: only the training forward (chunk states, vn and Tm kept) on the split pass (its default), on the
+``--tstore``: only the training forward (chunk states, vn and Tm kept) on the split pass (TSTORE=0), on the
 specialized warpgroups with the gathered stores at 64 columns, and with the stores by TMA from transposed tiles
 (``CUDNN_TRAIN_GDN_FWD_WS_TSTORE``) at 64 and 128 columns: o, the chunk states and vn compared (bitwise expected
 between the warpgroup rows), then each timed twice, alternating.
@@ -548,14 +548,14 @@ def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
 
 def tstore_rows(q, k, v, g, beta, B, T, H, HV):
     """The training forward (chunk states, vn and Tm kept, as the training path calls it) on the split pass (its
-    default), on the specialized warpgroups with the gathered stores (64 columns), and with the stores by TMA from
+    default before the thirty-first session: ``TSTORE`` off), on the specialized warpgroups with the gathered stores (64 columns), and with the stores by TMA from
     transposed tiles (``CUDNN_TRAIN_GDN_FWD_WS_TSTORE``) at 64 and 128 columns: o, chunk states and vn bitwise the
     gathered stores' at 64 columns (and 128 against 64), then each timed twice, alternating."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)
     saved = F90.SPLIT, F90.STATE_WS, WS.VB_MODE, WS.TSTORE
-    rows = {"split pass (default)": (None, None, "auto", False),
+    rows = {"split pass (TSTORE=0)": (None, None, "auto", False),
             "warpgroups, gathered stores, 64": (False, True, "64", False),
             "warpgroups, TMA stores, 64": (False, True, "64", True),
             "warpgroups, TMA stores, 128": (False, True, "128", True)}

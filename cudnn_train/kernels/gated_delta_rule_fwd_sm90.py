@@ -1225,8 +1225,8 @@ def forward(
     # grid leaves SMs idle, and always for the training forward (store_states: the chain writes the
     # chunk-start states as 16-byte rows of its shared state tile, where the fused kernel stores them
     # element by element from its accumulators: H200, B4 T4096 H16 HV32, chain 0.273 + out 0.249 ms
-    # against 0.721 for the fused kernel with the stores), unless CUDNN_TRAIN_GDN_FWD_WS_TSTORE sends it to
-    # the specialized warpgroups (below); CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0: never (the training forward
+    # against 0.721 for the fused kernel with the stores), unless CUDNN_TRAIN_GDN_FWD_WS_TSTORE (on by
+    # default) sends it to the specialized warpgroups (below); CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0: never (the training forward
     # then takes the fused kernel, or with TSTORE the specialized warpgroups); not where the split's chunk
     # states would not be int32-addressable
     split = grid_chunks * HV * K * V < 2**31
@@ -1237,7 +1237,7 @@ def forward(
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
         ws_nseg = WS.segments(nseq, HV, V, B * T, use_qk_l2norm_in_kernel, dev)
-    # the training forward's stores by TMA from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE, prepared, off): with
+    # the training forward's stores by TMA from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE, on by default): with
     # them the training forward takes the specialized warpgroups where the inference forward would (the split pass
     # where its grid leaves SMs idle; the carried split where that one would take the call, below), since what kept
     # it on the split pass was the gathered stores' cost

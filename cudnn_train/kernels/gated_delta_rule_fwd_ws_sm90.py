@@ -111,7 +111,9 @@ if VB_MODE not in ("64", "128", "auto"):
     raise ValueError(f"CUDNN_TRAIN_GDN_FWD_WS_VB={VB_MODE!r}: expected 64, 128 or auto")
 SMEM_BYTES = 227 * 1024  # an SM90 CTA's shared memory at most
 # The training forward's stores by TMA from tiles the chain writes transposed (CUDNN_TRAIN_GDN_FWD_WS_TSTORE,
-# twenty-ninth session, prepared, off until GPU-run): with ``store_states`` the chain writes the chunk-start state
+# twenty-ninth session, the default since the thirty-first: its cases, the GDN kernel tiers and the training tier's
+# kernel half GPU-run with it; the training forward at B4 T4096 H16 HV32 0.633 against 0.689 ms H200, 0.685 against
+# 0.840 H100): with ``store_states`` the chain writes the chunk-start state
 # as S [d, v] and vn as vn [i, v] (v contiguous, by transposed ``stmatrix`` from its accumulators, the reverse
 # sweep's dH pattern) instead of S^T [v, d] and vn^T [v, i]; the output warpgroup and the chain's own first product
 # at 128 columns read them as MN-major operands (the same products on the same values), and each leaves by one TMA
@@ -120,8 +122,8 @@ SMEM_BYTES = 227 * 1024  # an SM90 CTA's shared memory at most
 # before it (H100, B4 T4096 H16 HV32, whole forward): the training forward on this pass at 64 columns 0.99 ms
 # against 0.69 for the inference forward on it (the stores' 0.30 ms), and the inference forward at 128 columns
 # 0.58 against the training forward's split pass 0.83. With it the training forward may take 128 columns (no
-# more shared memory: the same tiles). 1: on (with store_states); unset or 0: off.
-TSTORE = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TSTORE", False)
+# more shared memory: the same tiles). Unset or 1: on (with store_states); 0: off (the split pass's stores).
+TSTORE = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TSTORE", True)
 
 
 def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False, tstore: bool = False) -> int:
