@@ -82,6 +82,8 @@
 #   bash tools/gpu_next.sh s47      # the training forward's stores by TMA from transposed tiles (prepared):
 #                                   # cases, timing (s47b: op fwd+bwd off / on; s47train: the training tier's
 #                                   # kernel half)
+#   bash tools/gpu_next.sh s48      # the thirty-first session's owed cases: the two-chain stage-3 cases (now per tile),
+#                                   # then the rest of the stage-3 tier (GDN_S); timings: s47b with FROM / SHAPES
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
 #                                   # registers, the candidate defaults (GDN_S; TRAIN_S: then the training cases)
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
@@ -514,11 +516,14 @@ s46)
   # the default stage 3 (persistent, E in registers) and the per-tile kernel, both with their profile variants
   # (time_gdn_dchunk.py --persist: bitwise, timed, then the per-phase cycles a tile of each), B4 T4096 (TIME_S)
   timed persist ${TIME_S:-300} python3 tools/time_gdn_dchunk.py --persist --shapes 1 ;;
+s48)
+  tier s48 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py ;;
 s47|s47b|s47train)
   # the twenty-ninth session's training forward on the specialized warpgroups with its chunk states and vn by TMA
   # stores from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE, prepared): its bitwise cases and the dispatch case
   # (GDN_S), time_gdn_fwd.py --tstore at B4 (TIME_S). s47b: forward+backward through the op at B4 (SHAPES) with the
-  # switch off and on, alternating (graphed, ours only; BENCH_S each; ONS the settings in order). s47train: the
+  # switch off and on, alternating (graphed, ours only; BENCH_S each; ONS the settings in order; FROM the first
+  # shape, 0 B4, 1 B1, 2 B8). s47train: the
   # training tier's kernel half with it on and the specialized warpgroups forced (CUDNN_TRAIN_GDN_FWD_WS=1: the
   # tier's small grids would take the split pass) (TRAIN_S)
   if [ "$1" = s47train ]; then
@@ -529,8 +534,8 @@ s47|s47b|s47train)
   else
     for on in ${ONS:-0 1 0 1}; do
       CUDNN_TRAIN_GDN_FWD_WS_TSTORE=$on timeout -k 10 ${BENCH_S:-130} python3 -m benchmarks.bench_gated_delta_rule \
-        --warmup 10 --rep 40 --shapes ${SHAPES:-1} --graphed --rounds 1 --skip fla,cutedsl,flashqla,sm90-train \
-        > $OUT/bench_tstore$on.log 2>&1
+        --warmup 10 --rep 40 --from-shape ${FROM:-0} --shapes ${SHAPES:-1} --graphed --rounds 1 \
+        --skip fla,cutedsl,flashqla,sm90-train > $OUT/bench_tstore$on.log 2>&1
       echo "bench TSTORE=$on rc=$?"; grep -E "round" $OUT/bench_tstore$on.log | cut -c1-200
     done
   fi ;;
