@@ -523,9 +523,8 @@ s47|s47b|s47train)
   # stores from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE, prepared): its bitwise cases and the dispatch case
   # (GDN_S), time_gdn_fwd.py --tstore at B4 (TIME_S). s47b: forward+backward through the op at B4 (SHAPES) with the
   # switch off and on, alternating (graphed, ours only; BENCH_S each; ONS the settings in order; FROM the first
-  # shape, 0 B4, 1 B1, 2 B8). s47train: the
-  # training tier's kernel half with it on and the specialized warpgroups forced (CUDNN_TRAIN_GDN_FWD_WS=1: the
-  # tier's small grids would take the split pass) (TRAIN_S)
+  # shape, 0 B4, 1 B1, 2 B8). s47train: the training tier's kernel half with it on and the specialized warpgroups
+  # forced (CUDNN_TRAIN_GDN_FWD_WS=1: the tier's small grids would take the split pass) (TRAIN_S)
   if [ "$1" = s47train ]; then
     CUDNN_TRAIN_GDN_FWD_WS=1 CUDNN_TRAIN_GDN_FWD_WS_TSTORE=1 TRAIN_K=1 bash "$0" gdn_train
   elif [ "$1" = s47 ]; then

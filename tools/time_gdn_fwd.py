@@ -548,9 +548,10 @@ def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
 
 def tstore_rows(q, k, v, g, beta, B, T, H, HV):
     """The training forward (chunk states, vn and Tm kept, as the training path calls it) on the split pass (its
-    default before the thirty-first session: ``TSTORE`` off), on the specialized warpgroups with the gathered stores (64 columns), and with the stores by TMA from
-    transposed tiles (``CUDNN_TRAIN_GDN_FWD_WS_TSTORE``) at 64 and 128 columns: o, chunk states and vn bitwise the
-    gathered stores' at 64 columns (and 128 against 64), then each timed twice, alternating."""
+    default before the thirty-first session: ``TSTORE`` off), on the specialized warpgroups with the gathered stores
+    (64 columns), and with the stores by TMA from transposed tiles (``CUDNN_TRAIN_GDN_FWD_WS_TSTORE``, the default
+    now) at 64 and 128 columns: o, chunk states and vn bitwise the gathered stores' at 64 columns (and 128 against
+    64), then each timed twice, alternating."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)

@@ -1226,9 +1226,9 @@ def forward(
     # chunk-start states as 16-byte rows of its shared state tile, where the fused kernel stores them
     # element by element from its accumulators: H200, B4 T4096 H16 HV32, chain 0.273 + out 0.249 ms
     # against 0.721 for the fused kernel with the stores), unless CUDNN_TRAIN_GDN_FWD_WS_TSTORE (on by
-    # default) sends it to the specialized warpgroups (below); CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0: never (the training forward
-    # then takes the fused kernel, or with TSTORE the specialized warpgroups); not where the split's chunk
-    # states would not be int32-addressable
+    # default) sends it to the specialized warpgroups (below); CUDNN_TRAIN_GDN_FWD_SPLIT=1: always, 0: never
+    # (the training forward then takes the fused kernel, or with TSTORE the specialized warpgroups); not where
+    # the split's chunk states would not be int32-addressable
     split = grid_chunks * HV * K * V < 2**31
     # the inference forward's specialized warpgroups in segments (CUDNN_TRAIN_GDN_FWD_WS_SEG, off by default): where
     # asked and more than one, they take the call the split pass would (few sequences), on nseg x the grid
