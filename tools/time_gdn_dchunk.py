@@ -296,7 +296,7 @@ def chains_rows(x, B, T, H, HV, scale):
     twice, alternating, then both two-chain kernels' profiles (each side's phases)."""
     from time_gdn_fwd import _report
 
-    kw = dict(train_kw(x, H, HV, scale), persist=False)  # per tile: the persistent default refuses the two chains
+    kw = dict(train_kw(x, H, HV, scale), persist=False)  # chains=0 per tile too, not the persistent default
     outs = [B3.chunk_grads(*x, **kw, chains=c) for c in (0, 1, 2)]
     torch.cuda.synchronize()
     for c in (1, 2):

@@ -1731,8 +1731,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     of recomputed (no ``k Sc``, ``Z``, ``Tm Z``; ``do vn^T`` in flight during the solve); None: recomputed.
     ``tm``: the forward's chunk inverses ``Tm = (I + A)^-1`` (``[B, T, HV, 64]``, q's dtype, row i of a chunk at
     its token, as the wy kernel writes them with ``store_t``), read instead of solved again; None: solved.
-    ``persist``: the persistent variant (default :func:`persist_default` where the loads are by cp.async and
-    no profile is asked for), a CTA per SM walking the tiles; the results are the same bits. ``persist_ctas``:
+    ``persist``: the persistent variant (default :func:`persist_default` where the loads are by cp.async, no
+    profile and not the two-chain kernel are asked for), a CTA per SM walking the tiles; the results are the same bits. ``persist_ctas``:
     that many CTAs (clusters with the pair sum) instead of one an SM, for tests (several tiles a CTA). ``tma``: the
     loads by TMA instead of ``cp.async`` (default :func:`tma_default`; only with ``vn`` and ``tm`` given and the
     cp.async loads asked for, per tile or persistent, with or without the profile variant); the results are the
@@ -1806,8 +1806,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
                                 or profile.numel() < grid * HV * (len(DCHUNK_PHASES) + 1)):
         raise ValueError(f"profile: int64 on {dev} with at least {grid * HV * (len(DCHUNK_PHASES) + 1)} elements")
     async_loads = async_loads_default() if async_loads is None else bool(async_loads)
-    if persist is None:
-        persist = persist_default() and profile is None and async_loads
+    if persist is None:  # (the two-chain kernel, asked for, is per tile: the persistent default steps aside)
+        persist = persist_default() and profile is None and async_loads and not chains
     elif persist and not async_loads:
         raise ValueError("persist: the persistent variant loads by cp.async or TMA (async_loads)")
     can_tma = async_loads and vn is not None and tm is not None
