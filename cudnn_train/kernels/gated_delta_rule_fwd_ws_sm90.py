@@ -113,7 +113,8 @@ SMEM_BYTES = 227 * 1024  # an SM90 CTA's shared memory at most
 # The training forward's stores by TMA from tiles the chain writes transposed (CUDNN_TRAIN_GDN_FWD_WS_TSTORE,
 # twenty-ninth session, the default since the thirty-first: its cases, the GDN kernel tiers and the training tier's
 # kernel half GPU-run with it; the training forward at B4 T4096 H16 HV32 0.633 against 0.689 ms H200, 0.685 against
-# 0.840 H100): with ``store_states`` the chain writes the chunk-start state
+# 0.840 H100; the op's forward+backward 3.7-9.1% faster at B1, B4, B8, H100, thirty-second session): with
+# ``store_states`` the chain writes the chunk-start state
 # as S [d, v] and vn as vn [i, v] (v contiguous, by transposed ``stmatrix`` from its accumulators, the reverse
 # sweep's dH pattern) instead of S^T [v, d] and vn^T [v, i]; the output warpgroup and the chain's own first product
 # at 128 columns read them as MN-major operands (the same products on the same values), and each leaves by one TMA
