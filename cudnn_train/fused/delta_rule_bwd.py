@@ -98,6 +98,12 @@ def reverse_sweep_ref(q, k, g, beta, scale, do, dS_last, chunk_size):
     return lay.from_chunks(dvn), dHc, dS0
 
 
+def new_values(r, Sc):
+    """``vn = u - w Sc`` of every chunk (chunked, as ``r["u"]``): the values left after the state entering the
+    chunk predicted them, what the forward's state pass writes for the output and stage 3 reads."""
+    return r["u"] - r["w"] @ Sc
+
+
 def chunk_grads(q, k, v, b, Sc, dHc, dvn, do, r, vn=None):
     """Stage 3 on chunked tensors (``[B, HV, NC, C, D]``; b ``[..., C, 1]``; Sc and dHc
     ``[B, HV, NC, K, V]``, the state entering and the gradient of the state leaving each chunk;
@@ -105,12 +111,12 @@ def chunk_grads(q, k, v, b, Sc, dHc, dvn, do, r, vn=None):
     Returns ``(dq, dk, dv, dg, dbeta)`` chunked (dg ``[..., C, 1]`` after the in-chunk reverse
     cumulative sum, dbeta ``[..., C]``)."""
     E, Es, strict, KK, A, eg = r["E"], r["Es"], r["strict"], r["KK"], r["A"], r["eg"]
-    kb, vb, Tm, w, u, P, qg = r["kb"], r["vb"], r["Tm"], r["w"], r["u"], r["P"], r["qg"]
+    kb, vb, Tm, P, qg = r["kb"], r["vb"], r["Tm"], r["P"], r["qg"]
     kdec, kd, dec = r["kdec"], r["kd"], r["dec"]
     scale = r["scale"]
     dt = q.dtype
     if vn is None:
-        vn = u - w @ Sc
+        vn = new_values(r, Sc)
     dqg = do @ Sc.transpose(-1, -2)  # o = qg S
     dP = do @ vn.transpose(-1, -2)  # o += P vn
     dQK = dP * E * scale

@@ -212,14 +212,14 @@ def test_the_fused_backward_rebuilds_regrouping_matches_chunk_grads(length):
     """The fused backward's planned stage-3 regrouping (no float32 scratch: dkb folded into dk through a scaled
     Tm^T, dKK's transpose as a second product, the dkb / dvb row sums from the [C, C] products, kdt from k dH) is
     exact: the same numbers as ``chunk_grads`` in float64, padded rows included."""
-    from cudnn_train.fused.delta_rule_bwd import _recompute, chunk_grads
+    from cudnn_train.fused.delta_rule_bwd import _recompute, chunk_grads, new_values
 
     q, k, v, g, b, do, dvn, Sc, dH = _chunk_case(length, 16, 8, 5)
     C = q.shape[0]
     one = lambda x: x.reshape(1, 1, 1, *x.shape)  # noqa: E731
     r = _recompute(one(q), one(k), one(v), one(g[:, None]), one(b[:, None]), 0.3, C)
     want = chunk_grads(one(q), one(k), one(v), one(b[:, None]), one(Sc), one(dH), one(dvn), one(do), r)
-    vn = (r["u"] - r["w"] @ one(Sc)).reshape(C, -1)
+    vn = new_values(r, one(Sc)).reshape(C, -1)
     got = _rebuilt_algebra(q, k, v, g.cumsum(0), b, 0.3, Sc, dH, dvn, do, vn, r["Tm"].reshape(C, C))
     for name, a, w in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
         assert rel_l2(a, w.reshape(a.shape)) <= 1e-12, (name, rel_l2(a, w.reshape(a.shape)))
@@ -231,7 +231,7 @@ def test_the_fused_backward_rebuilds_rounding_is_no_worse_than_the_current_kerne
     current kernel dw, dQK, dTm^T, Tm^T dTm and dKK + dKK^T), on bf16 inputs at K = V = 128: every output's error
     against the unrounded float64 values stays within 1.5 times the current kernel's (plus 1e-4 of the output's
     norm) and, for one chunk, under 3e-3 relative L2."""
-    from cudnn_train.fused.delta_rule_bwd import _recompute
+    from cudnn_train.fused.delta_rule_bwd import _recompute, new_values
 
     def bf(x):
         return x.to(torch.bfloat16).to(torch.float64)
@@ -240,7 +240,7 @@ def test_the_fused_backward_rebuilds_rounding_is_no_worse_than_the_current_kerne
     C = q.shape[0]
     one = lambda x: x.reshape(1, 1, 1, *x.shape)  # noqa: E731
     r = _recompute(one(q), one(k), one(v), one(g[:, None]), one(b[:, None]), 128**-0.5, C)
-    vn, Tm = bf((r["u"] - r["w"] @ one(Sc)).reshape(C, -1)), bf(r["Tm"].reshape(C, C))
+    vn, Tm = bf(new_values(r, one(Sc)).reshape(C, -1)), bf(r["Tm"].reshape(C, C))
     args = (q, k, v, g.cumsum(0), b, 128**-0.5, Sc, dH, dvn, do, vn, Tm)
     exact = _rebuilt_algebra(*args)
     rebuilt = _rebuilt_algebra(*args, rnd=bf)
@@ -283,7 +283,7 @@ def _fused_backward_loop(q, k, v, g, b, scale, do, dS_last, Sc, vn, Tm, w, rnd=l
 def _one_head_case(T, K, V, seed, dt=torch.float64):
     """A sequence's inputs at one head, chunked ([NC, C, *], padded rows zero), the forward's Sc, vn, Tm, w and the
     backward's do and dS_last; with the reference gradients of ``chunked_core_bwd`` (float64)."""
-    from cudnn_train.fused.delta_rule_bwd import ChunkLayout, _recompute, chunked_core_bwd, sweeps_ref
+    from cudnn_train.fused.delta_rule_bwd import ChunkLayout, _recompute, chunked_core_bwd, new_values, sweeps_ref
 
     torch.manual_seed(seed)
     q, k, v, g, beta, S0 = _inputs(1, T, 1, K, V, dt)
@@ -294,7 +294,7 @@ def _one_head_case(T, K, V, seed, dt=torch.float64):
     bc = lay.to_chunks(beta.unsqueeze(-1))
     r = _recompute(qc, kc, vc, gch, bc, 0.3, 64)
     Sc, _ = sweeps_ref(r, lay, S0, None, None)
-    vn = r["u"] - r["w"] @ Sc
+    vn = new_values(r, Sc)
     flat = [x[0, 0] for x in (qc, kc, vc, gch[..., 0], bc[..., 0], doc, Sc, vn, r["Tm"], r["w"])]
     return flat, dS[0, 0], want, lay
 

@@ -70,7 +70,7 @@ def ref_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg):
     with torch.no_grad():
         lay, r = _prep(q, k, v, g, beta, A_log, dt_bias, cu, cfg)
         Sc, ht = db.sweeps_ref(r, lay, _k_first(h0, cfg), None, None)
-        o = lay.from_chunks(r["qg"] @ Sc + r["P"] @ (r["u"] - r["w"] @ Sc)).to(q.dtype)
+        o = lay.from_chunks(r["qg"] @ Sc + r["P"] @ db.new_values(r, Sc)).to(q.dtype)
     return o, (_k_first(ht, cfg) if cfg.output_final_state else None), (lay.chunks_to_rows(Sc),)
 
 

@@ -187,7 +187,7 @@ def _case(B, T, HV, K, V, dtype, lens=None, H=None, l2norm=False, with_vn=False)
     args = (qx, kx, v, gc, beta, do, dvn.to(dtype).contiguous(), hs.to(dtype).contiguous(), dH.to(dtype).contiguous(),
             scale, cu, l2norm)
     if with_vn:  # vn = u - w Sc of every chunk, as the forward's split pass writes it, and Tm (input dtype)
-        return args, want, lay.from_chunks(r["u"] - r["w"] @ Sc).to(dtype).contiguous(), \
+        return args, want, lay.from_chunks(db.new_values(r, Sc)).to(dtype).contiguous(), \
             lay.from_chunks(r["Tm"]).to(dtype).contiguous()
     return args, want
 

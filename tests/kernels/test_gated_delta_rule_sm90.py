@@ -1065,7 +1065,7 @@ def _chunk_oracle(q, k, v, g, beta, scale, h0, cu):
     """The float64 chunk-start states (kernel rows ``[rows, HV, K, V]``) and vn (``[B, T, HV, V]``) of the chunked
     forward with q and k l2-normalized: ``fused/delta_rule_bwd``'s stage 1 (``_recompute``) and forward sweep
     (``sweeps_ref``), vn = u - w S per chunk."""
-    from cudnn_train.fused.delta_rule_bwd import ChunkLayout, _recompute, sweeps_ref
+    from cudnn_train.fused.delta_rule_bwd import ChunkLayout, _recompute, new_values, sweeps_ref
 
     B, T, H, _ = q.shape
     HV = v.shape[2]
@@ -1074,7 +1074,7 @@ def _chunk_oracle(q, k, v, g, beta, scale, h0, cu):
     r = _recompute(qc, kc, lay.to_chunks(v.double()), lay.to_chunks(g.double().unsqueeze(-1)),
                    lay.to_chunks(beta.double().unsqueeze(-1)), scale, 64)
     Sc, _ = sweeps_ref(r, lay, None if h0 is None else h0.double(), None, None)
-    return lay.chunks_to_rows(Sc), lay.from_chunks(r["u"] - r["w"] @ Sc)
+    return lay.chunks_to_rows(Sc), lay.from_chunks(new_values(r, Sc))
 
 
 def _check_segments(case, switch, nseg, monkeypatch, training):
