@@ -1732,7 +1732,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     ``tm``: the forward's chunk inverses ``Tm = (I + A)^-1`` (``[B, T, HV, 64]``, q's dtype, row i of a chunk at
     its token, as the wy kernel writes them with ``store_t``), read instead of solved again; None: solved.
     ``persist``: the persistent variant (default :func:`persist_default` where the loads are by cp.async, no
-    profile and not the two-chain kernel are asked for), a CTA per SM walking the tiles; the results are the same bits. ``persist_ctas``:
+    profile is asked for and the two-chain kernel neither, by ``chains`` or by its switch where it can serve), a CTA
+    per SM walking the tiles; the results are the same bits. ``persist_ctas``:
     that many CTAs (clusters with the pair sum) instead of one an SM, for tests (several tiles a CTA). ``tma``: the
     loads by TMA instead of ``cp.async`` (default :func:`tma_default`; only with ``vn`` and ``tm`` given and the
     cp.async loads asked for, per tile or persistent, with or without the profile variant); the results are the
@@ -1806,18 +1807,24 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
                                 or profile.numel() < grid * HV * (len(DCHUNK_PHASES) + 1)):
         raise ValueError(f"profile: int64 on {dev} with at least {grid * HV * (len(DCHUNK_PHASES) + 1)} elements")
     async_loads = async_loads_default() if async_loads is None else bool(async_loads)
-    if persist is None:  # (the two-chain kernel, asked for, is per tile: the persistent default steps aside)
-        persist = persist_default() and profile is None and async_loads and not chains
+    can_tma = async_loads and vn is not None and tm is not None
+    two_wgs = (warpgroups(K) if wgs is None else wgs) == 2 and K == V == 128
+    asked = chains_default()  # (parsed on every call: a typo is an error wherever it is read)
+    if persist is None:  # the two-chain kernel (asked for, or by its switch where it would serve) is per tile: the
+        # persistent default steps aside for it
+        if chains is None:
+            two = bool(asked) and can_tma and two_wgs and (tma_default() if tma is None else bool(tma))
+        else:
+            two = bool(chains)
+        persist = persist_default() and profile is None and async_loads and not two
     elif persist and not async_loads:
         raise ValueError("persist: the persistent variant loads by cp.async or TMA (async_loads)")
-    can_tma = async_loads and vn is not None and tm is not None
     if tma is None:  # (the two-chain kernel, asked for, takes the TMA loads whatever their switch says)
         tma = (tma_default() or bool(chains)) and can_tma
     elif tma and not can_tma:
         raise ValueError("tma: the TMA loads need vn and tm given and the cp.async loads (async_loads)")
-    can_chains = bool(tma) and not persist and (warpgroups(K) if wgs is None else wgs) == 2 and K == V == 128
+    can_chains = bool(tma) and not persist and two_wgs
     if chains is None:
-        asked = chains_default()  # (parsed on every call: a typo is an error wherever it is read)
         chains = asked if can_chains else 0
     elif int(chains) not in (0, 1, 2):
         raise ValueError(f"chains={chains!r}: False / 0, True / 1 or 2")

@@ -498,7 +498,7 @@ def test_dkk_sym_chunk_gradients_match_the_round_trip(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["pair", "pair_T65", "pair_fp16", "pair_varlen", "gva4_f32", "fp16_T1", "no_l2norm",
                                   "varlen_nan_tail"])
-def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
+def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case, monkeypatch):
     """The two-chain kernel (CUDNN_TRAIN_GDN_DCHUNK_CHAINS: a warpgroup for the q side and dk, one for the w side,
     whole products each) on the training path's call (vn and Tm read, TMA loads) against the per-tile kernel: the
     same products and rounding points, only the row sums' order (and the products' N per instruction) differ, so
@@ -507,7 +507,8 @@ def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
     dk against its per-head values summed over the pair); two calls give the same bits over memory poisoned with
     NaN, and so does the profile variant (pair case); all of it for both forms (``chains`` 1, and 2: dvb and dv on
     the q side); asked for without vn and Tm (no TMA loads) it is a
-    ValueError. Cases: the pair sum (dq, dk exchanged between the cluster's warpgroups 0) in bf16, at T 65 (a
+    ValueError; asked for by its switch (``CUDNN_TRAIN_GDN_DCHUNK_CHAINS``, no ``chains``), the persistent default
+    steps aside and the same bits come (pair case). Cases: the pair sum (dq, dk exchanged between the cluster's warpgroups 0) in bf16, at T 65 (a
     partial last chunk), in fp16, and varlen with empty and one-token sequences (CTAs of length 0 exchanging too);
     GVA 4 with float32 dq, dk per value head; fp16 T 1; no l2norm; varlen fp16 with empty, one-token and odd
     sequences and NaN past the last sequence."""
@@ -561,6 +562,11 @@ def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case):
             rows = buf.view(-1, n)
             w = [i for i, p in enumerate(B3.CHAIN_PHASES) if p.startswith("w:")]
             assert (rows[:, -1] > 0).all() and (rows[:, w].sum(1) > 0).all()
+            monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHUNK_CHAINS", str(chains))  # the switch, no chains named
+            by_env = B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, **kw)
+            monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_CHAINS")
+            for name, a, b in zip(names, by_env, again):
+                assert torch.equal(a, b), f"{name} differs when the switch asks for chains={chains}"
     if case == "no_l2norm":
         with pytest.raises(ValueError, match="chains"):
             B3.chunk_grads(qn, kn, v, gc, beta, do, dvn, hs, dH, scale=scale, cu_seqlens=cu, l2norm=l2, chains=True)
