@@ -84,6 +84,7 @@
 #                                   # kernel half)
 #   bash tools/gpu_next.sh s48      # the thirty-first session's owed cases: the two-chain stage-3 cases (now per tile),
 #                                   # then the rest of the stage-3 tier (GDN_S); timings: s47b with FROM / SHAPES
+#   bash tools/gpu_next.sh s49      # the thirty-second session's: the two-chain cases alone, the switch's check too
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
 #                                   # registers, the candidate defaults (GDN_S; TRAIN_S: then the training cases)
 #   bash tools/gpu_next.sh fqnorm   # FlashQLA's torch.compile'd l2norm timed in fresh processes (PROCS=3)
@@ -518,6 +519,10 @@ s46)
   timed persist ${TIME_S:-300} python3 tools/time_gdn_dchunk.py --persist --shapes 1 ;;
 s48)
   tier s48 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py ;;
+s49)
+  # the thirty-second session's owed cases: the two-chain stage-3 cases with the switch's bitwise check (the
+  # persistent default steps aside for the switch too)
+  tier s49 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k two_chain ;;
 s47|s47b|s47train)
   # the twenty-ninth session's training forward on the specialized warpgroups with its chunk states and vn by TMA
   # stores from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE, prepared): its bitwise cases and the dispatch case
