@@ -1703,6 +1703,40 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
 
+def launch_choice(K: int, V: int, wgs: int | None, kept: bool, profiled: bool, async_loads: bool | None,
+                  persist: bool | None, tma: bool | None, chains: bool | int | None) -> tuple[bool, bool, bool, int]:
+    """:func:`chunk_grads`'s choice of loads and kernel form, its arguments (None: the switch's default) resolved:
+    ``(async_loads, persist, tma, chains)``. ``kept``: the forward's vn and Tm given (the TMA loads need both);
+    ``profiled``: a profile asked for (the persistent default steps aside for it). The two-chain kernel, asked for
+    by ``chains`` or by its switch where it would serve, is per tile: the persistent default steps aside for it
+    too; where asked for by ``chains`` and it cannot serve (or with ``persist=True``), a ValueError."""
+    async_loads = async_loads_default() if async_loads is None else bool(async_loads)
+    can_tma = async_loads and kept
+    two_wgs = (warpgroups(K) if wgs is None else wgs) == 2 and K == V == 128
+    asked = chains_default()  # (parsed on every call: a typo is an error wherever it is read)
+    if chains is not None and chains not in (0, 1, 2):  # (False and True are 0 and 1)
+        raise ValueError(f"chains={chains!r}: False / 0, True / 1 or 2")
+    if persist is None:
+        if chains is None:
+            two = bool(asked) and can_tma and two_wgs and (tma_default() if tma is None else bool(tma))
+        else:
+            two = bool(chains)
+        persist = persist_default() and not profiled and async_loads and not two
+    elif persist and not async_loads:
+        raise ValueError("persist: the persistent variant loads by cp.async or TMA (async_loads)")
+    if tma is None:  # (the two-chain kernel, asked for, takes the TMA loads whatever their switch says)
+        tma = (tma_default() or bool(chains)) and can_tma
+    elif tma and not can_tma:
+        raise ValueError("tma: the TMA loads need vn and tm given and the cp.async loads (async_loads)")
+    can_chains = bool(tma) and not persist and two_wgs
+    if chains is None:
+        chains = asked if can_chains else 0
+    elif chains and not can_chains:
+        raise ValueError("chains: the two-chain kernel serves the TMA loads per tile (vn and tm given), two "
+                         "warpgroups, K = V = 128")
+    return async_loads, bool(persist), bool(tma), int(chains)
+
+
 def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=None, l2norm: bool = False,
                 wgs: int | None = None, overlap: bool | None = None, dqk_dtype=torch.float32,
                 sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
@@ -1806,31 +1840,8 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     if profile is not None and (profile.dtype != torch.int64 or profile.device != dev
                                 or profile.numel() < grid * HV * (len(DCHUNK_PHASES) + 1)):
         raise ValueError(f"profile: int64 on {dev} with at least {grid * HV * (len(DCHUNK_PHASES) + 1)} elements")
-    async_loads = async_loads_default() if async_loads is None else bool(async_loads)
-    can_tma = async_loads and vn is not None and tm is not None
-    two_wgs = (warpgroups(K) if wgs is None else wgs) == 2 and K == V == 128
-    asked = chains_default()  # (parsed on every call: a typo is an error wherever it is read)
-    if persist is None:  # the two-chain kernel (asked for, or by its switch where it would serve) is per tile: the
-        # persistent default steps aside for it
-        if chains is None:
-            two = bool(asked) and can_tma and two_wgs and (tma_default() if tma is None else bool(tma))
-        else:
-            two = bool(chains)
-        persist = persist_default() and profile is None and async_loads and not two
-    elif persist and not async_loads:
-        raise ValueError("persist: the persistent variant loads by cp.async or TMA (async_loads)")
-    if tma is None:  # (the two-chain kernel, asked for, takes the TMA loads whatever their switch says)
-        tma = (tma_default() or bool(chains)) and can_tma
-    elif tma and not can_tma:
-        raise ValueError("tma: the TMA loads need vn and tm given and the cp.async loads (async_loads)")
-    can_chains = bool(tma) and not persist and two_wgs
-    if chains is None:
-        chains = asked if can_chains else 0
-    elif int(chains) not in (0, 1, 2):
-        raise ValueError(f"chains={chains!r}: False / 0, True / 1 or 2")
-    elif chains and not can_chains:
-        raise ValueError("chains: the two-chain kernel serves the TMA loads per tile (vn and tm given), two "
-                         "warpgroups, K = V = 128")
+    async_loads, persist, tma, chains = launch_choice(K, V, wgs, vn is not None and tm is not None, profile is not None,
+                                                     async_loads, persist, tma, chains)
     phases = CHAIN_PHASES if chains else DCHUNK_PHASES
     if profile is not None and profile.numel() < grid * HV * (len(phases) + 1):
         raise ValueError(f"profile: at least {grid * HV * (len(phases) + 1)} elements for these phases")

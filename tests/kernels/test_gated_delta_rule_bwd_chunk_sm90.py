@@ -125,6 +125,56 @@ def test_persist_and_ereg_switches_are_on_by_default_and_parse(monkeypatch):
         assert_env_override(monkeypatch, name, fn, "0", False, ("2", "off"))
 
 
+def test_launch_choice_persistent_default_steps_aside_for_the_two_chains(monkeypatch):
+    """chunk_grads' choice of loads and kernel form (``launch_choice``) on the default switches: persistent with TMA
+    loads where vn and Tm are given; the two-chain kernel, asked for by ``chains`` or by its switch where it would
+    serve (vn and Tm given, K = V = 128, two warpgroups), is per tile, the persistent default stepping aside for it
+    (under it the switch had been ignored); where the switch cannot be served the persistent default stays; asked
+    for by ``chains`` where it cannot serve, or with ``persist=True``, a ValueError; a profile keeps it per tile."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+
+    for name in ("ASYNC_LOADS", "PERSIST", "TMA", "CHAINS"):
+        monkeypatch.delenv(f"CUDNN_TRAIN_GDN_DCHUNK_{name}", raising=False)
+
+    def choice(K=128, V=128, wgs=None, kept=True, profiled=False, **kw):
+        args = dict(async_loads=None, persist=None, tma=None, chains=None) | kw
+        return B3.launch_choice(K, V, wgs, kept, profiled, args["async_loads"], args["persist"], args["tma"],
+                                args["chains"])
+
+    assert choice() == (True, True, True, 0)  # the training path's call: persistent, TMA loads
+    assert choice(kept=False) == (True, True, False, 0)  # cp.async loads, persistent
+    assert choice(profiled=True) == (True, False, True, 0)  # the profile variant per tile
+    for c in (1, 2, True):
+        assert choice(chains=c) == (True, False, True, int(c))  # per tile, TMA loads whatever their switch says
+        with pytest.raises(ValueError, match="chains"):
+            choice(chains=c, tma=False)
+        with pytest.raises(ValueError, match="chains"):
+            choice(chains=c, persist=True)
+        with pytest.raises(ValueError, match="chains"):
+            choice(chains=c, kept=False)
+        with pytest.raises(ValueError, match="chains"):
+            choice(chains=c, K=64, V=64)
+    assert choice(chains=False) == choice(chains=0) == (True, True, True, 0)
+    with pytest.raises(ValueError, match="chains=3"):
+        choice(chains=3)
+    for env in ("1", "2"):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHUNK_CHAINS", env)
+        assert choice() == (True, False, True, int(env))  # the switch: per tile, two chains
+        assert choice(chains=0) == (True, True, True, 0)  # chains named: the switch does not apply
+        assert choice(kept=False) == (True, True, False, 0)  # it cannot serve: the persistent default stays
+        assert choice(K=64, V=64) == (True, True, True, 0)
+        assert choice(wgs=4) == (True, True, True, 0)
+        assert choice(tma=False) == (True, True, False, 0)
+        assert choice(persist=True) == (True, True, True, 0)  # persistent asked for: the switch gives way
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_DCHUNK_CHAINS", "3")
+    with pytest.raises(ValueError, match="CUDNN_TRAIN_GDN_DCHUNK_CHAINS"):
+        choice(chains=1)  # a typo in the switch is an error wherever it is read
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_CHAINS")
+    with pytest.raises(ValueError, match="persist"):
+        choice(async_loads=False, persist=True)
+    assert choice(async_loads=False) == (False, False, False, 0)  # synchronous loads: per tile
+
+
 def test_dkk_sym_switch_is_off_by_default_and_parses(monkeypatch):
     """CUDNN_TRAIN_GDN_DCHUNK_DKKSYM is off by default (GPU-run: slower with the default's E in registers), 1 turns it on, a typo is a
     ValueError naming it."""
