@@ -1711,24 +1711,21 @@ def launch_choice(K: int, V: int, wgs: int | None, kept: bool, profiled: bool, a
     by ``chains`` or by its switch where it would serve, is per tile: the persistent default steps aside for it
     too; where asked for by ``chains`` and it cannot serve (or with ``persist=True``), a ValueError."""
     async_loads = async_loads_default() if async_loads is None else bool(async_loads)
-    can_tma = async_loads and kept
-    two_wgs = (warpgroups(K) if wgs is None else wgs) == 2 and K == V == 128
-    asked = chains_default()  # (parsed on every call: a typo is an error wherever it is read)
     if chains is not None and chains not in (0, 1, 2):  # (False and True are 0 and 1)
         raise ValueError(f"chains={chains!r}: False / 0, True / 1 or 2")
-    if persist is None:
-        if chains is None:
-            two = bool(asked) and can_tma and two_wgs and (tma_default() if tma is None else bool(tma))
-        else:
-            two = bool(chains)
-        persist = persist_default() and not profiled and async_loads and not two
-    elif persist and not async_loads:
-        raise ValueError("persist: the persistent variant loads by cp.async or TMA (async_loads)")
+    can_tma = async_loads and kept
     if tma is None:  # (the two-chain kernel, asked for, takes the TMA loads whatever their switch says)
         tma = (tma_default() or bool(chains)) and can_tma
     elif tma and not can_tma:
         raise ValueError("tma: the TMA loads need vn and tm given and the cp.async loads (async_loads)")
-    can_chains = bool(tma) and not persist and two_wgs
+    serves = bool(tma) and (warpgroups(K) if wgs is None else wgs) == 2 and K == V == 128  # the two chains, per tile
+    asked = chains_default()  # (parsed on every call: a typo is an error wherever it is read)
+    if persist is None:
+        two = bool(chains) if chains is not None else bool(asked) and serves
+        persist = persist_default() and not profiled and async_loads and not two
+    elif persist and not async_loads:
+        raise ValueError("persist: the persistent variant loads by cp.async or TMA (async_loads)")
+    can_chains = serves and not persist
     if chains is None:
         chains = asked if can_chains else 0
     elif chains and not can_chains:

@@ -556,9 +556,9 @@ def test_two_chain_chunk_gradients_match_the_per_tile_kernel(case, monkeypatch):
     1e-3 (a rounding may flip); every output within the usual 2e-2 of the float32 torch stage (the pair sum's dq,
     dk against its per-head values summed over the pair); two calls give the same bits over memory poisoned with
     NaN, and so does the profile variant (pair case); all of it for both forms (``chains`` 1, and 2: dvb and dv on
-    the q side); asked for without vn and Tm (no TMA loads) it is a
-    ValueError; asked for by its switch (``CUDNN_TRAIN_GDN_DCHUNK_CHAINS``, no ``chains``), the persistent default
-    steps aside and the same bits come (pair case). Cases: the pair sum (dq, dk exchanged between the cluster's warpgroups 0) in bf16, at T 65 (a
+    the q side); asked for without vn and Tm (no TMA loads) it is a ValueError; asked for by its switch
+    (``CUDNN_TRAIN_GDN_DCHUNK_CHAINS``, no ``chains``), the persistent default steps aside and the same bits come
+    (pair case). Cases: the pair sum (dq, dk exchanged between the cluster's warpgroups 0) in bf16, at T 65 (a
     partial last chunk), in fp16, and varlen with empty and one-token sequences (CTAs of length 0 exchanging too);
     GVA 4 with float32 dq, dk per value head; fp16 T 1; no l2norm; varlen fp16 with empty, one-token and odd
     sequences and NaN past the last sequence."""
