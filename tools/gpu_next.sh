@@ -84,6 +84,8 @@
 #                                   # kernel half)
 #   bash tools/gpu_next.sh s48      # the thirty-first session's owed cases: the two-chain stage-3 cases (now per tile),
 #                                   # then the rest of the stage-3 tier (GDN_S); timings: s47b with FROM / SHAPES
+#   bash tools/gpu_next.sh s50      # the thirty-third session's: the l2norm rows eight threads a row (stage 3, sweep):
+#                                   # cases with s49's, then B4's op with both switches off / on, --kernels
 #   bash tools/gpu_next.sh s49      # the thirty-second session's: the two-chain cases alone, the switch's check too
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
 #                                   # registers, the candidate defaults (GDN_S; TRAIN_S: then the training cases)
@@ -519,6 +521,19 @@ s46)
   timed persist ${TIME_S:-300} python3 tools/time_gdn_dchunk.py --persist --shapes 1 ;;
 s48)
   tier s48 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py ;;
+s50)
+  # the thirty-third session's: the l2norm rows eight threads a row in stage 3 and the fused sweep
+  # (CUDNN_TRAIN_GDN_DCHUNK_NORM8, CUDNN_TRAIN_GDN_SWEEP_NORM8, prepared): their cases and the two-chain ones (s49's,
+  # owed), then B4's forward+backward through the op with both switches off / on alternating (ONS), each with
+  # --kernels (graphed, ours only, layer-init gates; BENCH_S each)
+  tier s50 ${GDN_S:-240} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
+    tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "two_chain or norm8"
+  for on in ${ONS:-0 1 0 1}; do
+    CUDNN_TRAIN_GDN_DCHUNK_NORM8=$on CUDNN_TRAIN_GDN_SWEEP_NORM8=$on timeout -k 10 ${BENCH_S:-150} \
+      python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --from-shape ${FROM:-0} --shapes ${SHAPES:-1} \
+      --graphed --kernels --gates layer --rounds 1 --skip fla,cutedsl,flashqla,sm90-train > $OUT/bench_norm8_$on.log 2>&1
+    echo "bench NORM8=$on rc=$?"; grep -vE "^\s*$" $OUT/bench_norm8_$on.log | tail -n 22 | cut -c1-200
+  done ;;
 s49)
   # the thirty-second session's owed cases: the two-chain stage-3 cases with the switch's bitwise check (the
   # persistent default steps aside for the switch too)

@@ -142,7 +142,8 @@ CHAIN_PHASES = ("loads q, k landed", "l2norm rows",
 def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, OVERLAP: bool = False,
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
                   VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False, TMA: bool = False,
-                  CHAINS: int = 0, RELAXED: bool = False, EREG: bool = False, DKKSYM: bool = False):
+                  CHAINS: int = 0, RELAXED: bool = False, EREG: bool = False, DKKSYM: bool = False,
+                  NORM8: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -159,6 +160,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     gemm = cm.make_gemm()
     solve = cm.make_solve(THREADS)
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
+    rows_normalize = cm.make_rows_inv_norm(dtype, K, fwd.L2NORM_EPS, THREADS, normalize=True)  # NORM8
     locate = cm.make_chunk_locator(varlen)
     store_rows = cm.make_store_pairs()  # rows < nvalid of a float32 accumulator, element pairs, into gX
 
@@ -596,23 +598,29 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
 
     @cute.jit
     def l2norm_rows(sQ: cute.Tensor, sK: cute.Tensor, sRq: cute.Tensor, sRk: cute.Tensor, tidx: Int32):
-        # (every thread) the rows of q and k l2-normalized in place (input dtype), their factors into sRq, sRk
-        if tidx < C:
-            sRq[tidx] = row_inv_norm(sQ, tidx)
-        elif tidx < 2 * C:
-            sRk[tidx - C] = row_inv_norm(sK, tidx - C)
-        cute.arch.sync_threads()
-        TPR = THREADS // C  # threads a row, 1 / TPR of a row each
-        nr = tidx // TPR
-        tiles = ((sQ, sRq), (sK, sRk))
-        for vc in cutlass.range_constexpr(K // 8 // TPR):
-            c = (tidx % TPR) * (K // 8 // TPR) + vc
-            for w_ in cutlass.range_constexpr(2):
-                sX, sR = tiles[w_]
-                frag = cute.make_rmem_tensor((1, 8), dtype)
-                cute.autovec_copy(cute.local_tile(sX, (1, 8), (nr, c)), frag)
-                frag.store((frag.load().to(Float32) * sR[nr]).to(dtype))
-                cute.autovec_copy(frag, cute.local_tile(sX, (1, 8), (nr, c)))
+        # (every thread) the rows of q and k l2-normalized in place (input dtype), their factors into sRq, sRk.
+        # NORM8: one pass, eight threads a row (no bank conflict), each scaling the vectors its sums loaded; else the
+        # factors a thread a row (2 C threads), then the scaling pass
+        if cutlass.const_expr(NORM8):
+            rows_normalize(sQ, sRq, tidx)
+            rows_normalize(sK, sRk, tidx)
+        else:
+            if tidx < C:
+                sRq[tidx] = row_inv_norm(sQ, tidx)
+            elif tidx < 2 * C:
+                sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+            cute.arch.sync_threads()
+            TPR = THREADS // C  # threads a row, 1 / TPR of a row each
+            nr = tidx // TPR
+            tiles = ((sQ, sRq), (sK, sRk))
+            for vc in cutlass.range_constexpr(K // 8 // TPR):
+                c = (tidx % TPR) * (K // 8 // TPR) + vc
+                for w_ in cutlass.range_constexpr(2):
+                    sX, sR = tiles[w_]
+                    frag = cute.make_rmem_tensor((1, 8), dtype)
+                    cute.autovec_copy(cute.local_tile(sX, (1, 8), (nr, c)), frag)
+                    frag.store((frag.load().to(Float32) * sR[nr]).to(dtype))
+                    cute.autovec_copy(frag, cute.local_tile(sX, (1, 8), (nr, c)))
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
 
@@ -1678,9 +1686,21 @@ def dkk_sym_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_DKKSYM", False)
 
 
+def norm8_default() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_NORM8=1`` (thirty-third session; off until GPU-timed): the l2norm factors of the
+    q and k rows (the "l2norm rows" phase, 2.4K of the persistent kernel's 34.2K cycles a tile in the twenty-ninth
+    session's profile) summed by every thread, eight a row with three butterfly shuffles
+    (``gated_delta_rule_common_sm90.make_rows_inv_norm``, the forward's specialized warpgroups' form), instead of a
+    thread a row on 128 of the threads, whose 16-byte reads of one column of 32 rows conflict four ways; and each
+    thread scales the vectors its sums loaded, so the rows are normalized in the same pass (one CTA barrier and one
+    read of the tiles fewer; the same scaling of the same values). Another summation order: the factors, and so
+    every output, may differ in their last bits."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_NORM8", False)
+
+
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
                       profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False, tma=False,
-                      chains=0, relaxed=False, ereg=False, dkk_sym=False):
+                      chains=0, relaxed=False, ereg=False, dkk_sym=False, norm8=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     overlap = overlap and not chains  # (the two-chain kernel has no such variant: one cache entry)
@@ -1692,13 +1712,13 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
         ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ()) + (
         ("tm_in",) if tm_in else ()) + (("persist",) if persist else ()) + (("tma",) if tma else ()) + (
         ("chains",) if chains else ()) + (("dvq",) if chains == 2 else ()) + (("relaxed",) if relaxed else ()) + (
-        ("ereg",) if ereg else ()) + (("dkksym",) if dkk_sym else ())
+        ("ereg",) if ereg else ()) + (("dkksym",) if dkk_sym else ()) + (("norm8",) if norm8 else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
                              async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma), int(chains),
-                             bool(relaxed), bool(ereg), bool(dkk_sym))
+                             bool(relaxed), bool(ereg), bool(dkk_sym), bool(norm8))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
@@ -1739,7 +1759,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
                 sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
                 tm=None, persist: bool | None = None, persist_ctas: int | None = None, tma: bool | None = None,
                 chains: bool | int | None = None, relaxed: bool | None = None, ereg: bool | None = None,
-                dkk_sym: bool | None = None):
+                dkk_sym: bool | None = None, norm8: bool | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -1775,7 +1795,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     the relaxed first cluster arrive (default :func:`relaxed_default`). ``ereg``: E exponentiated once into registers
     (default :func:`ereg_default`; not the two-chain kernel, which ignores it): dq, dk, dv, dg the same bits, dbeta's
     last bits differ. ``dkk_sym``: dKK into an input-dtype tile in dA's terms and dk's two products on it (default
-    :func:`dkk_sym_default`; not the two-chain kernel, which ignores it): dk in another summation order."""
+    :func:`dkk_sym_default`; not the two-chain kernel, which ignores it): dk in another summation order. ``norm8``: the
+    l2norm factors of q's and k's rows by eight threads a row (default :func:`norm8_default`; with ``l2norm`` only):
+    another summation order, so every output may differ in its last bits."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -1851,8 +1873,12 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     if dkk_sym is None:
         dkk_sym = dkk_sym_default()
     dkk_sym = bool(dkk_sym) and not chains  # (the two-chain kernel forms the sum after its own hand-over)
+    if norm8 is None:
+        norm8 = norm8_default()
+    norm8 = bool(norm8) and bool(l2norm)  # (without the l2norm nothing is normalized: one cache entry)
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
-                           vn is not None, tm is not None, persist, bool(tma), int(chains), relaxed, ereg, dkk_sym)
+                           vn is not None, tm is not None, persist, bool(tma), int(chains), relaxed, ereg, dkk_sym,
+                           norm8)
     prof = fwd._dummies(dev)[2] if profile is None else profile
     pw = 2 if pair else 1
     if persist_ctas is not None and (not persist or persist_ctas < 1):

@@ -77,7 +77,7 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None,
                   WGS: int = 1, PREFETCH: bool = False, PROFILE: bool = False, EARLY_QK: bool = False,
                   TMA: bool = False, VH: int = 1, DHTMA: bool = False, DVNTMA: bool = False, NSEG: int = 1,
-                  PREP_CAP: int = 0):
+                  PREP_CAP: int = 0, NORM8: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -96,6 +96,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     NBUF = 2 if PREFETCH else 1
     gemm = cm.make_gemm()
     row_inv_norm = cm.make_row_inv_norm(dtype, K, fwd.L2NORM_EPS)
+    rows_inv_norm = cm.make_rows_inv_norm(dtype, K, fwd.L2NORM_EPS, THREADS)  # NORM8: eight threads a row
     start_state, store_state = cm.make_state_io()
     odt = cutlass.Float32 if odt is None else odt  # the dtype of dvn and the dH rows
     store_p = cm.make_store_p(dtype, l2norm)
@@ -350,10 +351,14 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         cute.arch.sync_threads()
                     pmark(prof, 0)
                     if cutlass.const_expr(l2norm):
-                        if tidx < C:
-                            sRq[tidx] = row_inv_norm(sQ, tidx)
-                        elif tidx < 2 * C:
-                            sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+                        if cutlass.const_expr(NORM8):  # every thread, eight a row
+                            rows_inv_norm(sQ, sRq, tidx)
+                            rows_inv_norm(sK, sRk, tidx)
+                        else:  # a thread a row
+                            if tidx < C:
+                                sRq[tidx] = row_inv_norm(sQ, tidx)
+                            elif tidx < 2 * C:
+                                sRk[tidx - C] = row_inv_norm(sK, tidx - C)
                         cute.arch.sync_threads()
                     # do_s = do diag(scale e^gc rq): the A operand of the q term of the state update
                     scale_rows(sDo, sDoS, sGc, sRq, scale, tidx)
@@ -595,6 +600,15 @@ def dvn_tma_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_DVNTMA", True)
 
 
+def norm8_default() -> bool:
+    """``CUDNN_TRAIN_GDN_SWEEP_NORM8=1`` (thirty-third session; off until GPU-timed): the fused sweep's l2norm
+    factors of each chunk's q and k rows (in its "l2norm rows, do_s, dH^T to smem" phase, on the chain's critical
+    path) summed by every thread, eight a row with three butterfly shuffles
+    (``gated_delta_rule_common_sm90.make_rows_inv_norm``), instead of a thread a row, whose 16-byte reads of one
+    column of 32 rows conflict four ways. Another summation order: the outputs may differ in their last bits."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_SWEEP_NORM8", False)
+
+
 def sweep_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> int:
     """The fused sweep's CTAs a (sequence, value head, V block), each storing one segment of the sequence's chunks
     after a warm-up from a zero dH that reaches forward until the chunks' decay is below e^-20 (or from the
@@ -609,9 +623,11 @@ def sweep_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> 
 
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
                       prefetch=None, profile=False, early_qk=None, tma=None, vh=1, dh_tma=None, dvn_tma=None,
-                      nseg=1, prep_cap=0):
+                      nseg=1, prep_cap=0, norm8=None):
     """The fused sweep kernel (:func:`reverse_sweep`); with ``prep_cap`` > 0 its variant for the carried split's
-    prepare step (:func:`sweep_carries`: no final state's gradient, ``[K, V]`` states, the element stores)."""
+    prepare step (:func:`sweep_carries`: no final state's gradient, ``[K, V]`` states, the element stores).
+    ``norm8``: the l2norm rows by eight threads a row (default :func:`norm8_default`)."""
+    norm8 = bool(l2norm) and (norm8_default() if norm8 is None else bool(norm8))
     prefetch = prefetch_default() if prefetch is None else bool(prefetch)
     early_qk = prefetch and (early_qk_default(wgs) if early_qk is None else bool(early_qk))
     tma = prefetch and (tma_default() if tma is None else bool(tma))
@@ -628,7 +644,7 @@ def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=
         ("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (("early_qk",) if early_qk else ()) + (
         ("tma",) if tma else ()) + (() if vh == 1 else (("vh", vh),)) + (("dh_tma",) if dh_tma else ()) + (
         ("dvn_tma",) if dvn_tma else ()) + ((("nseg", nseg),) if nseg > 1 else ()) + (
-        (("prep", prep_cap),) if prep_cap else ())
+        (("prep", prep_cap),) if prep_cap else ()) + (("norm8",) if norm8 else ())
     if nseg not in cm.SEGMENTS or (nseg > 1 and not (l2norm and prefetch and not profile)):
         raise ValueError(f"nseg={nseg}: one of {cm.SEGMENTS}; more than 1 only with l2norm and the prefetch, "
                          "not the profile variant")
@@ -637,7 +653,7 @@ def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=
 
     def build():
         return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs,
-                             prefetch, bool(profile), early_qk, tma, vh, dh_tma, dvn_tma, nseg, prep_cap)
+                             prefetch, bool(profile), early_qk, tma, vh, dh_tma, dvn_tma, nseg, prep_cap, norm8)
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
 

@@ -363,14 +363,15 @@ def make_row_inv_norm(dtype, cols: int, eps: float):
     return row_inv_norm
 
 
-def make_rows_inv_norm(dtype, cols: int, eps: float, threads: int = THREADS):
+def make_rows_inv_norm(dtype, cols: int, eps: float, threads: int = THREADS, normalize: bool = False):
     """``rows_inv_norm(sX, sR, t)``: the l2norm factors ``1 / sqrt(sum_c sX[r, c]^2 + eps)`` of all CHUNK rows
     of a ``[CHUNK, cols]`` smem tile into ``sR``, by ``threads`` threads (``t`` = 0 .. threads - 1, whole warps):
     eight threads a row, each summing its 16-byte vectors, then three butterfly shuffles. A warp's load
     reads four whole rows, so every bank once per 128 bytes with the tile's swizzle (where
     :func:`make_row_inv_norm`, a thread a row, reads the same column of 32 rows: a 4-way conflict). Another
-    summation order than that helper's: the factors may differ in their last bit. The caller syncs before
-    reading ``sR``."""
+    summation order than that helper's: the factors may differ in their last bit. ``normalize``: also the rows
+    scaled by their factor in place (``x * r`` rounded to the input dtype), from the vectors the sums loaded (the
+    shuffles leave every thread of a row its total). The caller syncs before reading ``sR`` (or the rows)."""
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
 
@@ -385,16 +386,21 @@ def make_rows_inv_norm(dtype, cols: int, eps: float, threads: int = THREADS):
             r = p * RPP + t // TPR
             c = t % TPR
             ss = Float32(0.0)
+            frags = [cute.make_rmem_tensor((1, 8), dtype) for _ in range(VPT)]
             for j in cutlass.range_constexpr(VPT):
-                frag = cute.make_rmem_tensor((1, 8), dtype)
-                cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, j * TPR + c)), frag)
-                xv = frag.load().to(Float32)
+                cute.autovec_copy(cute.local_tile(sX, (1, 8), (r, j * TPR + c)), frags[j])
+                xv = frags[j].load().to(Float32)
                 ss = ss + (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)
             ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)
             ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=4)
+            rinv = cute.math.rsqrt(ss + eps)
             if c == 0:
-                sR[r] = cute.math.rsqrt(ss + eps)
+                sR[r] = rinv
+            if cutlass.const_expr(normalize):
+                for j in cutlass.range_constexpr(VPT):
+                    frags[j].store((frags[j].load().to(Float32) * rinv).to(dtype))
+                    cute.autovec_copy(frags[j], cute.local_tile(sX, (1, 8), (r, j * TPR + c)))
 
     return rows_inv_norm
 

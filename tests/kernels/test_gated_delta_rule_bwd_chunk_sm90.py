@@ -86,7 +86,9 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(kernel_cache):
     assert callable(B3.get_dchunk_kernel(*VARIANTS[1], dkk_sym=True))
     with pytest.raises(ValueError, match="DKKSYM"):
         B3.get_dchunk_kernel(*VARIANTS[0], **train, chains=True, dkk_sym=True)
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 32
+    # the l2norm rows eight threads a row (CUDNN_TRAIN_GDN_DCHUNK_NORM8): the training path's default call
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, persist=True, ereg=True, norm8=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 33
 
 
 def test_two_chain_switch_is_off_by_default_and_parses(monkeypatch):
@@ -184,6 +186,17 @@ def test_dkk_sym_switch_is_off_by_default_and_parses(monkeypatch):
     monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_DKKSYM", raising=False)
     assert B3.dkk_sym_default() is False
     assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_DKKSYM", B3.dkk_sym_default, "1", True, ("2", "on"))
+
+
+def test_norm8_switch_is_off_by_default_and_parses(monkeypatch):
+    """CUDNN_TRAIN_GDN_DCHUNK_NORM8 is off by default (not yet GPU-timed), 1 turns it on, a typo is a ValueError
+    naming it."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+    from tests.utils import assert_env_override
+
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_NORM8", raising=False)
+    assert B3.norm8_default() is False
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_NORM8", B3.norm8_default, "1", True, ("2", "on"))
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -543,6 +556,22 @@ def test_dkk_sym_chunk_gradients_match_the_round_trip(case):
     on the first form's GPU run, the same figure E in registers gives against the kernel without it)."""
     ereg = case.endswith("ereg")
     _check_switch_case(case, "dkk_sym", "dKK in dA's terms", loose_dbeta=ereg, reordered=("dk",), ereg=ereg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["pair", "pair_T65_fp16", "pair_persistent_ereg", "solve", "wgs4_vn", "wgs1_T65",
+                                  "pair_chains"])
+def test_norm8_chunk_gradients_match_the_thread_a_row_norms(case):
+    """The l2norm factors of q's and k's rows by every thread, eight a row (CUDNN_TRAIN_GDN_DCHUNK_NORM8), against a
+    thread a row: the same sums in another order, so a factor may differ in its last bit and a normalized element's
+    rounding may flip; every output within 1e-4 relative L2 in float32, 1e-3 in half precision, over memory
+    poisoned with NaN (every element written). A row summed wrongly or by too few threads would move its gradients
+    by O(1). The training path's call (pair sum, vn and Tm read, TMA loads) in bf16 at T 300, fp16 at T 65,
+    persistent with E in registers and several tiles a CTA, Tm solved in the kernel, four warpgroups with vn read,
+    one warpgroup at T 65 (16 rows a pass), and the two-chain kernel."""
+    extra = dict(chains=1) if case.endswith("chains") else dict(ereg=case.endswith("ereg"))
+    _check_switch_case(case, "norm8", "the l2norm rows eight threads a row", loose_dbeta=False,
+                       reordered=("dq", "dk", "dv", "dg", "dbeta"), **extra)
 
 
 @pytest.mark.gpu

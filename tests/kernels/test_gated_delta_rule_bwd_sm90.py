@@ -46,15 +46,17 @@ def test_reverse_sweep_kernel_compiles_for_sm90a(kernel_cache):
 @pytest.mark.compile
 def test_reverse_sweep_two_v_halves_compile_for_sm90a(kernel_cache):
     """Both V halves in one CTA, one warpgroup each (CUDNN_TRAIN_GDN_SWEEP_VH2): TMA and cp.async prefetch, K = 64
-    varlen fp16 with [V, K] states and float32 outputs, the profile variant, synchronous loads; not with two
+    varlen fp16 with [V, K] states and float32 outputs, the profile variant, synchronous loads, the l2norm rows eight
+    threads a row (CUDNN_TRAIN_GDN_SWEEP_NORM8); not with two
     warpgroups a half or at V = 64 (a ValueError naming vh)."""
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
 
     k64 = (torch.float16, 64, 128, False, True, False, True)
     for v, kw in ((VARIANTS[2], dict(tma=True)), (VARIANTS[2], dict(tma=False)), (k64, dict(tma=True)),
-                  (VARIANTS[2], dict(tma=True, profile=True)), (VARIANTS[2], dict(prefetch=False))):
+                  (VARIANTS[2], dict(tma=True, profile=True)), (VARIANTS[2], dict(prefetch=False)),
+                  (VARIANTS[2], dict(tma=True, norm8=True))):  # the l2norm rows eight threads a row (NORM8)
         assert callable(B90.get_dstate_kernel(*v, **{"prefetch": True, **kw}, vh=2))
-    assert len(list(kernel_cache.rglob("*.o"))) == 5
+    assert len(list(kernel_cache.rglob("*.o"))) == 6
     for v, wgs in ((VARIANTS[2], 2), (VARIANTS[1], 1)):
         with pytest.raises(ValueError, match="vh"):
             B90.get_dstate_kernel(*v, wgs=wgs, vh=2)
@@ -277,6 +279,15 @@ def test_dh_and_dvn_tma_store_switches_parse(monkeypatch):
         monkeypatch.delenv(name, raising=False)
         assert pick() is default
         assert_env_override(monkeypatch, name, pick, "0" if default else "1", not default, ("2", "off"))
+
+
+def test_sweep_norm8_switch_is_off_by_default_and_parses(monkeypatch):
+    """CUDNN_TRAIN_GDN_SWEEP_NORM8 is off by default (not yet GPU-timed), 1 turns it on, a typo names it."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_SWEEP_NORM8", raising=False)
+    assert B90.norm8_default() is False
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_SWEEP_NORM8", B90.norm8_default, "1", True, ("2", "on"))
 
 
 @pytest.mark.compile
@@ -617,6 +628,40 @@ def _bitwise_case(case, V=None):
         q, k, w, gc, do = (torch.cat([x, torch.full((1, 37, *x.shape[2:]), float("nan"), device=x.device,
                                                     dtype=x.dtype)], 1) for x in (q, k, w, gc, do))
     return q, k, g, beta, w, gc, cu, scale, do, dht, T, lens, rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, vh2, wgs", [("dense", True, None), ("dense", False, 1), ("dense", False, 2),
+                                            ("T65_fp16", True, None), ("varlen_gva_64", False, 1)])
+def test_reverse_sweep_norm8_matches_the_thread_a_row_norms(case, vh2, wgs, monkeypatch):
+    """The fused sweep's l2norm factors by every thread, eight a row (CUDNN_TRAIN_GDN_SWEEP_NORM8), against a thread a
+    row: the same sums in another order, so dvn, dH (input dtype) within 1e-3 relative L2 and dh0 (float32) within
+    1e-4 where the kernel writes them, every element finite, and the switched sweep within 2e-2 of the reference
+    (dense): both V halves a CTA, one warpgroup a half, two splitting N, fp16 at T 65, varlen GVA 4 at K = 64 with
+    empty, one-token and odd sequences. A row summed wrongly would move dvn and dH by O(1)."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    q, k, g, beta, w, gc, cu, scale, do, dht, T, lens, rows = _bitwise_case(case)
+    outs = []
+    for on in ("0", "1"):
+        monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_NORM8", on)
+        outs.append(B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                      out_dtype=q.dtype, wgs=wgs, vh2=vh2, split=False, nseg=1, carry=1))
+    for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
+        if name == "dH" and rows is not None:
+            a, b = a[:rows], b[:rows]
+        if name == "dvn" and lens is not None:
+            a, b = a[:, :T], b[:, :T]
+        assert torch.isfinite(b).all(), f"{case}: {name} is not finite with NORM8"
+        bound = 1e-4 if b.dtype == torch.float32 else 1e-3
+        assert rel_l2(b, a) <= bound, f"{case}: {name} rel L2 {rel_l2(b, a):.1e} with NORM8"
+    if lens is None:
+        dvn, dH, dh0 = outs[1]
+        ref_dvn, ref_dH, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, do.shape[2], True)
+        Bn, HV, NC = ref_dH.shape[:3]
+        ref_dH = ref_dH.permute(0, 2, 1, 3, 4).reshape(Bn * NC, HV, *ref_dH.shape[3:])  # chunk index b * NT + c
+        for name, a, b in (("dvn", dvn, ref_dvn), ("dH", dH, ref_dH), ("dh0", dh0, ref_dh0)):
+            assert rel_l2(a.float(), b) <= 2e-2, (case, name, rel_l2(a.float(), b))
 
 
 def _assert_written_bitwise(outs, T, lens, rows, what):
