@@ -86,6 +86,7 @@
 #                                   # then the rest of the stage-3 tier (GDN_S); timings: s47b with FROM / SHAPES
 #   bash tools/gpu_next.sh s50      # the thirty-third session's: the l2norm rows eight threads a row (stage 3, sweep):
 #                                   # cases with s49's, then B4's op with both switches off / on, --kernels
+#   bash tools/gpu_next.sh s51      # the stage-3 and sweep tiers whole with both NORM8 switches on (GDN_S)
 #   bash tools/gpu_next.sh s49      # the thirty-second session's: the two-chain cases alone, the switch's check too
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
 #                                   # registers, the candidate defaults (GDN_S; TRAIN_S: then the training cases)
@@ -534,6 +535,11 @@ s50)
       --graphed --kernels --gates layer --rounds 1 --skip fla,cutedsl,flashqla,sm90-train > $OUT/bench_norm8_$on.log 2>&1
     echo "bench NORM8=$on rc=$?"; grep -vE "^\s*$" $OUT/bench_norm8_$on.log | tail -n 22 | cut -c1-200
   done ;;
+s51)
+  # the stage-3 and reverse-sweep tiers whole with both NORM8 switches on (the oracle cases under the candidate
+  # default; also the stage-3 tier owed since launch_choice, s48's)
+  CUDNN_TRAIN_GDN_DCHUNK_NORM8=1 CUDNN_TRAIN_GDN_SWEEP_NORM8=1 tier s51 ${GDN_S:-400} \
+    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py ;;
 s49)
   # the thirty-second session's owed cases: the two-chain stage-3 cases with the switch's bitwise check (the
   # persistent default steps aside for the switch too)
