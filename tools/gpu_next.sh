@@ -538,8 +538,8 @@ s50)
 s51)
   # the stage-3 and reverse-sweep tiers whole with both NORM8 switches on (the oracle cases under the candidate
   # default; also the stage-3 tier owed since launch_choice, s48's)
-  CUDNN_TRAIN_GDN_DCHUNK_NORM8=1 CUDNN_TRAIN_GDN_SWEEP_NORM8=1 tier s51 ${GDN_S:-400} \
-    tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py ;;
+  export CUDNN_TRAIN_GDN_DCHUNK_NORM8=1 CUDNN_TRAIN_GDN_SWEEP_NORM8=1
+  tier s51 ${GDN_S:-400} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py ;;
 s49)
   # the thirty-second session's owed cases: the two-chain stage-3 cases with the switch's bitwise check (the
   # persistent default steps aside for the switch too)
