@@ -647,11 +647,7 @@ def test_reverse_sweep_norm8_matches_the_thread_a_row_norms(case, vh2, wgs, monk
         monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_NORM8", on)
         outs.append(B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
                                       out_dtype=q.dtype, wgs=wgs, vh2=vh2, split=False, nseg=1, carry=1))
-    for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
-        if name == "dH" and rows is not None:
-            a, b = a[:rows], b[:rows]
-        if name == "dvn" and lens is not None:
-            a, b = a[:, :T], b[:, :T]
+    for name, a, b in _written(outs, T, lens, rows):
         assert torch.isfinite(b).all(), f"{case}: {name} is not finite with NORM8"
         bound = 1e-4 if b.dtype == torch.float32 else 1e-3
         assert rel_l2(b, a) <= bound, f"{case}: {name} rel L2 {rel_l2(b, a):.1e} with NORM8"
@@ -664,14 +660,20 @@ def test_reverse_sweep_norm8_matches_the_thread_a_row_norms(case, vh2, wgs, monk
             assert rel_l2(a.float(), b) <= 2e-2, (case, name, rel_l2(a.float(), b))
 
 
-def _assert_written_bitwise(outs, T, lens, rows, what):
-    """dvn, dH and dh0 of two sweeps bitwise equal where the kernels write them (not the dH rows past the varlen
-    chunk count, nor dvn's rows past the last sequence), and finite."""
+def _written(outs, T, lens, rows):
+    """``(name, a, b)`` for dvn, dH and dh0 of two sweeps' outputs, cut to where the kernels write them (not the dH
+    rows past the varlen chunk count, nor dvn's rows past the last sequence)."""
     for name, a, b in zip(("dvn", "dH", "dh0"), *outs):
         if name == "dH" and rows is not None:
             a, b = a[:rows], b[:rows]
         if name == "dvn" and lens is not None:
             a, b = a[:, :T], b[:, :T]
+        yield name, a, b
+
+
+def _assert_written_bitwise(outs, T, lens, rows, what):
+    """dvn, dH and dh0 of two sweeps bitwise equal where the kernels write them, and finite."""
+    for name, a, b in _written(outs, T, lens, rows):
         assert torch.isfinite(b).all(), f"{what}: {name} is not finite"
         assert torch.equal(a, b), f"{what}: {name} differs"
 
