@@ -84,8 +84,8 @@
 #                                   # kernel half)
 #   bash tools/gpu_next.sh s48      # the thirty-first session's owed cases: the two-chain stage-3 cases (now per tile),
 #                                   # then the rest of the stage-3 tier (GDN_S); timings: s47b with FROM / SHAPES
-#   bash tools/gpu_next.sh s50      # the thirty-third session's: the l2norm rows eight threads a row (stage 3, sweep):
-#                                   # cases with s49's, then B4's op with both switches off / on, --kernels
+#   bash tools/gpu_next.sh s50      # the thirty-third session's (run then): the l2norm rows eight threads a row
+#                                   # (stage 3, sweep): cases with s49's, then B4's op with both switches off / on
 #   bash tools/gpu_next.sh s51      # the stage-3 and sweep tiers whole with both NORM8 switches on (GDN_S)
 #   bash tools/gpu_next.sh s49      # the thirty-second session's: the two-chain cases alone, the switch's check too
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
@@ -524,8 +524,8 @@ s48)
   tier s48 ${GDN_S:-300} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py ;;
 s50)
   # the thirty-third session's: the l2norm rows eight threads a row in stage 3 and the fused sweep
-  # (CUDNN_TRAIN_GDN_DCHUNK_NORM8, CUDNN_TRAIN_GDN_SWEEP_NORM8, prepared): their cases and the two-chain ones (s49's,
-  # owed), then B4's forward+backward through the op with both switches off / on alternating (ONS), each with
+  # (CUDNN_TRAIN_GDN_DCHUNK_NORM8, CUDNN_TRAIN_GDN_SWEEP_NORM8; GPU-run in that session: 20 passed, no gain, off):
+  # their cases and the two-chain ones (s49's), then B4's forward+backward through the op with both switches off / on alternating (ONS), each with
   # --kernels (graphed, ours only, layer-init gates; BENCH_S each)
   tier s50 ${GDN_S:-240} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py \
     tests/kernels/test_gated_delta_rule_bwd_sm90.py -k "two_chain or norm8"

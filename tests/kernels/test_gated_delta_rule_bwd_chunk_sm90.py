@@ -189,7 +189,7 @@ def test_dkk_sym_switch_is_off_by_default_and_parses(monkeypatch):
 
 
 def test_norm8_switch_is_off_by_default_and_parses(monkeypatch):
-    """CUDNN_TRAIN_GDN_DCHUNK_NORM8 is off by default (not yet GPU-timed), 1 turns it on, a typo is a ValueError
+    """CUDNN_TRAIN_GDN_DCHUNK_NORM8 is off by default (GPU-run: no gain), 1 turns it on, a typo is a ValueError
     naming it."""
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
     from tests.utils import assert_env_override

@@ -282,7 +282,7 @@ def test_dh_and_dvn_tma_store_switches_parse(monkeypatch):
 
 
 def test_sweep_norm8_switch_is_off_by_default_and_parses(monkeypatch):
-    """CUDNN_TRAIN_GDN_SWEEP_NORM8 is off by default (not yet GPU-timed), 1 turns it on, a typo names it."""
+    """CUDNN_TRAIN_GDN_SWEEP_NORM8 is off by default (GPU-run: within noise), 1 turns it on, a typo names it."""
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
 
     monkeypatch.delenv("CUDNN_TRAIN_GDN_SWEEP_NORM8", raising=False)
