@@ -86,6 +86,8 @@
 #                                   # then the rest of the stage-3 tier (GDN_S); timings: s47b with FROM / SHAPES
 #   bash tools/gpu_next.sh s50      # the thirty-third session's (run then): the l2norm rows eight threads a row
 #                                   # (stage 3, sweep): cases with s49's, then B4's op with both switches off / on
+#   bash tools/gpu_next.sh s52      # the thirty-third session's prepared: stage 3 persistent with the next tile's k
+#                                   # issued early (EARLYK): bitwise cases, stage 3 alone and B4's op off / on
 #   bash tools/gpu_next.sh s51      # the stage-3 and sweep tiers whole with both NORM8 switches on (GDN_S)
 #   bash tools/gpu_next.sh s49      # the thirty-second session's: the two-chain cases alone, the switch's check too
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
@@ -534,6 +536,18 @@ s50)
       python3 -m benchmarks.bench_gated_delta_rule --warmup 10 --rep 40 --from-shape ${FROM:-0} --shapes ${SHAPES:-1} \
       --graphed --kernels --gates layer --rounds 1 --skip fla,cutedsl,flashqla,sm90-train > $OUT/bench_norm8_$on.log 2>&1
     echo "bench NORM8=$on rc=$?"; grep -vE "^\s*$" $OUT/bench_norm8_$on.log | tail -n 22 | cut -c1-200
+  done ;;
+s52)
+  # the thirty-third session's prepared: stage 3 persistent issuing the next tile's k early
+  # (CUDNN_TRAIN_GDN_DCHUNK_EARLYK): its bitwise cases (GDN_S), stage 3 alone off / on alternating
+  # (time_gdn_dchunk.py --early-k, TIME_S), then B4's op off / on (ONS, BENCH_S each, --kernels)
+  tier s52 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_bwd_chunk_sm90.py -k early_k
+  timed early_k ${TIME_S:-120} python3 tools/time_gdn_dchunk.py --early-k --shapes ${SHAPES:-1}
+  for on in ${ONS:-0 1 0 1}; do
+    CUDNN_TRAIN_GDN_DCHUNK_EARLYK=$on timeout -k 10 ${BENCH_S:-120} python3 -m benchmarks.bench_gated_delta_rule \
+      --warmup 10 --rep 40 --shapes 1 --graphed --kernels --gates layer --rounds 1 \
+      --skip fla,cutedsl,flashqla,sm90-train > $OUT/bench_earlyk_$on.log 2>&1
+    echo "bench EARLYK=$on rc=$?"; grep -E "round 1|fwd\+bwd kernels" $OUT/bench_earlyk_$on.log | cut -c1-400
   done ;;
 s51)
   # the stage-3 and reverse-sweep tiers whole with both NORM8 switches on (the oracle cases under the candidate

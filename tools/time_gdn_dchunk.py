@@ -4,7 +4,7 @@ two and four), and the opt-in GVA pair sum in the kernel (a cluster of two CTAs 
 the default call plus the training path's sum pass, on the same inputs.
 
     python3 tools/time_gdn_dchunk.py [--shapes N] [--pair-only] [--profile] [--loads] [--vn] [--persist] [--k64]
-                                     [--tma] [--chains] [--relaxed] [--ereg] [--dkksym]
+                                     [--tma] [--chains] [--relaxed] [--ereg] [--dkksym] [--norm8] [--early-k]
 
 ``--profile``: only the default kernel's profile variant, once per shape (its outputs checked bitwise
 against the plain kernel's): the mean clock64 cycles a CTA spends in each phase
@@ -22,7 +22,10 @@ relaxed first cluster arrive (``relaxed=True``) against the release form, bitwis
 alternating. ``--ereg``: the same with E exponentiated once into registers (``ereg=True``) against the
 default, per tile and persistent. ``--dkksym``: the same with dKK in an input-dtype tile from dA's terms and
 dk's two products on it (``dkk_sym=True``; dk not bitwise: the relative L2 of every output is printed), per tile,
-persistent, and persistent with E in registers. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
+persistent, and persistent with E in registers. ``--norm8``: the persistent training call with the l2norm rows eight
+threads a row (``norm8=True``) against a thread a row (outputs compared: another summation order), twice each,
+alternating. ``--early-k``: the persistent training call with the next tile's k issued early (``early_k=True``),
+bitwise check, twice each, alternating. ``--chains``: only the training path's call per tile against the two-chain kernel (``chains=1``:
 a warpgroup for the q side and dk, one for the w side) and its variant with dv on the q side (``chains=2``):
 outputs compared (relative L2, since their row sums run in another order), the three timings, alternating, then
 both profiles (each side's phases).
@@ -86,6 +89,12 @@ def main():
                     help="only the training path's call with dKK in dA's terms and dk's two products against the "
                          "sT round trip: outputs compared, timed twice each, alternating, per tile, persistent, "
                          "persistent with E in registers")
+    ap.add_argument("--norm8", action="store_true",
+                    help="only the persistent training call with the l2norm rows eight threads a row against a thread "
+                         "a row: outputs compared, timed twice each, alternating")
+    ap.add_argument("--early-k", action="store_true",
+                    help="only the persistent training call with the next tile's k issued early against the default: "
+                         "bitwise check, timed twice each, alternating")
     ap.add_argument("--ereg", action="store_true",
                     help="only the training path's call with E in registers against the default: bitwise check, "
                          "timed twice each, alternating, per tile and persistent")
@@ -127,6 +136,15 @@ def main():
             switch_rows(x, B, T, H, HV, scale, "dkk_sym", ("sT round trip", "dKK, two products"),
                         "dKK's two products bitwise the round trip (dk expected not: another summation order)",
                         ((False, False), (True, False), (True, True)))
+            continue
+        if args.norm8:
+            switch_rows(x, B, T, H, HV, scale, "norm8", ("a thread a row", "eight a row"),
+                        "eight threads a row bitwise a thread a row (expected not: another summation order)",
+                        ((True, None),))
+            continue
+        if args.early_k:
+            switch_rows(x, B, T, H, HV, scale, "early_k", ("k issued late", "k issued early"),
+                        "the early k bitwise the late", ((True, None),))
             continue
         if args.ereg:
             switch_rows(x, B, T, H, HV, scale, "ereg", ("default", "E in registers"), "E in registers bitwise the default",

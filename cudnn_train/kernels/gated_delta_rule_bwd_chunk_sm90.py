@@ -143,7 +143,7 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
                   dqk_dtype=None, PAIR: bool = False, PROFILE: bool = False, ASYNC: bool = False,
                   VNIN: bool = False, TMIN: bool = False, PERSIST: bool = False, TMA: bool = False,
                   CHAINS: int = 0, RELAXED: bool = False, EREG: bool = False, DKKSYM: bool = False,
-                  NORM8: bool = False):
+                  NORM8: bool = False, EARLYK: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -206,6 +206,9 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
     if DKKSYM and CHAINS:
         raise ValueError("DKKSYM (dKK in dA's terms, dk's two products on it) serves the per-tile and persistent "
                          "kernels")
+    if EARLYK and not PERSIST:
+        raise ValueError("EARLYK (the next tile's k issued once dk's products and l2norm are done) serves the "
+                         "persistent kernel")
     if CHAINS and not (TMA and not PERSIST and WGS == 2 and K == 128 and V == 128):
         raise ValueError("the two-chain stage 3 serves the training path's call per tile with the TMA loads, "
                          "two warpgroups, K = V = 128")
@@ -1140,13 +1143,17 @@ def _build_dchunk(dtype, K: int, V: int, varlen: bool, l2norm: bool, WGS: int, O
             mma_done()
             if cutlass.const_expr(l2norm):
                 l2norm_bwd(accDk, cCK, sK, sRk, sRow, tmp, grp_ck, tidx)
+            if cutlass.const_expr(EARLYK):  # every thread is done with k (dk's products and l2norm): the next tile's,
+                cute.arch.sync_threads()  # in flight during dk's store (the pair exchange), the pair sums, dg, dbeta
+                next_part(2, ins, smem_in, ta, tma_tiles, tbar, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu,
+                          mCuC, T, NT, nseq, tidx)
             store_dqk(accDk, cCK, mDk, sXch, mbar, b, t0, h, hv, rank, length, 1, tidx)
 
             pmark(prof, 9)
             # ---- dgc: pair sums, - kdt, the tail on the last row; dg = reverse cumsum ; dbeta
             pair_sums_dgc(sA, sKdt, sDgc, tidx)
             cute.arch.sync_threads()
-            if cutlass.const_expr(PERSIST):  # every thread is done with k: the next tile's
+            if cutlass.const_expr(PERSIST and not EARLYK):  # every thread is done with k: the next tile's
                 next_part(2, ins, smem_in, ta, tma_tiles, tbar, bx + (it + 1) * nctas, nunits, by, ngrid, group, mCu,
                           mCuC, T, NT, nseq, tidx)
             dg_scan_store(sDgc, sKdt, sRed, sDb, glast, mDg, mDb, b, t0, hv, length, tidx)
@@ -1700,9 +1707,21 @@ def norm8_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_NORM8", False)
 
 
+def early_k_default() -> bool:
+    """``CUDNN_TRAIN_GDN_DCHUNK_EARLYK=1`` (thirty-third session; prepared, off until GPU-timed): the persistent
+    kernel issues the next tile's k (its last input part, 16 KB) right after this tile's last reads of k (the dk
+    products and the l2norm backward, then a CTA barrier), instead of after dk's store, the pair sums and a barrier:
+    the load is then in flight during dk's store (with the pair sum, the exchange with the peer), the pair sums and dg,
+    dbeta, where it had only dg's scan and stores before the next tile's top waits for it. That wait is the
+    persistent kernel's "loads landed" phase, 2.7K of its 34.2K cycles a tile (twenty-ninth session's profile); the
+    thirty-third session found the tile's top phases waiting rather than computing (a shorter l2norm phase gained
+    nothing). One CTA barrier more a tile; the same operations on the same values, so the same bits."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_DCHUNK_EARLYK", False)
+
+
 def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_dtype=torch.float32, pair=False,
                       profile=False, async_loads=None, vn_in=False, tm_in=False, persist=False, tma=False,
-                      chains=0, relaxed=False, ereg=False, dkk_sym=False, norm8=False):
+                      chains=0, relaxed=False, ereg=False, dkk_sym=False, norm8=False, early_k=False):
     wgs = warpgroups(K) if wgs is None else wgs
     overlap = overlap_default(K, wgs) if overlap is None else bool(overlap)
     overlap = overlap and not chains  # (the two-chain kernel has no such variant: one cache entry)
@@ -1714,13 +1733,14 @@ def get_dchunk_kernel(dtype, K, V, varlen, l2norm, wgs=None, overlap=None, dqk_d
         ("profile",) if profile else ()) + (("async",) if async_loads else ()) + (("vn_in",) if vn_in else ()) + (
         ("tm_in",) if tm_in else ()) + (("persist",) if persist else ()) + (("tma",) if tma else ()) + (
         ("chains",) if chains else ()) + (("dvq",) if chains == 2 else ()) + (("relaxed",) if relaxed else ()) + (
-        ("ereg",) if ereg else ()) + (("dkksym",) if dkk_sym else ()) + (("norm8",) if norm8 else ())
+        ("ereg",) if ereg else ()) + (("dkksym",) if dkk_sym else ()) + (("norm8",) if norm8 else ()) + (
+        ("early_k",) if early_k else ())
 
     def build():
         return _build_dchunk(fwd._dt(dtype), K, V, varlen, l2norm, wgs, overlap,
                              None if dqk_dtype == torch.float32 else fwd._dt(dqk_dtype), bool(pair), bool(profile),
                              async_loads, bool(vn_in), bool(tm_in), bool(persist), bool(tma), int(chains),
-                             bool(relaxed), bool(ereg), bool(dkk_sym), bool(norm8))
+                             bool(relaxed), bool(ereg), bool(dkk_sym), bool(norm8), bool(early_k))
 
     return kc.get_kernel("gdn_bwd_dchunk", key, build, _SOURCES)
 
@@ -1761,7 +1781,7 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
                 sum_groups: bool = False, profile=None, async_loads: bool | None = None, vn=None,
                 tm=None, persist: bool | None = None, persist_ctas: int | None = None, tma: bool | None = None,
                 chains: bool | int | None = None, relaxed: bool | None = None, ereg: bool | None = None,
-                dkk_sym: bool | None = None, norm8: bool | None = None):
+                dkk_sym: bool | None = None, norm8: bool | None = None, early_k: bool | None = None):
     """Launch stage 3. q, k ``[B, T, H, K]`` (as the op got them; value head hv reads head
     ``hv // (HV // H)``; with ``l2norm`` the kernel normalizes their rows and applies the
     l2norm's backward to dq, dk), v, do and dvn ``[B, T, HV, V]`` (input dtype), gc and beta
@@ -1799,7 +1819,9 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     last bits differ. ``dkk_sym``: dKK into an input-dtype tile in dA's terms and dk's two products on it (default
     :func:`dkk_sym_default`; not the two-chain kernel, which ignores it): dk in another summation order. ``norm8``: the
     l2norm factors of q's and k's rows by eight threads a row (default :func:`norm8_default`; with ``l2norm`` only):
-    another summation order, so every output may differ in its last bits."""
+    another summation order, so every output may differ in its last bits. ``early_k``: the persistent kernel issues
+    the next tile's k once this tile's dk products and l2norm are done, before dk's store (default
+    :func:`early_k_default`; ignored per tile): the same bits."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, dvn, hs, dH)):
@@ -1878,9 +1900,12 @@ def chunk_grads(q, k, v, gc, beta, do, dvn, hs, dH, *, scale: float, cu_seqlens=
     if norm8 is None:
         norm8 = norm8_default()
     norm8 = bool(norm8) and bool(l2norm)  # (without the l2norm nothing is normalized: one cache entry)
+    if early_k is None:
+        early_k = early_k_default()
+    early_k = bool(early_k) and persist  # (per tile there is no next tile)
     fn = get_dchunk_kernel(dt, K, V, varlen, l2norm, wgs, overlap, dqk_dtype, pair, profile is not None, async_loads,
                            vn is not None, tm is not None, persist, bool(tma), int(chains), relaxed, ereg, dkk_sym,
-                           norm8)
+                           norm8, early_k)
     prof = fwd._dummies(dev)[2] if profile is None else profile
     pw = 2 if pair else 1
     if persist_ctas is not None and (not persist or persist_ctas < 1):

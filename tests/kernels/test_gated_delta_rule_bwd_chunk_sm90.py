@@ -88,7 +88,11 @@ def test_chunk_gradient_kernel_compiles_for_sm90a(kernel_cache):
         B3.get_dchunk_kernel(*VARIANTS[0], **train, chains=True, dkk_sym=True)
     # the l2norm rows eight threads a row (CUDNN_TRAIN_GDN_DCHUNK_NORM8): the training path's default call
     assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, persist=True, ereg=True, norm8=True))
-    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 33
+    # the next tile's k issued early (CUDNN_TRAIN_GDN_DCHUNK_EARLYK): persistent only
+    assert callable(B3.get_dchunk_kernel(*VARIANTS[0], **train, persist=True, ereg=True, early_k=True))
+    with pytest.raises(ValueError, match="EARLYK"):
+        B3.get_dchunk_kernel(*VARIANTS[0], **train, early_k=True)
+    assert len(list(kernel_cache.rglob("*.o"))) == len(VARIANTS) + 34
 
 
 def test_two_chain_switch_is_off_by_default_and_parses(monkeypatch):
@@ -197,6 +201,17 @@ def test_norm8_switch_is_off_by_default_and_parses(monkeypatch):
     monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_NORM8", raising=False)
     assert B3.norm8_default() is False
     assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_NORM8", B3.norm8_default, "1", True, ("2", "on"))
+
+
+def test_early_k_switch_is_off_by_default_and_parses(monkeypatch):
+    """CUDNN_TRAIN_GDN_DCHUNK_EARLYK is off by default (not yet GPU-timed), 1 turns it on, a typo is a ValueError
+    naming it."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+    from tests.utils import assert_env_override
+
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_DCHUNK_EARLYK", raising=False)
+    assert B3.early_k_default() is False
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_DCHUNK_EARLYK", B3.early_k_default, "1", True, ("2", "on"))
 
 
 def test_chunk_gradient_kernel_declines_without_gpu_before_touching_memory():
@@ -572,6 +587,20 @@ def test_norm8_chunk_gradients_match_the_thread_a_row_norms(case):
     extra = dict(chains=1) if case.endswith("chains") else dict(ereg=case.endswith("ereg"))
     _check_switch_case(case, "norm8", "the l2norm rows eight threads a row", loose_dbeta=False,
                        reordered=("dq", "dk", "dv", "dg", "dbeta"), **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["pair_persistent", "pair_persistent_ereg", "pair_T65_persistent_fp16",
+                                  "varlen_64_persistent"])
+def test_early_k_is_bitwise_the_late_issue(case):
+    """The persistent kernel issuing the next tile's k right after this tile's dk products and l2norm
+    (CUDNN_TRAIN_GDN_DCHUNK_EARLYK) gives every output bit for bit as issuing it after the pair sums, over memory
+    poisoned with NaN, with three CTAs walking several tiles each (so a k overwritten while still read would change
+    dk, dg or the next tile's everything): the training path's call (pair sum, vn and Tm read, TMA loads) in bf16 at
+    T 300, with E in registers, fp16 at T 65 (partial last chunks), and K = 64 varlen without the l2norm (its k last
+    read by the dk products) with empty and one-token sequences."""
+    _check_switch_case(case, "early_k", "the next tile's k issued early", loose_dbeta=False,
+                       ereg=case.endswith("ereg"))
 
 
 @pytest.mark.gpu
