@@ -87,7 +87,8 @@
 #   bash tools/gpu_next.sh s50      # the thirty-third session's (run then): the l2norm rows eight threads a row
 #                                   # (stage 3, sweep): cases with s49's, then B4's op with both switches off / on
 #   bash tools/gpu_next.sh s52      # the thirty-third session's prepared: stage 3 persistent with the next tile's k
-#                                   # issued early (EARLYK): bitwise cases, stage 3 alone and B4's op off / on
+#                                   # issued early (EARLYK): bitwise cases, stage 3 alone and B4's op off / on;
+#                                   # PROF=1: then the persistent profiles with NORM8 off / on
 #   bash tools/gpu_next.sh s51      # the stage-3 and sweep tiers whole with both NORM8 switches on (GDN_S)
 #   bash tools/gpu_next.sh s49      # the thirty-second session's: the two-chain cases alone, the switch's check too
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
@@ -548,7 +549,12 @@ s52)
       --warmup 10 --rep 40 --shapes 1 --graphed --kernels --gates layer --rounds 1 \
       --skip fla,cutedsl,flashqla,sm90-train > $OUT/bench_earlyk_$on.log 2>&1
     echo "bench EARLYK=$on rc=$?"; grep -E "round 1|fwd\+bwd kernels" $OUT/bench_earlyk_$on.log | cut -c1-400
-  done ;;
+  done
+  if [ "${PROF:-0}" = 1 ]; then  # the persistent kernel's phases with NORM8 off / on (where did its 0.8K go)
+    for on in 0 1; do
+      CUDNN_TRAIN_GDN_DCHUNK_NORM8=$on timed persist_norm8_$on ${TIME_S:-120} python3 tools/time_gdn_dchunk.py --persist --shapes 1
+    done
+  fi ;;
 s51)
   # the stage-3 and reverse-sweep tiers whole with both NORM8 switches on (the oracle cases under the candidate
   # default; also the stage-3 tier owed since launch_choice, s48's)
