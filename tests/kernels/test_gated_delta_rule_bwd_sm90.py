@@ -445,11 +445,16 @@ def _check_dense(T, dtype, wgs):
     q, k, g, beta, w, gc, _, scale = _case(Bn, T, H, HV, K, V, dtype, l2norm=True)
     do = torch.randn(Bn, T, HV, V, device="cuda", dtype=dtype)
     dht = torch.randn(Bn, HV, K, V, device="cuda")
-    dvn, dH, dh0 = B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, wgs=wgs)
-    ref_dvn, ref_dH, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
-    NC = ref_dH.shape[2]
-    ref_dH = ref_dH.permute(0, 2, 1, 3, 4).reshape(Bn * NC, HV, K, V)  # chunk index b * NT + c
-    for name, a, b in (("dvn", dvn, ref_dvn), ("dH", dH, ref_dH), ("dh0", dh0, ref_dh0)):
+    outs = B90.reverse_sweep(q, k, w, gc, do, dht, scale=scale, use_qk_l2norm_in_kernel=True, wgs=wgs)
+    _assert_dense_matches_reference(outs, q, k, g, beta, do, dht, scale)
+
+
+def _assert_dense_matches_reference(outs, q, k, g, beta, do, dht, scale):
+    """A dense l2norm sweep's (dvn, dH, dh0) finite and within 2e-2 relative L2 of :func:`_reference`."""
+    ref_dvn, ref_dH, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, do.shape[2], True)
+    Bn, HV, NC = ref_dH.shape[:3]
+    ref_dH = ref_dH.permute(0, 2, 1, 3, 4).reshape(Bn * NC, HV, *ref_dH.shape[3:])  # chunk index b * NT + c
+    for name, a, b in zip(("dvn", "dH", "dh0"), outs, (ref_dvn, ref_dH, ref_dh0)):
         assert torch.isfinite(a).all(), name
         assert rel_l2(a, b) <= 2e-2, (name, rel_l2(a, b))
 
@@ -652,12 +657,7 @@ def test_reverse_sweep_norm8_matches_the_thread_a_row_norms(case, vh2, wgs, monk
         bound = 1e-4 if b.dtype == torch.float32 else 1e-3
         assert rel_l2(b, a) <= bound, f"{case}: {name} rel L2 {rel_l2(b, a):.1e} with NORM8"
     if lens is None:
-        dvn, dH, dh0 = outs[1]
-        ref_dvn, ref_dH, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, do.shape[2], True)
-        Bn, HV, NC = ref_dH.shape[:3]
-        ref_dH = ref_dH.permute(0, 2, 1, 3, 4).reshape(Bn * NC, HV, *ref_dH.shape[3:])  # chunk index b * NT + c
-        for name, a, b in (("dvn", dvn, ref_dvn), ("dH", dH, ref_dH), ("dh0", dh0, ref_dh0)):
-            assert rel_l2(a.float(), b) <= 2e-2, (case, name, rel_l2(a.float(), b))
+        _assert_dense_matches_reference(outs[1], q, k, g, beta, do, dht, scale)
 
 
 def _written(outs, T, lens, rows):
