@@ -89,6 +89,8 @@
 #   bash tools/gpu_next.sh s52      # the thirty-third session's prepared: stage 3 persistent with the next tile's k
 #                                   # issued early (EARLYK): bitwise cases, stage 3 alone and B4's op off / on;
 #                                   # PROF=1: then the persistent profiles with NORM8 off / on
+#   bash tools/gpu_next.sh s53      # the default inference and training forwards' state pass: timed and per-phase
+#                                   # profiled at B4 (time_gdn_fwd.py --profile-defaults; TIME_S, ONLY shape index)
 #   bash tools/gpu_next.sh s51      # the stage-3 and sweep tiers whole with both NORM8 switches on (GDN_S)
 #   bash tools/gpu_next.sh s49      # the thirty-second session's: the two-chain cases alone, the switch's check too
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
@@ -555,6 +557,9 @@ s52)
       CUDNN_TRAIN_GDN_DCHUNK_NORM8=$on timed persist_norm8_$on ${TIME_S:-120} python3 tools/time_gdn_dchunk.py --persist --shapes 1
     done
   fi ;;
+s53)
+  # the thirty-fourth session: where the default forwards' state pass spends a chunk (both warpgroups' phases)
+  timed fwd_prof ${TIME_S:-150} python3 tools/time_gdn_fwd.py --profile-defaults --only ${ONLY:-0} ;;
 s51)
   # the stage-3 and reverse-sweep tiers whole with both NORM8 switches on (the oracle cases under the candidate
   # default; also the stage-3 tier owed since launch_choice, s48's)

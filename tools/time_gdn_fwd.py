@@ -5,7 +5,13 @@ also the wy and state kernels on two warpgroups (the wy kernel's default at K = 
 kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
-                                   --onfly | --chain-stores | --out-otma | --chain-seg | --tstore]
+                                   --onfly | --chain-stores | --out-otma | --chain-seg | --tstore |
+                                   --profile-defaults]
+
+``--profile-defaults``: the inference forward and the training forward (chunk states, vn and Tm kept) as the op
+calls them, each timed, then run once more with their specialized-warpgroup state pass swapped for its profile
+variant (``gated_delta_rule_fwd_ws_sm90.PROFILE_INTO``; o must come out bitwise): the mean cycles a CTA and chunk
+each warpgroup spends in each phase (``WS_PHASES``), for the configuration the defaults take at that shape.
 
 ``--tstore``: only the training forward (chunk states, vn and Tm kept) on the split pass (TSTORE=0), on the
 specialized warpgroups with the gathered stores at 64 columns, and with the stores by TMA from transposed tiles
@@ -92,6 +98,8 @@ def main():
     ap.add_argument("--tstore", action="store_true",
                     help="only the training forward: the split pass, the specialized warpgroups with the gathered "
                          "stores and with the transposed tiles' TMA stores (64 and 128 columns): bitwise, then timed")
+    ap.add_argument("--profile-defaults", action="store_true",
+                    help="the default inference and training forwards' state pass, timed and profiled")
     ap.add_argument("--only", type=int, default=None, help="only the shape of this index (0: B4 T4096, 1: B1 T16384)")
     args = ap.parse_args()
     shapes = SHAPES[: args.shapes] if args.only is None else [SHAPES[args.only]]
@@ -124,6 +132,9 @@ def main():
 
         if args.tstore:
             tstore_rows(q, k, v, g, beta, B, T, H, HV)
+            continue
+        if args.profile_defaults:
+            profile_defaults(q, k, v, g, beta, B, T, H, HV, NT)
             continue
 
         if args.wy_only:  # the scan preparation against the serial one, its tile loads, the two-pass A; then times
@@ -584,6 +595,35 @@ def tstore_rows(q, k, v, g, beta, B, T, H, HV):
     for _ in range(2):
         for name in names:
             print(f"  {name:34s} {bench(lambda: run(name), 10, 40):.3f} ms")
+
+
+def profile_defaults(q, k, v, g, beta, B, T, H, HV, NT):
+    """The default inference and training forwards: timed, then once with the state pass's profile variant."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    calls = {"inference": dict(use_qk_l2norm_in_kernel=True),
+             "training": dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)}
+    print(f"\nB{B} T{T} H{H} HV{HV}, the forwards as the op calls them:")
+    for name, kw in calls.items():
+        run = lambda kw=kw: F90.forward(q, k, v, g, beta, **kw).value  # noqa: E731
+        o_ref = run()[0]
+        print(f"  {name:10s} {bench(run, 10, 40):.3f} ms")
+        WS.PROFILE_INTO = []
+        try:
+            o = run()[0]
+            torch.cuda.synchronize()
+            bufs = WS.PROFILE_INTO
+        finally:
+            WS.PROFILE_INTO = None
+        if not bufs:
+            print(f"  {name}: the specialized warpgroups did not serve this call (no profile)")
+            continue
+        print(f"  {name}: the profile variant's o equals the plain kernel's: {torch.equal(o, o_ref)}")
+        nph = len(WS.WS_PHASES[0])
+        per_wg = bufs[0].view(-1, 2, nph + 1)
+        for wg in range(2):
+            _report(f"{name}, warpgroup {wg}", per_wg[:, wg].contiguous().view(-1), WS.WS_PHASES[wg],
+                    per_wg.shape[0], per=NT)
 
 
 def profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):

@@ -796,6 +796,21 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 
 
+# tools/time_gdn_fwd.py --profile-defaults only: while this is a list, state_pass and state_pass_onfly run the profile
+# variant of the kernel they would launch and append its buffer (int64, the WS_PHASES sums of every CTA: a row of
+# 2 x (phases + 1) a CTA, warpgroup 0 then 1) to the list
+PROFILE_INTO = None
+
+
+def _profile_buffer(ctas: int):
+    """A zeroed profile buffer for ``ctas`` CTAs, appended to :data:`PROFILE_INTO`, or None when not profiling."""
+    if PROFILE_INTO is None:
+        return None
+    buf = torch.zeros(ctas * 2 * (len(WS_PHASES[0]) + 1), dtype=torch.int64, device="cuda")
+    PROFILE_INTO.append(buf)
+    return buf
+
+
 def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq, hs=None,
                vn=None, vb=None, nseg=1):
     """Fill ``o`` (and ``ht`` when given) from the wy kernel's w, u, gc: the fused state kernel's job.
@@ -806,12 +821,14 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, stat
     B, T, HV, V = u.shape
     K = q.shape[-1]
     vb = v_block(V, nseq * nseg, HV, q.device, hs is not None, hs is not None and TSTORE) if vb is None else vb
+    prof = _profile_buffer(nseq * HV * (V // vb) * nseg)
     fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, hs is not None,
-                    vn is not None, vb=vb, nseg=nseg)
+                    vn is not None, vb=vb, nseg=nseg, profile=prof is not None)
     f32_dummy, _, i64_dummy = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)
     fn(q, k, w, u, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
-       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq, i64_dummy, gc)
+       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq,
+       i64_dummy if prof is None else prof, gc)
 
 
 def state_pass_onfly(q, k, v, a0, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq,
@@ -822,9 +839,10 @@ def state_pass_onfly(q, k, v, a0, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, sc
     B, T, HV, V = v.shape
     K = q.shape[-1]
     vb = v_block(V, nseq * nseg, HV, q.device) if vb is None else vb
+    prof = _profile_buffer(nseq * HV * (V // vb) * nseg)
     fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, onfly=True, vb=vb,
-                    nseg=nseg)
+                    nseg=nseg, profile=prof is not None)
     f32_dummy, _, i64_dummy = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)
     fn(q, k, a0, v, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks, d4, d4, float(scale),
-       T, NT, group, nseq, i64_dummy, beta_eff)
+       T, NT, group, nseq, i64_dummy if prof is None else prof, beta_eff)
