@@ -91,6 +91,9 @@
 #                                   # PROF=1: then the persistent profiles with NORM8 off / on
 #   bash tools/gpu_next.sh s53      # the default inference and training forwards' state pass: timed and per-phase
 #                                   # profiled at B4 (time_gdn_fwd.py --profile-defaults; TIME_S, ONLY shape index)
+#   bash tools/gpu_next.sh s54      # the forward's transposed tiles for inference and u^T by ldmatrix (prepared): the
+#                                   # bitwise cases (GDN_S), time_gdn_fwd.py --tlayout (TIME_S, SHAPES), then the
+#                                   # profiles with both on (PROF=1)
 #   bash tools/gpu_next.sh s51      # the stage-3 and sweep tiers whole with both NORM8 switches on (GDN_S)
 #   bash tools/gpu_next.sh s49      # the thirty-second session's: the two-chain cases alone, the switch's check too
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
@@ -560,6 +563,14 @@ s52)
 s53)
   # the thirty-fourth session: where the default forwards' state pass spends a chunk (both warpgroups' phases)
   timed fwd_prof ${TIME_S:-150} python3 tools/time_gdn_fwd.py --profile-defaults --only ${ONLY:-0} ;;
+s54)
+  # the thirty-fourth session's prepared: CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT and _ULDM
+  tier s54 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py -k transposed_tiles_and_ldmatrix_are_bitwise
+  timed tlayout ${TIME_S:-150} python3 tools/time_gdn_fwd.py --tlayout --shapes ${SHAPES:-1}
+  if [ "${PROF:-0}" = 1 ]; then
+    CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT=1 CUDNN_TRAIN_GDN_FWD_WS_ULDM=1 timed fwd_prof_tl ${TIME_S:-150} \
+      python3 tools/time_gdn_fwd.py --profile-defaults --only 0
+  fi ;;
 s51)
   # the stage-3 and reverse-sweep tiers whole with both NORM8 switches on (the oracle cases under the candidate
   # default; also the stage-3 tier owed since launch_choice, s48's)

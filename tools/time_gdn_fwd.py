@@ -6,7 +6,12 @@ kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
                                    --onfly | --chain-stores | --out-otma | --chain-seg | --tstore |
-                                   --profile-defaults]
+                                   --profile-defaults | --tlayout]
+
+``--tlayout``: the inference forward with its specialized warpgroups on the transposed S / vn tiles
+(``CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT``), with the chain's u^T by ldmatrix (``_ULDM``) and with both, and the training
+forward with ULDM, each against both off: o (and the training forward's chunk states, vn) bitwise first, then
+timed in two alternating rounds.
 
 ``--profile-defaults``: the inference forward and the training forward (chunk states, vn and Tm kept) as the op
 calls them, each timed, then run once more with their specialized-warpgroup state pass swapped for its profile
@@ -98,6 +103,8 @@ def main():
     ap.add_argument("--tstore", action="store_true",
                     help="only the training forward: the split pass, the specialized warpgroups with the gathered "
                          "stores and with the transposed tiles' TMA stores (64 and 128 columns): bitwise, then timed")
+    ap.add_argument("--tlayout", action="store_true",
+                    help="the inference forward with TLAYOUT / ULDM, the training forward with ULDM, alternating")
     ap.add_argument("--profile-defaults", action="store_true",
                     help="the default inference and training forwards' state pass, timed and profiled")
     ap.add_argument("--only", type=int, default=None, help="only the shape of this index (0: B4 T4096, 1: B1 T16384)")
@@ -132,6 +139,9 @@ def main():
 
         if args.tstore:
             tstore_rows(q, k, v, g, beta, B, T, H, HV)
+            continue
+        if args.tlayout:
+            tlayout_rows(q, k, v, g, beta, B, T, H, HV)
             continue
         if args.profile_defaults:
             profile_defaults(q, k, v, g, beta, B, T, H, HV, NT)
@@ -595,6 +605,40 @@ def tstore_rows(q, k, v, g, beta, B, T, H, HV):
     for _ in range(2):
         for name in names:
             print(f"  {name:34s} {bench(lambda: run(name), 10, 40):.3f} ms")
+
+
+def tlayout_rows(q, k, v, g, beta, B, T, H, HV):
+    """The forwards as the op calls them with TLAYOUT / ULDM off and on: outputs bitwise, then two timed rounds."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    infer = dict(use_qk_l2norm_in_kernel=True)
+    train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)
+    rows = {"inference, both off": (infer, False, False), "inference, TLAYOUT": (infer, True, False),
+            "inference, ULDM": (infer, False, True), "inference, both": (infer, True, True),
+            "training, ULDM off": (train, False, False), "training, ULDM": (train, False, True)}
+    saved = WS.TLAYOUT, WS.ULDM
+
+    def run(name):
+        kw, WS.TLAYOUT, WS.ULDM = rows[name]
+        try:
+            return F90.forward(q, k, v, g, beta, **kw).value
+        finally:
+            WS.TLAYOUT, WS.ULDM = saved
+
+    outs = {name: run(name) for name in rows}
+    torch.cuda.synchronize()
+    print(f"\nB{B} T{T} H{H} HV{HV}, the forwards with TLAYOUT / ULDM:")
+    for name, base in (("inference, TLAYOUT", "inference, both off"), ("inference, ULDM", "inference, both off"),
+                       ("inference, both", "inference, both off"), ("training, ULDM", "training, ULDM off")):
+        a, b = outs[name], outs[base]
+        parts = [("o", a[0], b[0])] + ([("chunk_states", a[2][3], b[2][3]), ("vn", a[2][4], b[2][4])]
+                                       if name.startswith("training") else [])
+        print(f"  {name} against {base}: " + ", ".join(
+            f"{n} {'bitwise' if torch.equal(x, y) else f'rel L2 {rel_l2(x.float(), y.float()):.1e}'}"
+            for n, x, y in parts))
+    for _ in range(2):
+        for name in rows:
+            print(f"  {name:22s} {bench(lambda: run(name), 10, 40):.3f} ms")
 
 
 def profile_defaults(q, k, v, g, beta, B, T, H, HV, NT):

@@ -189,6 +189,45 @@ def stmatrix_acc_t(copy, vals, tile_mn, tidx) -> None:
     cute.copy(copy, src, thr.partition_D(tile_mn))
 
 
+def make_acc_ldmatrix_t(dtype, mma):
+    """The tiled ``ldmatrix`` (transposed, four 8 x 8 blocks) that loads a 16-bit M-major tile (the (M, N) view of
+    an ``[N, M]`` tile, as :func:`make_acc_stmatrix_t` writes one) into registers laid out as ``mma``'s
+    accumulator: the inverse of that stmatrix. :func:`acc_to_ldmatrix_map` says which accumulator element each
+    loaded value is."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import warp
+
+    ldm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(True, 4), dtype)
+    return cute.make_tiled_copy_D(ldm, cute.make_tiled_copy_C_atom(ldm, mma))
+
+
+def acc_to_ldmatrix_map(mma, copy, shape_mn, threads=SAMPLE_THREADS):
+    """Static map ``value index -> accumulator index``: value f of ``copy``'s destination partition (a
+    :func:`make_acc_ldmatrix_t` copy over ``shape_mn``) is the element that ``mma``'s accumulator value ``map[f]``
+    holds, for every thread; each accumulator value is loaded once. Raises otherwise."""
+    _, cute = kc.import_cute()
+    ident = cute.make_identity_tensor(shape_mn)
+    amap = _coordinate_map(threads, lambda t: mma.get_slice(t).partition_C(ident),
+                           lambda t: copy.get_slice(t).partition_D(ident), "ldmatrix")
+    if sorted(amap) != list(range(len(amap))):
+        raise AssertionError(f"the ldmatrix copy does not load each of the {len(amap)} accumulator values once")
+    return amap
+
+
+def ldmatrix_acc_blocks(copy, tile_mn, tidx):
+    """(Every thread, while tracing) the :func:`make_acc_ldmatrix_t` copy ``copy`` from ``tile_mn`` as blocks, one
+    ``ldmatrix`` each: ``(nv, [(src, dst_shape, first), ...])``, block b's values being the copy's destination values
+    ``first .. first + nv - 1`` (see :func:`acc_to_ldmatrix_map`), so that a kernel can load one block just before it
+    uses its values (few live registers)."""
+    _, cute = kc.import_cute()
+    thr = copy.get_slice(tidx)
+    src = thr.partition_S(tile_mn)
+    dst = thr.partition_D(tile_mn)  # ((the atom's values), M iterations, N iterations)
+    nv, nm, nn = cute.size(dst.shape[0]), cute.size(dst.shape[1]), cute.size(dst.shape[2])
+    return nv, [(src[(None, mi, ni)], dst[(None, mi, ni)].shape, nv * (mi + nm * ni))
+                for ni in range(nn) for mi in range(nm)]
+
+
 def check_stmatrix_order(mma, copy, shape_mn, threads) -> None:
     """Assert that value f of ``copy.retile(acc)`` (acc: ``mma``'s accumulator over ``shape_mn``) is the element
     that value f of the copy's source partition writes, for every f and thread: a kernel then hands the retiled

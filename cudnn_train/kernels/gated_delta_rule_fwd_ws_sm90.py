@@ -125,6 +125,20 @@ SMEM_BYTES = 227 * 1024  # an SM90 CTA's shared memory at most
 # 0.58 against the training forward's split pass 0.83. With it the training forward may take 128 columns (no
 # more shared memory: the same tiles). Unset or 1: on (with store_states); 0: off (the split pass's stores).
 TSTORE = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TSTORE", True)
+# The inference forward on the same transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT, thirty-fourth session; prepared,
+# off until GPU-timed): the chain writes the chunk-start state and vn by transposed stmatrix into S [d, v] / vn [i, v]
+# tiles, read as MN-major operands, as TSTORE does for the training forward, without its stores. The inference kernel
+# (128 columns, w and u formed in the chain) writes S^T [v, d] and vn^T [v, i] by 4-byte stores instead: 64 + 32 of
+# them a thread and chunk with their swizzled addresses, about 420 and 130 of the chain's about 2,660 SASS
+# instructions a chunk (nvdisasm on the sm_90a cubin), where 16 + 8 stmatrix do it. The same products on the same
+# values: o and the final state bitwise. Unset or 0: off; 1: on (inference only).
+TLAYOUT = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT", False)
+# The chain's u^T (w and u formed in the chain: v^T) by transposed ldmatrix (CUDNN_TRAIN_GDN_FWD_WS_ULDM, thirty-fourth
+# session; prepared, off until GPU-timed): vn^T = u^T - S^T w^T (or R^T) read u^T element by element, a 2-byte
+# shared load with its swizzled address an element (64 a thread and chunk at 128 columns: the R phase's 88 LDS, 90
+# LOP3 and 68 SHF of about 650 SASS instructions); 8 ldmatrix.x4.trans load the same values into the accumulator's
+# layout. Wherever u's tile is swizzled (TMA loads or 128 columns), training and inference; the same bits.
+ULDM = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_ULDM", False)
 
 
 def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False, tstore: bool = False) -> int:
@@ -160,7 +174,8 @@ WS_PHASES = (
 
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
            store_states: bool, keep_vn: bool, profile: bool = False, tma: bool = False, onfly: bool = False,
-           wg3: bool = False, vb: int = VB, nseg: int = 1, tstore: bool = False):
+           wg3: bool = False, vb: int = VB, nseg: int = 1, tstore: bool = False, tlayout: bool = False,
+           uldm: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -229,6 +244,14 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     # read as MN-major operands; hs and (keep_vn) vn leave by TMA stores from them (warp TMA_WARP of the output
     # warpgroup, issued after the CTA barrier that publishes them, their reads waited for before the next one)
     assert not tstore or (store_states and not onfly and not wg3), (tstore, store_states, onfly, wg3)
+    # tlayout (TLAYOUT, the inference forward): the same transposed tiles, written by stmatrix and read MN-major, without
+    # the stores; tstore implies them. TL below is every place the tiles' orientation decides, tstore the stores alone
+    assert not tlayout or not store_states, (tlayout, store_states)
+    TL = tstore or tlayout
+    # uldm (ULDM): the chain reads u^T (onfly: v^T) for vn^T = u^T - S^T w^T (R^T) by transposed ldmatrix from u's
+    # swizzled [i, v] tile, straight into the accumulator's layout, instead of a 2-byte load an element; only where
+    # that tile is swizzled (TMA loads or 128 columns)
+    assert not uldm or tma or SA, (uldm, tma, SA)
     walk = cm.make_segment_walk(forward=True)
     zero_unless = cm.make_zero_unless()
 
@@ -366,6 +389,27 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
     pairs_to_tile = cm.make_pairs_to_tile(dtype)  # accumulator pairs into a tile in the input dtype
 
+    def ut_by_ldmatrix(accX, cX, sUt, l2u, map_lu, lt, sGc=None, sRk=None, sBe=None):
+        """(The chain, uldm, while tracing) ``accX <- u^T - accX``, or with ``sBe`` (onfly, v in u's slot) ``R^T =
+        (v^T - accX diag(exp(gc) rk)) diag(beta)``: the u^T values by transposed ldmatrix from ``sUt`` (the (v, i)
+        view of u's tile), a block just before its values are used; each element's arithmetic is the scalar-load
+        loop's, so the same bits."""
+        nv, blocks = cm.ldmatrix_acc_blocks(l2u, sUt, lt)
+        for srcb, dshape, f0 in blocks:
+            frag = cute.make_rmem_tensor(dshape, dtype)
+            cute.copy(l2u, srcb, frag)
+            for f in range(nv):
+                e = map_lu[f0 + f]
+                uv = frag[f].to(Float32)
+                if sBe is None:
+                    accX[e] = uv - accX[e]
+                else:
+                    _, xi = cX[e]
+                    xcoef = cute.math.exp2(sGc[xi] * LOG2E, fastmath=True)
+                    if sRk is not None:
+                        xcoef = xcoef * sRk[xi]
+                    accX[e] = (uv - accX[e] * xcoef) * sBe[xi]
+
     @cute.jit
     def tile_to_rows(sX: cute.Tensor, gX: cute.Tensor, rows: cutlass.Constexpr, nvalid: Int32, v0: Int32, lt: Int32):
         """The transposed ``[VB, rows]`` smem tile ``sX`` (``[v, r]``) as rows ``r < nvalid`` of ``gX`` (``[r, v]``,
@@ -431,7 +475,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         # chain: the fused kernel's orientation (S^T [v, d] accumulators, register A operands)
         mma_s = cm.make_mma(dtype, K, a_regs=True, b_mn_major=True)  # S^T += vd^T k      [v, d]
         mma_xr = cm.make_mma(dtype, C, a_regs=True, b_mn_major=False)  # [v, i] products, A in registers
-        mma_x = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False, a_mn_major=tstore) if SA else mma_xr  # S^T w^T
+        mma_x = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False, a_mn_major=TL) if SA else mma_xr  # S^T w^T
         cm.check_same_acc_layout(mma_x, mma_xr, (VB, C))
         map_s = None if SA else cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K))
         map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C))
@@ -440,9 +484,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         cm.check_acc_pairs(mma_x, (VB, C))  # vn^T pairs -> sVo
         # output: the out kernel's orientation (o [i, v])
         mma_p = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)  # q k^T   [i, j]
-        # q S [i, v], B = the S^T tile [v, d] (tstore: S [d, v], MN-major); P vn [i, v], B = vn^T [v, j] (vn [j, v])
-        mma_o = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=tstore)
-        mma_ov = cm.make_mma(dtype, VB, a_regs=True, b_mn_major=tstore)
+        # q S [i, v], B = the S^T tile [v, d] (TL: S [d, v], MN-major); P vn [i, v], B = vn^T [v, j] (vn [j, v])
+        mma_o = cm.make_mma(dtype, VB, a_regs=False, b_mn_major=TL)
+        mma_ov = cm.make_mma(dtype, VB, a_regs=True, b_mn_major=TL)
         cm.check_same_acc_layout(mma_o, mma_ov, (C, VB))
         cm.check_acc_pairs(mma_o, (C, VB))
         map_p = cm.acc_to_frag_map(mma_p, (C, C), mma_ov, (C, C))
@@ -451,12 +495,12 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         sQb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
         sKb = [cm.alloc_tile(smem, dtype, C, K) for _ in range(2)]
         sWb = [cm.alloc_tile(smem, dtype, C, WCOLS) for _ in range(2)]  # w, or with onfly A0
-        # S^T [v, d] at a chunk's start, vn^T [v, i]; tstore: S [d, v], vn [i, v] (the same bytes)
-        sSb = [cm.alloc_tile(smem, dtype, K, VB) if tstore else cm.alloc_tile(smem, dtype, VB, K) for _ in range(2)]
-        sVob = [cm.alloc_tile(smem, dtype, C, VB) if tstore else cm.alloc_tile(smem, dtype, VB, C) for _ in range(2)]
+        # S^T [v, d] at a chunk's start, vn^T [v, i]; TL: S [d, v], vn [i, v] (the same bytes)
+        sSb = [cm.alloc_tile(smem, dtype, K, VB) if TL else cm.alloc_tile(smem, dtype, VB, K) for _ in range(2)]
+        sVob = [cm.alloc_tile(smem, dtype, C, VB) if TL else cm.alloc_tile(smem, dtype, VB, C) for _ in range(2)]
         # the (v, d) and (v, i) views every reader and writer below takes
-        sSv = [cm.transpose_view(t) for t in sSb] if tstore else sSb
-        sVov = [cm.transpose_view(t) for t in sVob] if tstore else sVob
+        sSv = [cm.transpose_view(t) for t in sSb] if TL else sSb
+        sVov = [cm.transpose_view(t) for t in sVob] if TL else sVob
         if cutlass.const_expr(tma or SA):
             sUb = [cm.alloc_tile(smem, dtype, C, VB) for _ in range(2)]
         else:
@@ -519,11 +563,15 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
             cS = thr_s.partition_C(cute.make_identity_tensor((VB, K)))  # (v, d)
             cX = thr_x.partition_C(cute.make_identity_tensor((VB, C)))  # (v, i)
-            if cutlass.const_expr(tstore):  # S and vn rounded into their [d, v] / [i, v] tiles by stmatrix, each
+            if cutlass.const_expr(TL):  # S and vn rounded into their [d, v] / [i, v] tiles by stmatrix, each
                 r2s = cm.make_acc_stmatrix_t(dtype, mma_s)  # copy value from the accumulator element of its place
                 r2x = cm.make_acc_stmatrix_t(dtype, mma_x)
                 map_ss = cm.acc_to_stmatrix_map(mma_s, r2s, (VB, K))
                 map_sx = cm.acc_to_stmatrix_map(mma_x, r2x, (VB, C))
+            if cutlass.const_expr(uldm):  # u^T [v, i] from u's [i, v] tile, in the accumulator's layout
+                l2u = cm.make_acc_ldmatrix_t(dtype, mma_x)
+                map_lu = cm.acc_to_ldmatrix_map(mma_x, l2u, (VB, C))
+                sUt = [cm.transpose_view(t) for t in sUb]
             accS = cute.make_rmem_tensor(thr_s.partition_shape_C((VB, K)), Float32)
             start_state(accS, cS, mH0, n, hv, v0, state_vk, has_h0)
             if cutlass.const_expr(SEG and has_h0):  # a walk from a later chunk starts from zero
@@ -538,7 +586,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             if cutlass.const_expr(not SA):
                                 for f in cutlass.range_constexpr(cute.size(rS)):
                                     rS[f] = accS[map_s[f]].to(dtype)
-                            if cutlass.const_expr(tstore):
+                            if cutlass.const_expr(TL):
                                 cm.stmatrix_acc_mapped(r2s, accS, map_ss, dtype, sSv[par], lt)
                             else:
                                 pairs_to_tile(accS, cS, sSb[par])
@@ -567,12 +615,16 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             pmark(prof, 3)
                             if cutlass.const_expr(onfly):
                                 # ---- R^T = (v^T - X^T diag(exp(gc) rk)) diag(beta), the A operand of vn^T = R^T T^T
-                                for e in cutlass.range_constexpr(cute.size(accX)):
-                                    xv, xi = cX[e]
-                                    xcoef = cute.math.exp2(sGcb[par][xi] * LOG2E, fastmath=True)
-                                    if cutlass.const_expr(l2norm):
-                                        xcoef = xcoef * sRk0[xi]
-                                    accX[e] = (sUb[par][xi, xv].to(Float32) - accX[e] * xcoef) * sBeb[par][xi]
+                                if cutlass.const_expr(uldm):
+                                    ut_by_ldmatrix(accX, cX, sUt[par], l2u, map_lu, lt, sGcb[par],
+                                                   sRk0 if l2norm else None, sBeb[par])
+                                else:
+                                    for e in cutlass.range_constexpr(cute.size(accX)):
+                                        xv, xi = cX[e]
+                                        xcoef = cute.math.exp2(sGcb[par][xi] * LOG2E, fastmath=True)
+                                        if cutlass.const_expr(l2norm):
+                                            xcoef = xcoef * sRk0[xi]
+                                        accX[e] = (sUb[par][xi, xv].to(Float32) - accX[e] * xcoef) * sBeb[par][xi]
                                 if cutlass.const_expr(tma):  # rows past a varlen sequence's end: the next one's k, v
                                     rlen = cutlass.min(te - (ts + ci * C), C)
                                     for e in cutlass.range_constexpr(cute.size(accX)):
@@ -585,15 +637,18 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                 warpgroup.wait_group(0)
                             else:
                                 # ---- vn^T = u^T - S^T w^T (in place), to sVo for the output
-                                for e in cutlass.range_constexpr(cute.size(accX)):
-                                    xv, xi = cX[e]
-                                    accX[e] = sUb[par][xi, xv].to(Float32) - accX[e]
+                                if cutlass.const_expr(uldm):
+                                    ut_by_ldmatrix(accX, cX, sUt[par], l2u, map_lu, lt)
+                                else:
+                                    for e in cutlass.range_constexpr(cute.size(accX)):
+                                        xv, xi = cX[e]
+                                        accX[e] = sUb[par][xi, xv].to(Float32) - accX[e]
                             if cutlass.const_expr(tma):  # rows past the chunk's end hold the next sequence's w, u
                                 length = cutlass.min(te - (ts + ci * C), C)
                                 for e in cutlass.range_constexpr(cute.size(accX)):  # a select, not a branch:
                                     _, xi = cX[e]  # accumulator registers written under one make ptxas serialize
                                     accX[e] = Float32(cutlass.select_(xi < length, accX[e], Float32(0.0)))
-                            if cutlass.const_expr(tstore):
+                            if cutlass.const_expr(TL):
                                 cm.stmatrix_acc_mapped(r2x, accX, map_sx, dtype, sVov[par], lt)
                             else:
                                 pairs_to_tile(accX, cX, sVob[par])
@@ -739,7 +794,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
              mProf: cute.Tensor, mBe: cute.Tensor, stream):
         F._static_checks(dtype, K, V)
         cm.check_mn_major_view(dtype, C, K)  # k: MN-major B operand of the state update
-        if cutlass.const_expr(tstore):  # S [d, v] and vn [i, v]: MN-major operands through their (v, .) views
+        if cutlass.const_expr(TL):  # S [d, v] and vn [i, v]: MN-major operands through their (v, .) views
             cm.check_mn_major_view(dtype, K, VB)
             cm.check_mn_major_view(dtype, C, VB)
         HV = mU.shape[2]
@@ -763,11 +818,16 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
-               profile=False, tma=None, onfly=False, wg3=None, vb=VB, nseg=1, tstore=None):
+               profile=False, tma=None, onfly=False, wg3=None, vb=VB, nseg=1, tstore=None, tlayout=None,
+               uldm=None):
     """The compiled state pass; ``tstore`` (default :data:`TSTORE`, only with ``store_states``): the chunk states
-    and vn written by TMA stores from tiles the chain writes transposed (see ``TSTORE``)."""
+    and vn written by TMA stores from tiles the chain writes transposed (see ``TSTORE``); ``tlayout`` (default
+    :data:`TLAYOUT`, inference only, ignored with ``store_states``): those transposed tiles without the stores;
+    ``uldm`` (default :data:`ULDM`, ignored where u's tile is not swizzled): the chain's u^T by ldmatrix."""
     tma = (K == V if TMA is None else TMA) if tma is None else bool(tma)
     tstore = bool(store_states) and (TSTORE if tstore is None else bool(tstore))
+    tlayout = not store_states and (TLAYOUT if tlayout is None else bool(tlayout))
+    uldm = (tma or vb > 64) and (ULDM if uldm is None else bool(uldm))
     if wg3 is None:
         want = (vb == 64 and K == V) if WG3 is None else (WG3 and not (vb == 128 and onfly))
         wg3 = tma and want and not store_states and not profile
@@ -787,11 +847,12 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
                          "profile variant")
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ()) + (("vb", vb) if vb != VB else ()) + (
-        (("nseg", nseg),) if nseg > 1 else ()) + (("tstore",) if tstore else ())
+        (("nseg", nseg),) if nseg > 1 else ()) + (("tstore",) if tstore else ()) + (("tlayout",) if tlayout else ()) + (
+        ("uldm",) if uldm else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb, nseg, tstore)
+                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb, nseg, tstore, tlayout, uldm)
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 

@@ -241,6 +241,33 @@ def test_specialized_warpgroups_transposed_stores_compile_for_sm90a(kernel_cache
             WS.get_kernel(*WS_VARIANTS[0], store_states=True, tstore=True, **bad)
 
 
+@pytest.mark.compile
+def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache):
+    """The inference forward on the transposed S / vn tiles (CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT) and the chain's u^T by
+    ldmatrix (CUDNN_TRAIN_GDN_FWD_WS_ULDM), prepared: the B4 T4096 inference call (128 columns, TMA, w and u formed in
+    the chain) with each and both, 64 columns with two output warpgroups and both, cp.async at 128 columns (u's tile
+    swizzled there too) with both, K = V = 64 fp16 with [V, K] states with both, and the training forward's call
+    with ULDM. TLAYOUT is ignored with store_states (the training tiles are transposed already) and ULDM where u's
+    tile is padded (cp.async at 64 columns): those calls take the kernels compiled without them."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    infer = dict(tma=True, wg3=False, onfly=True, vb=128)
+    for tl, ul in ((True, False), (False, True), (True, True)):
+        assert callable(WS.get_kernel(*WS_VARIANTS[0], tlayout=tl, uldm=ul, **infer))
+    both = dict(tlayout=True, uldm=True)
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=True, wg3=True, vb=64, **both))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=128, **both))
+    assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=True, **both))
+    train = dict(store_states=True, keep_vn=True, tstore=True, tma=True, vb=128)
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], uldm=True, **train))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tlayout=False, uldm=False, **train))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=64, uldm=False))
+    assert len(list(kernel_cache.rglob("*.o"))) == 9
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tlayout=True, uldm=False, **train))  # the kernel without TLAYOUT
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=64, uldm=True))  # the kernel without ULDM
+    assert len(list(kernel_cache.rglob("*.o"))) == 9
+
+
 def test_specialized_warpgroups_v_block_choice(monkeypatch):
     """CUDNN_TRAIN_GDN_FWD_WS_VB: auto (the default) takes 128 where two CTAs a (sequence, value head) would not all
     be resident (2 N HV > SMs), not for the training forward's call (store_states) unless its stores go by TMA from
@@ -1437,6 +1464,56 @@ def test_specialized_warpgroups_transposed_stores_are_bitwise(case, monkeypatch,
         o, ht, (_, _, _, hs, vn, _) = F90.forward(q, k, v, g, beta, **args).value
         outs.append({"o": o, "final_state": ht, "vn": vn, "chunk_states": hs[:rows]})
     _assert_bitwise(case, outs[1], outs[0], "the transposed tiles' stores")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["infer_dense_vb128", "infer_varlen_vb128", "infer_async_dense_vb128",
+                                  "infer_varlen", "infer_k64_fp16_no_l2norm_vk", "train_varlen_vb128", "train_dense",
+                                  "train_v64_varlen"])
+def test_transposed_tiles_and_ldmatrix_are_bitwise(case, monkeypatch, poisoned):
+    """The inference forward on the training forward's transposed S / vn tiles (CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT) and the
+    chain's u^T (v^T with w and u formed in the chain) by transposed ldmatrix (CUDNN_TRAIN_GDN_FWD_WS_ULDM), each
+    alone and both: the same values through the same products, so o and the final state (training: also the chunk
+    states and vn) are bitwise those with both off. Inference at 128 columns (w and u formed in the chain; TMA and
+    cp.async loads; varlen with empty, one-token and partial sequences; dense T 333) and at 64 (two output
+    warpgroups; K = V = 64 fp16 with [V, K] states); training (TLAYOUT does not reach it: its tiles are transposed
+    already) at 128 and 64 columns and with V = 64."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    K, V, vk, l2, dtype = 128, 128, False, True, torch.bfloat16
+    train = case.startswith("train")
+    case = case.split("_", 1)[1]
+    monkeypatch.setattr(WS, "TMA", not case.startswith("async"))
+    monkeypatch.setattr(WS, "VB_MODE", "128" if case.endswith("vb128") else "64")
+    case = case.removeprefix("async_").removesuffix("_vb128")
+    if case.startswith("k64"):
+        K, V, vk, l2, dtype = 64, 64, True, False, torch.float16
+    if case.startswith("v64"):
+        V = 64
+        case = case.removeprefix("v64_")
+    q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False, state_v_first=vk)
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                state_v_first=vk)
+    if train:
+        args.update(store_states=True, keep_vn=True)
+    rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
+    outs = {}
+    for tl, ul in ((False, False), (True, False), (False, True), (True, True)):
+        if train and tl:
+            continue
+        monkeypatch.setattr(WS, "TLAYOUT", tl)
+        monkeypatch.setattr(WS, "ULDM", ul)
+        o, ht, *inter = F90.forward(q, k, v, g, beta, **args).value
+        out = {"o": o, "final_state": ht}
+        if train:
+            out.update(chunk_states=inter[0][3][:rows], vn=inter[0][4])
+        outs[tl, ul] = out
+    for key, out in outs.items():
+        if key != (False, False):
+            _assert_bitwise(case, out, outs[False, False], f"TLAYOUT={int(key[0])} ULDM={int(key[1])}")
 
 
 @pytest.mark.gpu
