@@ -6,7 +6,10 @@ kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
                                    --onfly | --chain-stores | --out-otma | --chain-seg | --tstore |
-                                   --profile-defaults | --tlayout]
+                                   --profile-defaults | --tlayout | --otma]
+
+``--otma``: the inference and training forwards with o by TMA stores (``CUDNN_TRAIN_GDN_FWD_WS_OTMA``) against the
+pair stores: o (training: also the chunk states, vn) bitwise first, then two alternating timed rounds.
 
 ``--tlayout``: the inference forward with its specialized warpgroups on the transposed S / vn tiles
 (``CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT``), with the chain's u^T by ldmatrix (``_ULDM``) and with both, and the training
@@ -103,6 +106,7 @@ def main():
     ap.add_argument("--tstore", action="store_true",
                     help="only the training forward: the split pass, the specialized warpgroups with the gathered "
                          "stores and with the transposed tiles' TMA stores (64 and 128 columns): bitwise, then timed")
+    ap.add_argument("--otma", action="store_true", help="the forwards with o by TMA stores, alternating")
     ap.add_argument("--tlayout", action="store_true",
                     help="the inference forward with TLAYOUT / ULDM, the training forward with ULDM, alternating")
     ap.add_argument("--profile-defaults", action="store_true",
@@ -142,6 +146,9 @@ def main():
             continue
         if args.tlayout:
             tlayout_rows(q, k, v, g, beta, B, T, H, HV)
+            continue
+        if args.otma:
+            switch_rows(q, k, v, g, beta, B, T, H, HV, "OTMA")
             continue
         if args.profile_defaults:
             profile_defaults(q, k, v, g, beta, B, T, H, HV, NT)
@@ -605,6 +612,36 @@ def tstore_rows(q, k, v, g, beta, B, T, H, HV):
     for _ in range(2):
         for name in names:
             print(f"  {name:34s} {bench(lambda: run(name), 10, 40):.3f} ms")
+
+
+def switch_rows(q, k, v, g, beta, B, T, H, HV, attr):
+    """The inference and training forwards as the op calls them with the specialized-warpgroup module's switch
+    ``attr`` off and on: outputs compared (bitwise expected), then two alternating timed rounds."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    calls = {"inference": dict(use_qk_l2norm_in_kernel=True),
+             "training": dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)}
+    saved = getattr(WS, attr)
+
+    def run(name, on):
+        setattr(WS, attr, on)
+        try:
+            return F90.forward(q, k, v, g, beta, **calls[name]).value
+        finally:
+            setattr(WS, attr, saved)
+
+    print(f"\nB{B} T{T} H{H} HV{HV}, the forwards with {attr} off / on:")
+    for name in calls:
+        a, b = run(name, True), run(name, False)
+        parts = [("o", a[0], b[0])] + ([("chunk_states", a[2][3], b[2][3]), ("vn", a[2][4], b[2][4])]
+                                       if name == "training" else [])
+        print(f"  {name}: " + ", ".join(
+            f"{n} {'bitwise' if torch.equal(x, y) else f'rel L2 {rel_l2(x.float(), y.float()):.1e}'}"
+            for n, x, y in parts))
+    for _ in range(2):
+        for name in calls:
+            for on in (False, True):
+                print(f"  {name:10s} {attr}={int(on)} {bench(lambda: run(name, on), 10, 40):.3f} ms")
 
 
 def tlayout_rows(q, k, v, g, beta, B, T, H, HV):

@@ -189,6 +189,17 @@ def stmatrix_acc_t(copy, vals, tile_mn, tidx) -> None:
     cute.copy(copy, src, thr.partition_D(tile_mn))
 
 
+def make_acc_stmatrix(dtype, mma):
+    """The tiled ``stmatrix`` (not transposed, four 8 x 8 blocks) that stores ``mma``'s accumulator, rounded to
+    16-bit ``dtype``, into an N-major tile (the ``[M, N]`` tile of :func:`smem_tile_layout`, N contiguous); the
+    values go through :func:`acc_to_stmatrix_map` and :func:`stmatrix_acc_mapped` as the transposed copy's do."""
+    _, cute = kc.import_cute()
+    from cutlass.cute.nvgpu import warp
+
+    stm = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
+    return cute.make_tiled_copy_S(stm, cute.make_tiled_copy_C_atom(stm, mma))
+
+
 def make_acc_ldmatrix_t(dtype, mma):
     """The tiled ``ldmatrix`` (transposed, four 8 x 8 blocks) that loads a 16-bit M-major tile (the (M, N) view of
     an ``[N, M]`` tile, as :func:`make_acc_stmatrix_t` writes one) into registers laid out as ``mma``'s

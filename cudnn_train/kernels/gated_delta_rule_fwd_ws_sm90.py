@@ -125,20 +125,31 @@ SMEM_BYTES = 227 * 1024  # an SM90 CTA's shared memory at most
 # 0.58 against the training forward's split pass 0.83. With it the training forward may take 128 columns (no
 # more shared memory: the same tiles). Unset or 1: on (with store_states); 0: off (the split pass's stores).
 TSTORE = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TSTORE", True)
-# The inference forward on the same transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT, thirty-fourth session; prepared,
-# off until GPU-timed): the chain writes the chunk-start state and vn by transposed stmatrix into S [d, v] / vn [i, v]
+# The inference forward on the same transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT, thirty-fourth session; the
+# default since its GPU run): the chain writes the chunk-start state and vn by transposed stmatrix into S [d, v] / vn [i, v]
 # tiles, read as MN-major operands, as TSTORE does for the training forward, without its stores. The inference kernel
 # (128 columns, w and u formed in the chain) writes S^T [v, d] and vn^T [v, i] by 4-byte stores instead: 64 + 32 of
 # them a thread and chunk with their swizzled addresses, about 420 and 130 of the chain's about 2,660 SASS
 # instructions a chunk (nvdisasm on the sm_90a cubin), where 16 + 8 stmatrix do it. The same products on the same
-# values: o and the final state bitwise. Unset or 0: off; 1: on (inference only).
-TLAYOUT = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT", False)
+# values: o and the final state bitwise (GPU cases passed, H100). Measured (H100, B4 T4096 H16 HV32, the inference
+# forward as the op calls it, two alternating rounds): 0.556 / 0.533 ms off, 0.523 / 0.501 with it, 0.476 / 0.476
+# with ULDM too. Unset or 1: on (inference only); 0: off.
+TLAYOUT = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT", True)
 # The chain's u^T (w and u formed in the chain: v^T) by transposed ldmatrix (CUDNN_TRAIN_GDN_FWD_WS_ULDM, thirty-fourth
-# session; prepared, off until GPU-timed): vn^T = u^T - S^T w^T (or R^T) read u^T element by element, a 2-byte
+# session; the default since its GPU run): vn^T = u^T - S^T w^T (or R^T) read u^T element by element, a 2-byte
 # shared load with its swizzled address an element (64 a thread and chunk at 128 columns: the R phase's 88 LDS, 90
 # LOP3 and 68 SHF of about 650 SASS instructions); 8 ldmatrix.x4.trans load the same values into the accumulator's
-# layout. Wherever u's tile is swizzled (TMA loads or 128 columns), training and inference; the same bits.
-ULDM = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_ULDM", False)
+# layout. Wherever u's tile is swizzled (TMA loads or 128 columns), training and inference; the same bits (GPU cases
+# passed). H100, B4 T4096: the inference forward 0.556 / 0.533 -> 0.510 / 0.494 ms alone, 0.476 / 0.476 with TLAYOUT;
+# the training forward 0.685 / 0.690 -> 0.681 / 0.679 (its output warpgroup is the longer one there). Unset or 1: on;
+# 0: off.
+ULDM = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_ULDM", True)
+# o by TMA stores (CUDNN_TRAIN_GDN_FWD_WS_OTMA, thirty-fourth session; prepared, off until GPU-timed): the output
+# warpgroup stored a chunk's o [64, VB] from its accumulators as 4-byte pairs, 32 a thread (the profile's "o stores",
+# 2.3K of its 9.4K cycles a chunk at B4 T4096, H100, where it is the longer warpgroup of the training forward); with
+# the switch a full chunk's o goes by stmatrix into the q tile of the chunk's buffer (free by then) and one TMA store.
+# With the TMA loads, K == VB, one output warpgroup; training and inference. The same values: o bitwise.
+OTMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_OTMA", False)
 
 
 def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False, tstore: bool = False) -> int:
@@ -175,7 +186,7 @@ WS_PHASES = (
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
            store_states: bool, keep_vn: bool, profile: bool = False, tma: bool = False, onfly: bool = False,
            wg3: bool = False, vb: int = VB, nseg: int = 1, tstore: bool = False, tlayout: bool = False,
-           uldm: bool = False):
+           uldm: bool = False, otma: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -252,6 +263,12 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     # swizzled [i, v] tile, straight into the accumulator's layout, instead of a 2-byte load an element; only where
     # that tile is swizzled (TMA loads or 128 columns)
     assert not uldm or tma or SA, (uldm, tma, SA)
+    # otma (OTMA): the output warpgroup writes a full chunk's o by stmatrix into the q tile of its buffer (no reader
+    # left once the chunk's q products and q norms are done; the next load into it is issued an iteration later, by
+    # the warp that stores, after the store's reads) and stores it by one TMA store; a partial chunk's rows by pairs as
+    # before. The q tile is o's [C, VB] tile only where K == VB; with the TMA loads and one output warpgroup
+    assert not otma or (tma and K == VB and not wg3), (otma, tma, K, VB, wg3)
+    BULK = tstore or otma  # the output's TMA_WARP has bulk stores in flight across iterations
     walk = cm.make_segment_walk(forward=True)
     zero_unless = cm.make_zero_unless()
 
@@ -425,6 +442,27 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                 cute.autovec_copy(vec, cute.local_tile(gX, (1, 8), (r, v0 // 8 + v8)))
 
     @cute.jit
+    def store_o(accO: cute.Tensor, cO: cute.Tensor, mO: cute.Tensor, b: Int32, hv: Int32, tp: Int32, lp: Int32,
+                v0: Int32, r2o: cutlass.Constexpr, map_so: cutlass.Constexpr, sO: cute.Tensor, store_warp,
+                ot: cutlass.Constexpr, lt: Int32):
+        """(The output warpgroup) chunk's o rows < lp at token tp: with ``otma`` a full chunk by stmatrix into
+        ``sO`` (the buffer's q tile, once every thread of the warpgroup is past its q norms) and one TMA store by
+        ``store_warp``, a partial one (and without otma every chunk) by pairs (:func:`store_o_rows`)."""
+        if cutlass.const_expr(otma):
+            if lp == C:
+                aO, tO = ot
+                cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=128)  # every q norm read done
+                cm.stmatrix_acc_mapped(r2o, accO, map_so, dtype, sO, lt)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=128)
+                if store_warp:
+                    cm.tma_store(aO, cm.token_box(tO, b, hv, tp, v0, C, VB), sO)
+            else:
+                store_o_rows(accO, cO, mO, b, hv, tp, lp, v0)
+        else:
+            store_o_rows(accO, cO, mO, b, hv, tp, lp, v0)
+
+    @cute.jit
     def tstores(ci: Int32, par: cutlass.Constexpr, nchunks: Int32, b: Int32, hv: Int32, ts: Int32, te: Int32,
                 cbase: Int32, v0: Int32, store_warp, lt: Int32, sts: cutlass.Constexpr):
         """(The output warpgroup, tstore, right after the CTA barrier of iteration ci) chunk ci's start state from
@@ -459,7 +497,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32,
                mProf: cute.Tensor, aQ: cute.CopyAtom, aK: cute.CopyAtom, aW: cute.CopyAtom, aU: cute.CopyAtom,
                tQ: cute.Tensor, tK: cute.Tensor, tW: cute.Tensor, tU: cute.Tensor, mBe: cute.Tensor,
-               aHs: cute.CopyAtom, tHs: cute.Tensor, aVo: cute.CopyAtom, tVo: cute.Tensor):
+               aHs: cute.CopyAtom, tHs: cute.Tensor, aVo: cute.CopyAtom, tVo: cute.Tensor, aO: cute.CopyAtom,
+               tO: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
         seg = Int32(0)
@@ -522,7 +561,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         if cutlass.const_expr(tma):  # one mbarrier a buffer: chunk c in buffer c % 2 completes its phase (c // 2) % 2
             mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
             # (the warp that issues the loads also issues tstore's stores: their descriptors too)
-            stores = ((aHs,) if tstore else ()) + ((aVo,) if tstore and keep_vn else ())
+            stores = ((aHs,) if tstore else ()) + ((aVo,) if tstore and keep_vn else ()) + ((aO,) if otma else ())
             init_barriers(mbar, 2, (aQ, aK, aW, aU) + stores, TMA_WARP)
 
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
@@ -719,6 +758,10 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                 lt, mma_p, mma_o, mma_ov, sQb, sKb, sSv, sVov)
             store_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP
             sts = (aHs, tHs, aVo, tVo, sSb, sVob, mVn)
+            r2o, map_so = None, None
+            if cutlass.const_expr(otma):  # o [i, v] rounded into the q tile [C, K = VB] by stmatrix
+                r2o = cm.make_acc_stmatrix(dtype, mma_o)
+                map_so = cm.acc_to_stmatrix_map(mma_o, r2o, (C, VB))
             # chunk c's o and P live from iteration c (q S, P) to c + 1 (P vn, the stores): one of each a parity
             accOb = [cute.make_rmem_tensor(thr_o.partition_shape_C((C, VB)), Float32) for _ in range(2)]
             rPb = [mma_ov.make_fragment_A(thr_ov.partition_shape_A((C, C))) for _ in range(2)]
@@ -727,8 +770,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                     ci = cp * 2 + par
                     if ci < niter:
                         pmark(prof, -1)
-                        if cutlass.const_expr(tstore):  # the last iteration's stores have read their tiles, which
-                            if store_warp:  # the chain writes again after the barrier below
+                        if cutlass.const_expr(BULK):  # the last iteration's stores have read their tiles, which
+                            if store_warp:  # the chain (otma: the next loads) writes again after the barrier below
                                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                         handover(ci, cp, nchunks, None if mbar is None else mbar + par, sKb[par],
                                  cutlass.min(te - (ts + ci * C), C), tidx)
@@ -767,9 +810,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             tp = ts + (ci - 1) * C
                             if cutlass.const_expr(SEG):
                                 if ci - 1 >= keep_from:  # not a warm-up chunk's
-                                    store_o_rows(accOb[1 - par], cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0)
+                                    store_o(accOb[1 - par], cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0, r2o,
+                                            map_so, sQb[par], store_warp, (aO, tO), lt)
                             else:
-                                store_o_rows(accOb[1 - par], cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0)
+                                store_o(accOb[1 - par], cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0, r2o, map_so,
+                                        sQb[par], store_warp, (aO, tO), lt)
                         pmark(prof, 4)
                         if cutlass.const_expr(tma):  # in the last iteration too (unused there): with the P
                             # registers written under a branch, ptxas serializes this kernel's products (C7520)
@@ -777,7 +822,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         elif ci < nchunks:
                             p_and_scale(accP, rPb[par], accOb[par], cP, cO, sGcb[par], sRq, sRk, scale, map_p)
                         pmark(prof, 5)
-            if cutlass.const_expr(tstore):  # every store done before the CTA's shared memory goes
+            if cutlass.const_expr(BULK):  # every store done before the CTA's shared memory goes
                 if store_warp:
                     cute.arch.cp_async_bulk_wait_group(0)
         if cutlass.const_expr(profile):  # thread 0 of each warpgroup: [phase sums..., kernel total]
@@ -802,8 +847,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             tma, dtype, ((mQ, C, K), (mK, C, K), (mW, C, WCOLS), (mU, C, VB)))
         aHs, tHs = cm.make_tma_store(tstore, dtype, mHs, cm.STATE_ROWS, K, VB)  # (tstore) [d, v] tiles -> hs rows
         aVo, tVo = cm.make_tma_store(tstore and keep_vn, dtype, mVn, cm.TOKEN_ROWS, C, VB)  # [i, v] tiles -> vn
+        aO, tO = cm.make_tma_store(otma, dtype, mO, cm.TOKEN_ROWS, C, VB)  # (otma) o [i, v] from the q tile
         kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group, mProf,
-               aQ, aK, aW, aU, tQ, tK, tW, tU, mBe, aHs, tHs, aVo, tVo).launch(
+               aQ, aK, aW, aU, tQ, tK, tW, tU, mBe, aHs, tHs, aVo, tVo, aO, tO).launch(
             grid=[nseq * nseg, HV, V // VB], block=[NTHR, 1, 1], stream=stream,
         )
 
@@ -819,11 +865,13 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
                profile=False, tma=None, onfly=False, wg3=None, vb=VB, nseg=1, tstore=None, tlayout=None,
-               uldm=None):
+               uldm=None, otma=None):
     """The compiled state pass; ``tstore`` (default :data:`TSTORE`, only with ``store_states``): the chunk states
     and vn written by TMA stores from tiles the chain writes transposed (see ``TSTORE``); ``tlayout`` (default
     :data:`TLAYOUT`, inference only, ignored with ``store_states``): those transposed tiles without the stores;
-    ``uldm`` (default :data:`ULDM`, ignored where u's tile is not swizzled): the chain's u^T by ldmatrix."""
+    ``uldm`` (default :data:`ULDM`, ignored where u's tile is not swizzled): the chain's u^T by ldmatrix; ``otma``
+    (default :data:`OTMA`, ignored where it cannot serve: K != vb, cp.async loads, two output warpgroups): o by TMA
+    stores."""
     tma = (K == V if TMA is None else TMA) if tma is None else bool(tma)
     tstore = bool(store_states) and (TSTORE if tstore is None else bool(tstore))
     tlayout = not store_states and (TLAYOUT if tlayout is None else bool(tlayout))
@@ -832,6 +880,7 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
         want = (vb == 64 and K == V) if WG3 is None else (WG3 and not (vb == 128 and onfly))
         wg3 = tma and want and not store_states and not profile
     wg3 = bool(wg3)
+    otma = tma and K == vb and not wg3 and (OTMA if otma is None else bool(otma))
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if vb not in (64, 128) or vb > V or (wg3 and vb == 128 and onfly):
@@ -848,11 +897,11 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ()) + (("vb", vb) if vb != VB else ()) + (
         (("nseg", nseg),) if nseg > 1 else ()) + (("tstore",) if tstore else ()) + (("tlayout",) if tlayout else ()) + (
-        ("uldm",) if uldm else ())
+        ("uldm",) if uldm else ()) + (("otma",) if otma else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb, nseg, tstore, tlayout, uldm)
+                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb, nseg, tstore, tlayout, uldm, otma)
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 

@@ -247,8 +247,10 @@ def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache):
     ldmatrix (CUDNN_TRAIN_GDN_FWD_WS_ULDM), prepared: the B4 T4096 inference call (128 columns, TMA, w and u formed in
     the chain) with each and both, 64 columns with two output warpgroups and both, cp.async at 128 columns (u's tile
     swizzled there too) with both, K = V = 64 fp16 with [V, K] states with both, and the training forward's call
-    with ULDM. TLAYOUT is ignored with store_states (the training tiles are transposed already) and ULDM where u's
-    tile is padded (cp.async at 64 columns): those calls take the kernels compiled without them."""
+    with ULDM; o by TMA stores (CUDNN_TRAIN_GDN_FWD_WS_OTMA) at the B4 inference and training calls and at
+    K = V = 64. TLAYOUT is ignored with store_states (the training tiles are transposed already), ULDM where u's
+    tile is padded and OTMA with cp.async loads (cp.async at 64 columns): those calls take the kernels compiled
+    without them."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     infer = dict(tma=True, wg3=False, onfly=True, vb=128)
@@ -260,12 +262,17 @@ def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache):
     assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=True, **both))
     train = dict(store_states=True, keep_vn=True, tstore=True, tma=True, vb=128)
     assert callable(WS.get_kernel(*WS_VARIANTS[0], uldm=True, **train))
+    # o by TMA stores (CUDNN_TRAIN_GDN_FWD_WS_OTMA, prepared): the B4 inference and training calls, K = V = 64
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, **both, **infer))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, uldm=True, **train))
+    assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=False, otma=True, **both))
+    assert len(list(kernel_cache.rglob("*.o"))) == 10
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tlayout=False, uldm=False, **train))
-    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=64, uldm=False))
-    assert len(list(kernel_cache.rglob("*.o"))) == 9
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=64, uldm=False, otma=False))
+    assert len(list(kernel_cache.rglob("*.o"))) == 12
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tlayout=True, uldm=False, **train))  # the kernel without TLAYOUT
-    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=64, uldm=True))  # the kernel without ULDM
-    assert len(list(kernel_cache.rglob("*.o"))) == 9
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=64, uldm=True, otma=True))  # without ULDM, OTMA
+    assert len(list(kernel_cache.rglob("*.o"))) == 12
 
 
 def test_specialized_warpgroups_v_block_choice(monkeypatch):
@@ -1514,6 +1521,45 @@ def test_transposed_tiles_and_ldmatrix_are_bitwise(case, monkeypatch, poisoned):
     for key, out in outs.items():
         if key != (False, False):
             _assert_bitwise(case, out, outs[False, False], f"TLAYOUT={int(key[0])} ULDM={int(key[1])}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["infer_dense_vb128", "infer_varlen_vb128", "infer_k64_fp16_no_l2norm_vk",
+                                  "train_varlen_vb128", "train_dense_vb128", "train_k64_fp16_no_l2norm_vk"])
+def test_o_tma_stores_are_bitwise(case, monkeypatch, poisoned):
+    """o by stmatrix into the chunk's q tile and one TMA store (CUDNN_TRAIN_GDN_FWD_WS_OTMA; a partial chunk's rows
+    by pairs as before): o, the final state (training: also the chunk states and vn) bitwise the pair stores', at 128
+    columns (inference with w and u formed in the chain, training; dense T 333 with its partial last chunk, varlen
+    with empty, one-token and partial sequences) and at K = V = 64 fp16 with [V, K] states (one output warpgroup)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    K, V, vk, l2, dtype = 128, 128, False, True, torch.bfloat16
+    train = case.startswith("train")
+    case = case.split("_", 1)[1]
+    monkeypatch.setattr(WS, "TMA", True)
+    monkeypatch.setattr(WS, "WG3", False)
+    monkeypatch.setattr(WS, "VB_MODE", "128" if case.endswith("vb128") else "64")
+    case = case.removesuffix("_vb128")
+    if case.startswith("k64"):
+        K, V, vk, l2, dtype = 64, 64, True, False, torch.float16
+    q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False, state_v_first=vk)
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                state_v_first=vk)
+    if train:
+        args.update(store_states=True, keep_vn=True)
+    rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(WS, "OTMA", on)
+        o, ht, *inter = F90.forward(q, k, v, g, beta, **args).value
+        out = {"o": o, "final_state": ht}
+        if train:
+            out.update(chunk_states=inter[0][3][:rows], vn=inter[0][4])
+        outs.append(out)
+    _assert_bitwise(case, outs[1], outs[0], "o by TMA stores")
 
 
 @pytest.mark.gpu
