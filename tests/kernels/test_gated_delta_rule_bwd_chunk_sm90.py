@@ -204,7 +204,7 @@ def test_norm8_switch_is_off_by_default_and_parses(monkeypatch):
 
 
 def test_early_k_switch_is_off_by_default_and_parses(monkeypatch):
-    """CUDNN_TRAIN_GDN_DCHUNK_EARLYK is off by default (not yet GPU-timed), 1 turns it on, a typo is a ValueError
+    """CUDNN_TRAIN_GDN_DCHUNK_EARLYK is off by default (GPU-timed: no gain), 1 turns it on, a typo is a ValueError
     naming it."""
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
     from tests.utils import assert_env_override
