@@ -216,13 +216,7 @@ def acc_to_ldmatrix_map(mma, copy, shape_mn, threads=SAMPLE_THREADS):
     """Static map ``value index -> accumulator index``: value f of ``copy``'s destination partition (a
     :func:`make_acc_ldmatrix_t` copy over ``shape_mn``) is the element that ``mma``'s accumulator value ``map[f]``
     holds, for every thread; each accumulator value is loaded once. Raises otherwise."""
-    _, cute = kc.import_cute()
-    ident = cute.make_identity_tensor(shape_mn)
-    amap = _coordinate_map(threads, lambda t: mma.get_slice(t).partition_C(ident),
-                           lambda t: copy.get_slice(t).partition_D(ident), "ldmatrix")
-    if sorted(amap) != list(range(len(amap))):
-        raise AssertionError(f"the ldmatrix copy does not load each of the {len(amap)} accumulator values once")
-    return amap
+    return _acc_copy_map(mma, shape_mn, threads, lambda t, ident: copy.get_slice(t).partition_D(ident), "ldmatrix")
 
 
 def ldmatrix_acc_blocks(copy, tile_mn, tidx):
@@ -283,12 +277,18 @@ def acc_to_stmatrix_map(mma, copy, shape_mn, threads=SAMPLE_THREADS):
     value ``map[f]`` holds; for accumulators whose retiled order is not the copy's (M = 128 on one warpgroup: the
     two group their modes differently, so :func:`check_stmatrix_order` fails there). Every accumulator value is
     copied once. Raises if the map differs between threads."""
+    return _acc_copy_map(mma, shape_mn, threads, lambda t, ident: copy.get_slice(t).partition_S(ident), "stmatrix")
+
+
+def _acc_copy_map(mma, shape_mn, threads, register_side, what: str):
+    """The map of :func:`acc_to_stmatrix_map` / :func:`acc_to_ldmatrix_map`: ``register_side(t, ident)`` is the
+    copy's register-side partition of the identity tensor for thread t; every accumulator value must occur once."""
     _, cute = kc.import_cute()
     ident = cute.make_identity_tensor(shape_mn)
-    amap = _coordinate_map(threads, lambda t: mma.get_slice(t).partition_C(ident),
-                           lambda t: copy.get_slice(t).partition_S(ident), "stmatrix")
+    amap = _coordinate_map(threads, lambda t: mma.get_slice(t).partition_C(ident), lambda t: register_side(t, ident),
+                           what)
     if sorted(amap) != list(range(len(amap))):
-        raise AssertionError(f"the stmatrix copy does not take each of the {len(amap)} accumulator values once")
+        raise AssertionError(f"the {what} copy does not move each of the {len(amap)} accumulator values once")
     return amap
 
 

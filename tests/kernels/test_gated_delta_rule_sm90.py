@@ -1437,6 +1437,42 @@ def test_specialized_warpgroups_v_block_128_is_bitwise_64(case, monkeypatch, poi
     _assert_bitwise(case, outs[1], outs[0], "128 columns a CTA")
 
 
+def _ws_switch_case(case, monkeypatch, *, tma, vb128, train):
+    """A specialized-warpgroup switch case: ``case`` is ``dense`` (B2 T333), ``varlen``, ``k64_fp16_no_l2norm_vk``
+    (K = V = 64 fp16, [V, K] states, no l2norm) or ``v64_`` + one of those (V = 64); the forward forced onto the
+    specialized warpgroups with TMA (``tma``) or cp.async loads at 128 (``vb128``) or 64 columns a CTA. Returns
+    ``run``: the forward now (inference or ``train``ing), its outputs by name (training: also the chunk states and
+    vn), to be compared bitwise across a switch."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    K, V, vk, l2, dtype = 128, 128, False, True, torch.bfloat16
+    monkeypatch.setattr(WS, "TMA", tma)
+    monkeypatch.setattr(WS, "VB_MODE", "128" if vb128 else "64")
+    if case.startswith("k64"):
+        K, V, vk, l2, dtype = 64, 64, True, False, torch.float16
+    if case.startswith("v64"):
+        V = 64
+        case = case.removeprefix("v64_")
+    q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False, state_v_first=vk)
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(F90, "STATE_WS", True)
+    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                state_v_first=vk)
+    if train:
+        args.update(store_states=True, keep_vn=True)
+    rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
+
+    def run():
+        o, ht, *inter = F90.forward(q, k, v, g, beta, **args).value
+        out = {"o": o, "final_state": ht}
+        if train:
+            out.update(chunk_states=inter[0][3][:rows], vn=inter[0][4])
+        return out
+
+    return run
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["varlen", "varlen_vb128", "tma_dense_vb128", "tma_varlen", "k64_fp16_no_l2norm_vk",
                                   "v64_tma_varlen"])
@@ -1447,29 +1483,14 @@ def test_specialized_warpgroups_transposed_stores_are_bitwise(case, monkeypatch,
     gathered stores, at 64 and 128 columns a CTA, with cp.async and TMA loads (varlen: empty, one-token and partial
     sequences, whose vn rows go by vectors; dense T 333: a partial last chunk), K = V = 64 fp16 with [V, K] states,
     and K = 128 with V = 64."""
-    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    K, V, vk, l2, dtype = 128, 128, False, True, torch.bfloat16
-    monkeypatch.setattr(WS, "TMA", case.startswith("tma") or case.startswith("v64_tma"))
-    monkeypatch.setattr(WS, "VB_MODE", "128" if case.endswith("vb128") else "64")
-    case = case.removeprefix("tma_").removesuffix("_vb128")
-    if case.startswith("k64"):
-        K, V, vk, l2, dtype = 64, 64, True, False, torch.float16
-    if case.startswith("v64"):
-        V = 64
-        case = case.removeprefix("v64_tma_")
-    q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False, state_v_first=vk)
-    monkeypatch.setattr(F90, "SPLIT", False)
-    monkeypatch.setattr(F90, "STATE_WS", True)
-    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
-                state_v_first=vk, store_states=True, keep_vn=True)
-    rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
+    run = _ws_switch_case(case.replace("tma_", "").removesuffix("_vb128"), monkeypatch, train=True,
+                          tma="tma" in case, vb128=case.endswith("vb128"))
     outs = []
     for on in (False, True):
         monkeypatch.setattr(WS, "TSTORE", on)
-        o, ht, (_, _, _, hs, vn, _) = F90.forward(q, k, v, g, beta, **args).value
-        outs.append({"o": o, "final_state": ht, "vn": vn, "chunk_states": hs[:rows]})
+        outs.append(run())
     _assert_bitwise(case, outs[1], outs[0], "the transposed tiles' stores")
 
 
@@ -1485,39 +1506,19 @@ def test_transposed_tiles_and_ldmatrix_are_bitwise(case, monkeypatch, poisoned):
     cp.async loads; varlen with empty, one-token and partial sequences; dense T 333) and at 64 (two output
     warpgroups; K = V = 64 fp16 with [V, K] states); training (TLAYOUT does not reach it: its tiles are transposed
     already) at 128 and 64 columns and with V = 64."""
-    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    K, V, vk, l2, dtype = 128, 128, False, True, torch.bfloat16
     train = case.startswith("train")
     case = case.split("_", 1)[1]
-    monkeypatch.setattr(WS, "TMA", not case.startswith("async"))
-    monkeypatch.setattr(WS, "VB_MODE", "128" if case.endswith("vb128") else "64")
-    case = case.removeprefix("async_").removesuffix("_vb128")
-    if case.startswith("k64"):
-        K, V, vk, l2, dtype = 64, 64, True, False, torch.float16
-    if case.startswith("v64"):
-        V = 64
-        case = case.removeprefix("v64_")
-    q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False, state_v_first=vk)
-    monkeypatch.setattr(F90, "SPLIT", False)
-    monkeypatch.setattr(F90, "STATE_WS", True)
-    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
-                state_v_first=vk)
-    if train:
-        args.update(store_states=True, keep_vn=True)
-    rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
+    run = _ws_switch_case(case.removeprefix("async_").removesuffix("_vb128"), monkeypatch, train=train,
+                          tma=not case.startswith("async"), vb128=case.endswith("vb128"))
     outs = {}
     for tl, ul in ((False, False), (True, False), (False, True), (True, True)):
         if train and tl:
             continue
         monkeypatch.setattr(WS, "TLAYOUT", tl)
         monkeypatch.setattr(WS, "ULDM", ul)
-        o, ht, *inter = F90.forward(q, k, v, g, beta, **args).value
-        out = {"o": o, "final_state": ht}
-        if train:
-            out.update(chunk_states=inter[0][3][:rows], vn=inter[0][4])
-        outs[tl, ul] = out
+        outs[tl, ul] = run()
     for key, out in outs.items():
         if key != (False, False):
             _assert_bitwise(case, out, outs[False, False], f"TLAYOUT={int(key[0])} ULDM={int(key[1])}")
@@ -1531,34 +1532,17 @@ def test_o_tma_stores_are_bitwise(case, monkeypatch, poisoned):
     by pairs as before): o, the final state (training: also the chunk states and vn) bitwise the pair stores', at 128
     columns (inference with w and u formed in the chain, training; dense T 333 with its partial last chunk, varlen
     with empty, one-token and partial sequences) and at K = V = 64 fp16 with [V, K] states (one output warpgroup)."""
-    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    K, V, vk, l2, dtype = 128, 128, False, True, torch.bfloat16
     train = case.startswith("train")
     case = case.split("_", 1)[1]
-    monkeypatch.setattr(WS, "TMA", True)
     monkeypatch.setattr(WS, "WG3", False)
-    monkeypatch.setattr(WS, "VB_MODE", "128" if case.endswith("vb128") else "64")
-    case = case.removesuffix("_vb128")
-    if case.startswith("k64"):
-        K, V, vk, l2, dtype = 64, 64, True, False, torch.float16
-    q, k, v, g, beta, h0, cu = _ws_inputs(case, K, V, dtype, l2norm=False, state_v_first=vk)
-    monkeypatch.setattr(F90, "SPLIT", False)
-    monkeypatch.setattr(F90, "STATE_WS", True)
-    args = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
-                state_v_first=vk)
-    if train:
-        args.update(store_states=True, keep_vn=True)
-    rows = int(F90.chunk_map(cu, q.shape[0], q.shape[1], q.device)[1][-1]) if cu is not None else None
+    run = _ws_switch_case(case.removesuffix("_vb128"), monkeypatch, train=train, tma=True,
+                          vb128=case.endswith("vb128"))
     outs = []
     for on in (False, True):
         monkeypatch.setattr(WS, "OTMA", on)
-        o, ht, *inter = F90.forward(q, k, v, g, beta, **args).value
-        out = {"o": o, "final_state": ht}
-        if train:
-            out.update(chunk_states=inter[0][3][:rows], vn=inter[0][4])
-        outs.append(out)
+        outs.append(run())
     _assert_bitwise(case, outs[1], outs[0], "o by TMA stores")
 
 
