@@ -94,9 +94,9 @@
 #   bash tools/gpu_next.sh s54      # the forward's transposed tiles for inference and u^T by ldmatrix (prepared): the
 #                                   # bitwise cases (GDN_S), time_gdn_fwd.py --tlayout (TIME_S, SHAPES), then the
 #                                   # profiles with both on (PROF=1)
-#   bash tools/gpu_next.sh s55      # o by TMA stores in the forward's specialized warpgroups (prepared): bitwise cases
-#                                   # (GDN_S), time_gdn_fwd.py --otma (TIME_S), then the forward tier under the new
-#                                   # defaults (TIER_S; 0 skips it)
+#   bash tools/gpu_next.sh s55      # o by TMA stores and the output on the chain's k factors in the forward's
+#                                   # specialized warpgroups (prepared): bitwise cases (GDN_S), time_gdn_fwd.py --otma
+#                                   # and --kshare (TIME_S), then the forward tier (TIER_S; 0 skips it)
 #   bash tools/gpu_next.sh s51      # the stage-3 and sweep tiers whole with both NORM8 switches on (GDN_S)
 #   bash tools/gpu_next.sh s49      # the thirty-second session's: the two-chain cases alone, the switch's check too
 #   bash tools/gpu_next.sh s45      # the GDN kernel tiers (not the two-chain cases) with stage 3 persistent and E in
@@ -576,8 +576,9 @@ s54)
   fi ;;
 s55)
   # the thirty-fourth session's: CUDNN_TRAIN_GDN_FWD_WS_OTMA, then the forward's tier under TLAYOUT / ULDM on
-  tier s55 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py -k o_tma_stores_are_bitwise
+  tier s55 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py -k o_tma_stores_and_shared_k_factors
   timed otma ${TIME_S:-120} python3 tools/time_gdn_fwd.py --otma --shapes 1
+  timed kshare ${TIME_S:-120} python3 tools/time_gdn_fwd.py --kshare --shapes 1
   if [ "${TIER_S:-0}" != 0 ]; then
     tier fwd_tier ${TIER_S} tests/kernels/test_gated_delta_rule_sm90.py
   fi ;;

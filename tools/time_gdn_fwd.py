@@ -6,10 +6,11 @@ kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
                                    --onfly | --chain-stores | --out-otma | --chain-seg | --tstore |
-                                   --profile-defaults | --tlayout | --otma]
+                                   --profile-defaults | --tlayout | --otma | --kshare]
 
 ``--otma``: the inference and training forwards with o by TMA stores (``CUDNN_TRAIN_GDN_FWD_WS_OTMA``) against the
 pair stores: o (training: also the chunk states, vn) bitwise first, then two alternating timed rounds.
+``--kshare``: the same with the output warpgroup on the chain's k factors (``CUDNN_TRAIN_GDN_FWD_WS_KSHARE``).
 
 ``--tlayout``: the inference forward with its specialized warpgroups on the transposed S / vn tiles
 (``CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT``), with the chain's u^T by ldmatrix (``_ULDM``) and with both, and the training
@@ -107,6 +108,7 @@ def main():
                     help="only the training forward: the split pass, the specialized warpgroups with the gathered "
                          "stores and with the transposed tiles' TMA stores (64 and 128 columns): bitwise, then timed")
     ap.add_argument("--otma", action="store_true", help="the forwards with o by TMA stores, alternating")
+    ap.add_argument("--kshare", action="store_true", help="the forwards with the chain's k factors shared")
     ap.add_argument("--tlayout", action="store_true",
                     help="the inference forward with TLAYOUT / ULDM, the training forward with ULDM, alternating")
     ap.add_argument("--profile-defaults", action="store_true",
@@ -147,8 +149,8 @@ def main():
         if args.tlayout:
             tlayout_rows(q, k, v, g, beta, B, T, H, HV)
             continue
-        if args.otma:
-            switch_rows(q, k, v, g, beta, B, T, H, HV, "OTMA")
+        if args.otma or args.kshare:
+            switch_rows(q, k, v, g, beta, B, T, H, HV, "OTMA" if args.otma else "KSHARE")
             continue
         if args.profile_defaults:
             profile_defaults(q, k, v, g, beta, B, T, H, HV, NT)

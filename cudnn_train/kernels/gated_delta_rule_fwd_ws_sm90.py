@@ -84,6 +84,7 @@ THREADS = 256
 BAR_ITER = 1  # the whole CTA, once an iteration
 BAR_CHAIN = 2  # warpgroup 0
 BAR_OUT = 3  # warpgroup 1
+BAR_RK = 5  # (kshare) the chain's k factors written (its 128 threads arrive), the output's read (its 128 sync)
 _SOURCES = (__file__, F.__file__, cm.__file__)
 # q, k, w, u by TMA (CUDNN_TRAIN_GDN_FWD_WS_TMA): one thread issues a chunk's tiles, so neither warpgroup stalls
 # issuing cp.async (half the chain's cycles in the thirteenth session's profile). GPU-run in the sixteenth session:
@@ -150,6 +151,12 @@ ULDM = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_ULDM", True)
 # the switch a full chunk's o goes by stmatrix into the q tile of the chunk's buffer (free by then) and one TMA store.
 # With the TMA loads, K == VB, one output warpgroup; training and inference. The same values: o bitwise.
 OTMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_OTMA", False)
+# The output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE, thirty-fourth session; prepared, off
+# until GPU-timed): both warpgroups computed the l2norm factors of each chunk's k rows (the same helper on the same
+# tile); with the switch the output takes the chain's (one named barrier: the chain arrives once written, the output
+# syncs before P), about 260 of its 1,800 SASS instructions a chunk in the training forward, where it is the longer
+# warpgroup. With the l2norm and one output warpgroup; the same values: o bitwise.
+KSHARE = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_KSHARE", False)
 
 
 def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False, tstore: bool = False) -> int:
@@ -186,7 +193,7 @@ WS_PHASES = (
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
            store_states: bool, keep_vn: bool, profile: bool = False, tma: bool = False, onfly: bool = False,
            wg3: bool = False, vb: int = VB, nseg: int = 1, tstore: bool = False, tlayout: bool = False,
-           uldm: bool = False, otma: bool = False):
+           uldm: bool = False, otma: bool = False, kshare: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -269,6 +276,10 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     # before. The q tile is o's [C, VB] tile only where K == VB; with the TMA loads and one output warpgroup
     assert not otma or (tma and K == VB and not wg3), (otma, tma, K, VB, wg3)
     BULK = tstore or otma  # the output's TMA_WARP has bulk stores in flight across iterations
+    # kshare (KSHARE): the output warpgroup takes the chain's l2norm factors of k (sRk0, the same helper on the same
+    # tile: the same values) instead of computing its own; the chain arrives on BAR_RK once they are written, the output
+    # syncs on it before P (every chunk both compute, not in the last iteration); one output warpgroup
+    assert not kshare or (l2norm and not wg3), (kshare, l2norm, wg3)
     walk = cm.make_segment_walk(forward=True)
     zero_unless = cm.make_zero_unless()
 
@@ -651,6 +662,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             warpgroup.wait_group(0)
                             if cutlass.const_expr(l2norm or onfly):
                                 cute.arch.barrier(barrier_id=BAR_CHAIN, number_of_threads=128)  # sRk0 (sT) written
+                            if cutlass.const_expr(kshare):  # sRk0 for the output warpgroup's P
+                                cute.arch.barrier_arrive(barrier_id=BAR_RK, number_of_threads=256)
                             pmark(prof, 3)
                             if cutlass.const_expr(onfly):
                                 # ---- R^T = (v^T - X^T diag(exp(gc) rk)) diag(beta), the A operand of vn^T = R^T T^T
@@ -802,7 +815,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                         if cutlass.const_expr(l2norm):
                             if ci < nchunks:
                                 rows_inv_norm(sQb[par], sRq, lt)
-                                rows_inv_norm(sKb[par], sRk, lt)
+                                if cutlass.const_expr(not kshare):
+                                    rows_inv_norm(sKb[par], sRk, lt)
                         warpgroup.wait_group(0)
                         pmark(prof, 3)
                         if ci > 0:
@@ -816,11 +830,16 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                                 store_o(accOb[1 - par], cO, mO, b, hv, tp, cutlass.min(te - tp, C), v0, r2o, map_so,
                                         sQb[par], store_warp, (aO, tO), lt)
                         pmark(prof, 4)
+                        sRkP = sRk
+                        if cutlass.const_expr(kshare):  # the chain's k factors of chunk ci (rewritten only after the
+                            sRkP = sRk0  # next CTA barrier, which this warpgroup reaches after P)
+                            if ci < nchunks:
+                                cute.arch.barrier(barrier_id=BAR_RK, number_of_threads=256)
                         if cutlass.const_expr(tma):  # in the last iteration too (unused there): with the P
                             # registers written under a branch, ptxas serializes this kernel's products (C7520)
-                            p_and_scale(accP, rPb[par], accOb[par], cP, cO, sGcb[par], sRq, sRk, scale, map_p)
+                            p_and_scale(accP, rPb[par], accOb[par], cP, cO, sGcb[par], sRq, sRkP, scale, map_p)
                         elif ci < nchunks:
-                            p_and_scale(accP, rPb[par], accOb[par], cP, cO, sGcb[par], sRq, sRk, scale, map_p)
+                            p_and_scale(accP, rPb[par], accOb[par], cP, cO, sGcb[par], sRq, sRkP, scale, map_p)
                         pmark(prof, 5)
             if cutlass.const_expr(BULK):  # every store done before the CTA's shared memory goes
                 if store_warp:
@@ -865,13 +884,14 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
                profile=False, tma=None, onfly=False, wg3=None, vb=VB, nseg=1, tstore=None, tlayout=None,
-               uldm=None, otma=None):
+               uldm=None, otma=None, kshare=None):
     """The compiled state pass; ``tstore`` (default :data:`TSTORE`, only with ``store_states``): the chunk states
     and vn written by TMA stores from tiles the chain writes transposed (see ``TSTORE``); ``tlayout`` (default
     :data:`TLAYOUT`, inference only, ignored with ``store_states``): those transposed tiles without the stores;
     ``uldm`` (default :data:`ULDM`, ignored where u's tile is not swizzled): the chain's u^T by ldmatrix; ``otma``
     (default :data:`OTMA`, ignored where it cannot serve: K != vb, cp.async loads, two output warpgroups): o by TMA
-    stores."""
+    stores; ``kshare`` (default :data:`KSHARE`, ignored without the l2norm or with two output warpgroups): the output
+    warpgroup on the chain's k factors."""
     tma = (K == V if TMA is None else TMA) if tma is None else bool(tma)
     tstore = bool(store_states) and (TSTORE if tstore is None else bool(tstore))
     tlayout = not store_states and (TLAYOUT if tlayout is None else bool(tlayout))
@@ -881,6 +901,7 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
         wg3 = tma and want and not store_states and not profile
     wg3 = bool(wg3)
     otma = tma and K == vb and not wg3 and (OTMA if otma is None else bool(otma))
+    kshare = bool(l2norm) and not wg3 and (KSHARE if kshare is None else bool(kshare))
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if vb not in (64, 128) or vb > V or (wg3 and vb == 128 and onfly):
@@ -897,11 +918,12 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ()) + (("vb", vb) if vb != VB else ()) + (
         (("nseg", nseg),) if nseg > 1 else ()) + (("tstore",) if tstore else ()) + (("tlayout",) if tlayout else ()) + (
-        ("uldm",) if uldm else ()) + (("otma",) if otma else ())
+        ("uldm",) if uldm else ()) + (("otma",) if otma else ()) + (("kshare",) if kshare else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
-                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb, nseg, tstore, tlayout, uldm, otma)
+                      bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb, nseg, tstore, tlayout, uldm, otma,
+                      kshare)
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 

@@ -248,7 +248,7 @@ def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache):
     the chain) with each and both, 64 columns with two output warpgroups and both, cp.async at 128 columns (u's tile
     swizzled there too) with both, K = V = 64 fp16 with [V, K] states with both, and the training forward's call
     with ULDM; o by TMA stores (CUDNN_TRAIN_GDN_FWD_WS_OTMA) at the B4 inference and training calls and at
-    K = V = 64. TLAYOUT is ignored with store_states (the training tiles are transposed already), ULDM where u's
+    K = V = 64, and with the output on the chain's k factors too (CUDNN_TRAIN_GDN_FWD_WS_KSHARE). TLAYOUT is ignored with store_states (the training tiles are transposed already), ULDM where u's
     tile is padded and OTMA with cp.async loads (cp.async at 64 columns): those calls take the kernels compiled
     without them."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
@@ -266,13 +266,16 @@ def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache):
     assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, **both, **infer))
     assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, uldm=True, **train))
     assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=False, otma=True, **both))
-    assert len(list(kernel_cache.rglob("*.o"))) == 10
+    # the output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE, prepared), with OTMA
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, kshare=True, **both, **infer))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, kshare=True, uldm=True, **train))
+    assert len(list(kernel_cache.rglob("*.o"))) == 12
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tlayout=False, uldm=False, **train))
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=64, uldm=False, otma=False))
-    assert len(list(kernel_cache.rglob("*.o"))) == 12
+    assert len(list(kernel_cache.rglob("*.o"))) == 14
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tlayout=True, uldm=False, **train))  # the kernel without TLAYOUT
     assert callable(WS.get_kernel(*WS_VARIANTS[0], tma=False, vb=64, uldm=True, otma=True))  # without ULDM, OTMA
-    assert len(list(kernel_cache.rglob("*.o"))) == 12
+    assert len(list(kernel_cache.rglob("*.o"))) == 14
 
 
 def test_specialized_warpgroups_v_block_choice(monkeypatch):
@@ -1527,11 +1530,13 @@ def test_transposed_tiles_and_ldmatrix_are_bitwise(case, monkeypatch, poisoned):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["infer_dense_vb128", "infer_varlen_vb128", "infer_k64_fp16_no_l2norm_vk",
                                   "train_varlen_vb128", "train_dense_vb128", "train_k64_fp16_no_l2norm_vk"])
-def test_o_tma_stores_are_bitwise(case, monkeypatch, poisoned):
+def test_o_tma_stores_and_shared_k_factors_are_bitwise(case, monkeypatch, poisoned):
     """o by stmatrix into the chunk's q tile and one TMA store (CUDNN_TRAIN_GDN_FWD_WS_OTMA; a partial chunk's rows
-    by pairs as before): o, the final state (training: also the chunk states and vn) bitwise the pair stores', at 128
-    columns (inference with w and u formed in the chain, training; dense T 333 with its partial last chunk, varlen
-    with empty, one-token and partial sequences) and at K = V = 64 fp16 with [V, K] states (one output warpgroup)."""
+    by pairs as before) and the output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE), each alone
+    and both: o, the final state (training: also the chunk states and vn) bitwise both off, at 128 columns (inference
+    with w and u formed in the chain, training; dense T 333 with its partial last chunk, varlen with empty,
+    one-token and partial sequences) and at K = V = 64 fp16 with [V, K] states (one output warpgroup; no l2norm,
+    which KSHARE needs)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     train = case.startswith("train")
@@ -1539,11 +1544,14 @@ def test_o_tma_stores_are_bitwise(case, monkeypatch, poisoned):
     monkeypatch.setattr(WS, "WG3", False)
     run = _ws_switch_case(case.removesuffix("_vb128"), monkeypatch, train=train, tma=True,
                           vb128=case.endswith("vb128"))
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(WS, "OTMA", on)
-        outs.append(run())
-    _assert_bitwise(case, outs[1], outs[0], "o by TMA stores")
+    outs = {}
+    for ot, ks in ((False, False), (True, False), (False, True), (True, True)):
+        monkeypatch.setattr(WS, "OTMA", ot)
+        monkeypatch.setattr(WS, "KSHARE", ks)
+        outs[ot, ks] = run()
+    for key, out in outs.items():
+        if key != (False, False):
+            _assert_bitwise(case, out, outs[False, False], f"OTMA={int(key[0])} KSHARE={int(key[1])}")
 
 
 @pytest.mark.gpu
