@@ -1476,6 +1476,21 @@ def _ws_switch_case(case, monkeypatch, *, tma, vb128, train):
     return run
 
 
+def _assert_switches_bitwise(case, run, monkeypatch, module, a: str, b: str, first_off: bool = False):
+    """``run()`` with the module switches ``a`` and ``b`` each on alone and both on (``first_off``: ``a`` stays
+    off, where it does not reach the call), every output bitwise the run with both off."""
+    outs = {}
+    for on_a, on_b in ((False, False), (True, False), (False, True), (True, True)):
+        if first_off and on_a:
+            continue
+        monkeypatch.setattr(module, a, on_a)
+        monkeypatch.setattr(module, b, on_b)
+        outs[on_a, on_b] = run()
+    for key, out in outs.items():
+        if key != (False, False):
+            _assert_bitwise(case, out, outs[False, False], f"{a}={int(key[0])} {b}={int(key[1])}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["varlen", "varlen_vb128", "tma_dense_vb128", "tma_varlen", "k64_fp16_no_l2norm_vk",
                                   "v64_tma_varlen"])
@@ -1515,16 +1530,7 @@ def test_transposed_tiles_and_ldmatrix_are_bitwise(case, monkeypatch, poisoned):
     case = case.split("_", 1)[1]
     run = _ws_switch_case(case.removeprefix("async_").removesuffix("_vb128"), monkeypatch, train=train,
                           tma=not case.startswith("async"), vb128=case.endswith("vb128"))
-    outs = {}
-    for tl, ul in ((False, False), (True, False), (False, True), (True, True)):
-        if train and tl:
-            continue
-        monkeypatch.setattr(WS, "TLAYOUT", tl)
-        monkeypatch.setattr(WS, "ULDM", ul)
-        outs[tl, ul] = run()
-    for key, out in outs.items():
-        if key != (False, False):
-            _assert_bitwise(case, out, outs[False, False], f"TLAYOUT={int(key[0])} ULDM={int(key[1])}")
+    _assert_switches_bitwise(case, run, monkeypatch, WS, "TLAYOUT", "ULDM", first_off=train)
 
 
 @pytest.mark.gpu
@@ -1544,14 +1550,7 @@ def test_o_tma_stores_and_shared_k_factors_are_bitwise(case, monkeypatch, poison
     monkeypatch.setattr(WS, "WG3", False)
     run = _ws_switch_case(case.removesuffix("_vb128"), monkeypatch, train=train, tma=True,
                           vb128=case.endswith("vb128"))
-    outs = {}
-    for ot, ks in ((False, False), (True, False), (False, True), (True, True)):
-        monkeypatch.setattr(WS, "OTMA", ot)
-        monkeypatch.setattr(WS, "KSHARE", ks)
-        outs[ot, ks] = run()
-    for key, out in outs.items():
-        if key != (False, False):
-            _assert_bitwise(case, out, outs[False, False], f"OTMA={int(key[0])} KSHARE={int(key[1])}")
+    _assert_switches_bitwise(case, run, monkeypatch, WS, "OTMA", "KSHARE")
 
 
 @pytest.mark.gpu
