@@ -576,6 +576,19 @@ def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     return run, o_ws
 
 
+# the forwards as the op calls them: inference (nothing kept) and training (chunk states, vn and Tm kept)
+FORWARDS = {"inference": dict(use_qk_l2norm_in_kernel=True),
+            "training": dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)}
+
+
+def compared(a, b, training: bool) -> str:
+    """Two forwards' outputs (``forward(...).value``) compared: o, and for training the chunk states and vn, each
+    'bitwise' or its relative L2 distance."""
+    parts = [("o", a[0], b[0])] + ([("chunk_states", a[2][3], b[2][3]), ("vn", a[2][4], b[2][4])] if training else [])
+    return ", ".join(f"{n} {'bitwise' if torch.equal(x, y) else f'rel L2 {rel_l2(x.float(), y.float()):.1e}'}"
+                     for n, x, y in parts)
+
+
 def tstore_rows(q, k, v, g, beta, B, T, H, HV):
     """The training forward (chunk states, vn and Tm kept, as the training path calls it) on the split pass (its
     default before the thirty-first session: ``TSTORE`` off), on the specialized warpgroups with the gathered stores
@@ -584,7 +597,6 @@ def tstore_rows(q, k, v, g, beta, B, T, H, HV):
     64), then each timed twice, alternating."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)
     saved = F90.SPLIT, F90.STATE_WS, WS.VB_MODE, WS.TSTORE
     rows = {"split pass (TSTORE=0)": (None, None, "auto", False),
             "warpgroups, gathered stores, 64": (False, True, "64", False),
@@ -594,23 +606,17 @@ def tstore_rows(q, k, v, g, beta, B, T, H, HV):
     def run(name):
         F90.SPLIT, F90.STATE_WS, WS.VB_MODE, WS.TSTORE = rows[name]
         try:
-            return F90.forward(q, k, v, g, beta, **train).value
+            return F90.forward(q, k, v, g, beta, **FORWARDS["training"]).value
         finally:
             F90.SPLIT, F90.STATE_WS, WS.VB_MODE, WS.TSTORE = saved
 
     outs = {name: run(name) for name in rows}
     torch.cuda.synchronize()
 
-    def parts(r):
-        return {"o": r[0], "chunk_states": r[2][3], "vn": r[2][4]}
-
     names = list(rows)
     print(f"\nB{B} T{T} H{H} HV{HV}, the training forward:")
     for a, b in ((names[2], names[1]), (names[3], names[2]), (names[3], names[0])):
-        pa, pb = parts(outs[a]), parts(outs[b])
-        print(f"  {a} against {b}: " + ", ".join(
-            f"{n} {'bitwise' if torch.equal(pa[n], pb[n]) else f'rel L2 {rel_l2(pa[n].float(), pb[n].float()):.1e}'}"
-            for n in pa))
+        print(f"  {a} against {b}: " + compared(outs[a], outs[b], True))
     for _ in range(2):
         for name in names:
             print(f"  {name:34s} {bench(lambda: run(name), 10, 40):.3f} ms")
@@ -621,27 +627,20 @@ def switch_rows(q, k, v, g, beta, B, T, H, HV, attr):
     ``attr`` off and on: outputs compared (bitwise expected), then two alternating timed rounds."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    calls = {"inference": dict(use_qk_l2norm_in_kernel=True),
-             "training": dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)}
     saved = getattr(WS, attr)
 
     def run(name, on):
         setattr(WS, attr, on)
         try:
-            return F90.forward(q, k, v, g, beta, **calls[name]).value
+            return F90.forward(q, k, v, g, beta, **FORWARDS[name]).value
         finally:
             setattr(WS, attr, saved)
 
     print(f"\nB{B} T{T} H{H} HV{HV}, the forwards with {attr} off / on:")
-    for name in calls:
-        a, b = run(name, True), run(name, False)
-        parts = [("o", a[0], b[0])] + ([("chunk_states", a[2][3], b[2][3]), ("vn", a[2][4], b[2][4])]
-                                       if name == "training" else [])
-        print(f"  {name}: " + ", ".join(
-            f"{n} {'bitwise' if torch.equal(x, y) else f'rel L2 {rel_l2(x.float(), y.float()):.1e}'}"
-            for n, x, y in parts))
+    for name in FORWARDS:
+        print(f"  {name}: " + compared(run(name, True), run(name, False), name == "training"))
     for _ in range(2):
-        for name in calls:
+        for name in FORWARDS:
             for on in (False, True):
                 print(f"  {name:10s} {attr}={int(on)} {bench(lambda: run(name, on), 10, 40):.3f} ms")
 
@@ -650,8 +649,7 @@ def tlayout_rows(q, k, v, g, beta, B, T, H, HV):
     """The forwards as the op calls them with TLAYOUT / ULDM off and on: outputs bitwise, then two timed rounds."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    infer = dict(use_qk_l2norm_in_kernel=True)
-    train = dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)
+    infer, train = FORWARDS["inference"], FORWARDS["training"]
     rows = {"inference, both off": (infer, False, False), "inference, TLAYOUT": (infer, True, False),
             "inference, ULDM": (infer, False, True), "inference, both": (infer, True, True),
             "training, ULDM off": (train, False, False), "training, ULDM": (train, False, True)}
@@ -669,12 +667,7 @@ def tlayout_rows(q, k, v, g, beta, B, T, H, HV):
     print(f"\nB{B} T{T} H{H} HV{HV}, the forwards with TLAYOUT / ULDM:")
     for name, base in (("inference, TLAYOUT", "inference, both off"), ("inference, ULDM", "inference, both off"),
                        ("inference, both", "inference, both off"), ("training, ULDM", "training, ULDM off")):
-        a, b = outs[name], outs[base]
-        parts = [("o", a[0], b[0])] + ([("chunk_states", a[2][3], b[2][3]), ("vn", a[2][4], b[2][4])]
-                                       if name.startswith("training") else [])
-        print(f"  {name} against {base}: " + ", ".join(
-            f"{n} {'bitwise' if torch.equal(x, y) else f'rel L2 {rel_l2(x.float(), y.float()):.1e}'}"
-            for n, x, y in parts))
+        print(f"  {name} against {base}: " + compared(outs[name], outs[base], name.startswith("training")))
     for _ in range(2):
         for name in rows:
             print(f"  {name:22s} {bench(lambda: run(name), 10, 40):.3f} ms")
@@ -684,10 +677,8 @@ def profile_defaults(q, k, v, g, beta, B, T, H, HV, NT):
     """The default inference and training forwards: timed, then once with the state pass's profile variant."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    calls = {"inference": dict(use_qk_l2norm_in_kernel=True),
-             "training": dict(use_qk_l2norm_in_kernel=True, store_states=True, keep_vn=True, keep_tm=True)}
     print(f"\nB{B} T{T} H{H} HV{HV}, the forwards as the op calls them:")
-    for name, kw in calls.items():
+    for name, kw in FORWARDS.items():
         run = lambda kw=kw: F90.forward(q, k, v, g, beta, **kw).value  # noqa: E731
         o_ref = run()[0]
         print(f"  {name:10s} {bench(run, 10, 40):.3f} ms")

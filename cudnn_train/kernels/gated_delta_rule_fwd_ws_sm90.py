@@ -934,11 +934,12 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
 PROFILE_INTO = None
 
 
-def _profile_buffer(ctas: int):
-    """A zeroed profile buffer for ``ctas`` CTAs, appended to :data:`PROFILE_INTO`, or None when not profiling."""
+def _profile_buffer(ctas: int, device):
+    """A zeroed profile buffer for ``ctas`` CTAs on ``device``, appended to :data:`PROFILE_INTO`, or None when not
+    profiling."""
     if PROFILE_INTO is None:
         return None
-    buf = torch.zeros(ctas * 2 * (len(WS_PHASES[0]) + 1), dtype=torch.int64, device="cuda")
+    buf = torch.zeros(ctas * 2 * (len(WS_PHASES[0]) + 1), dtype=torch.int64, device=device)
     PROFILE_INTO.append(buf)
     return buf
 
@@ -953,7 +954,7 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, stat
     B, T, HV, V = u.shape
     K = q.shape[-1]
     vb = v_block(V, nseq * nseg, HV, q.device, hs is not None, hs is not None and TSTORE) if vb is None else vb
-    prof = _profile_buffer(nseq * HV * (V // vb) * nseg)
+    prof = _profile_buffer(nseq * HV * (V // vb) * nseg, q.device)
     fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, hs is not None,
                     vn is not None, vb=vb, nseg=nseg, profile=prof is not None)
     f32_dummy, _, i64_dummy = F._dummies(q.device)
@@ -971,7 +972,7 @@ def state_pass_onfly(q, k, v, a0, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, sc
     B, T, HV, V = v.shape
     K = q.shape[-1]
     vb = v_block(V, nseq * nseg, HV, q.device) if vb is None else vb
-    prof = _profile_buffer(nseq * HV * (V // vb) * nseg)
+    prof = _profile_buffer(nseq * HV * (V // vb) * nseg, q.device)
     fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, onfly=True, vb=vb,
                     nseg=nseg, profile=prof is not None)
     f32_dummy, _, i64_dummy = F._dummies(q.device)
