@@ -145,17 +145,21 @@ TLAYOUT = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT", True)
 # the training forward 0.685 / 0.690 -> 0.681 / 0.679 (its output warpgroup is the longer one there). Unset or 1: on;
 # 0: off.
 ULDM = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_ULDM", True)
-# o by TMA stores (CUDNN_TRAIN_GDN_FWD_WS_OTMA, thirty-fourth session; prepared, off until GPU-timed): the output
-# warpgroup stored a chunk's o [64, VB] from its accumulators as 4-byte pairs, 32 a thread (the profile's "o stores",
-# 2.3K of its 9.4K cycles a chunk at B4 T4096, H100, where it is the longer warpgroup of the training forward); with
-# the switch a full chunk's o goes by stmatrix into the q tile of the chunk's buffer (free by then) and one TMA store.
-# With the TMA loads, K == VB, one output warpgroup; training and inference. The same values: o bitwise.
-OTMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_OTMA", False)
-# The output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE, thirty-fourth session; prepared, off
-# until GPU-timed): both warpgroups computed the l2norm factors of each chunk's k rows (the same helper on the same
-# tile); with the switch the output takes the chain's (one named barrier: the chain arrives once written, the output
-# syncs before P), about 260 of its 1,800 SASS instructions a chunk in the training forward, where it is the longer
-# warpgroup. With the l2norm and one output warpgroup; the same values: o bitwise.
+# o by TMA stores (CUDNN_TRAIN_GDN_FWD_WS_OTMA, prepared in the thirty-fourth session, the default since its GPU run
+# in the thirty-fifth): the output warpgroup stored a chunk's o [64, VB] from its accumulators as 4-byte pairs, 32 a
+# thread (the profile's "o stores", 2.3K of its 9.4K cycles a chunk at B4 T4096, H100, where it is the longer
+# warpgroup of the training forward); with the switch a full chunk's o goes by stmatrix into the q tile of the
+# chunk's buffer (free by then) and one TMA store. With the TMA loads, K == VB, one output warpgroup; training and
+# inference. The same values (GPU cases: o bitwise). H100, B4 T4096: the training forward 0.678 / 0.677 -> 0.641 /
+# 0.642 ms, the inference forward unchanged (0.482 / 0.477 -> 0.485 / 0.475). Unset or 1: on; 0: off.
+OTMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_OTMA", True)
+# The output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE, thirty-fourth session; GPU-run in
+# the thirty-fifth: bitwise, no gain, off): both warpgroups computed the l2norm factors of each chunk's k rows (the
+# same helper on the same tile); with the switch the output takes the chain's (one named barrier: the chain arrives
+# once written, the output syncs before P), about 260 of its 1,800 SASS instructions a chunk in the training
+# forward, where it is the longer warpgroup. With the l2norm and one output warpgroup; the same values: o bitwise.
+# H100, B4 T4096 (OTMA off): training 0.676 / 0.674 -> 0.680 / 0.678 ms, inference 0.481 / 0.465 -> 0.484 / 0.493:
+# the barrier's wait costs what the saved instructions gave.
 KSHARE = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_KSHARE", False)
 
 

@@ -242,7 +242,7 @@ def test_specialized_warpgroups_transposed_stores_compile_for_sm90a(kernel_cache
 
 
 @pytest.mark.compile
-def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache):
+def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache, monkeypatch):
     """The inference forward on the transposed S / vn tiles (CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT) and the chain's u^T by
     ldmatrix (CUDNN_TRAIN_GDN_FWD_WS_ULDM), prepared: the B4 T4096 inference call (128 columns, TMA, w and u formed in
     the chain) with each and both, 64 columns with two output warpgroups and both, cp.async at 128 columns (u's tile
@@ -250,9 +250,10 @@ def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache):
     with ULDM; o by TMA stores (CUDNN_TRAIN_GDN_FWD_WS_OTMA) at the B4 inference and training calls and at
     K = V = 64, and with the output on the chain's k factors too (CUDNN_TRAIN_GDN_FWD_WS_KSHARE). TLAYOUT is ignored with store_states (the training tiles are transposed already), ULDM where u's
     tile is padded and OTMA with cp.async loads (cp.async at 64 columns): those calls take the kernels compiled
-    without them."""
+    without them. OTMA (on by default since the thirty-fifth session) off unless asked for, as when it was written."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
+    monkeypatch.setattr(WS, "OTMA", False)
     infer = dict(tma=True, wg3=False, onfly=True, vb=128)
     for tl, ul in ((True, False), (False, True), (True, True)):
         assert callable(WS.get_kernel(*WS_VARIANTS[0], tlayout=tl, uldm=ul, **infer))
@@ -262,11 +263,11 @@ def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache):
     assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=True, **both))
     train = dict(store_states=True, keep_vn=True, tstore=True, tma=True, vb=128)
     assert callable(WS.get_kernel(*WS_VARIANTS[0], uldm=True, **train))
-    # o by TMA stores (CUDNN_TRAIN_GDN_FWD_WS_OTMA, prepared): the B4 inference and training calls, K = V = 64
+    # o by TMA stores (CUDNN_TRAIN_GDN_FWD_WS_OTMA): the B4 inference and training calls, K = V = 64
     assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, **both, **infer))
     assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, uldm=True, **train))
     assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=False, otma=True, **both))
-    # the output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE, prepared), with OTMA
+    # the output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE, off by default), with OTMA
     assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, kshare=True, **both, **infer))
     assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, kshare=True, uldm=True, **train))
     assert len(list(kernel_cache.rglob("*.o"))) == 12
@@ -1998,7 +1999,12 @@ def test_op_dispatch_leaves_a_call_to_flashqla_only(grad, monkeypatch):
         outs.append(run())
         assert last_path("chunk_gated_delta_rule") == ours
         monkeypatch.setenv(env, "0")
-        outs.append(run())
+        try:
+            outs.append(run())
+        except RuntimeError as e:  # FLA 0.6 declines its own backward on Triton 3.4-3.7.0 on Hopper without TileLang
+            if grad and fla and "#640" in str(e):
+                pytest.skip(f"every dispatch check passed; the next backend (FLA) refuses its backward here: {e}")
+            raise
         assert last_path("chunk_gated_delta_rule").startswith(f"fla:fallback({env}=0)" if fla else "torch:"), \
             last_path("chunk_gated_delta_rule")
     # the last call went to the next backend (FLA, else torch): the peer of the FLA-compat rule
