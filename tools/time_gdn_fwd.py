@@ -6,7 +6,12 @@ kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
                                    --onfly | --chain-stores | --out-otma | --chain-seg | --tstore |
-                                   --profile-defaults | --tlayout | --otma | --kshare]
+                                   --profile-defaults | --tlayout | --otma | --kshare | --train-onfly]
+
+``--train-onfly``: the training forward as the training path calls it with w and u formed in the chain
+(``CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY``) against the default (o, chunk states, vn, Tm: relative L2), then the reverse
+sweep on each one's outputs (on w; on Tm and the effective beta: dvn, dH relative L2), each timed in two alternating
+rounds.
 
 ``--otma``: the inference and training forwards with o by TMA stores (``CUDNN_TRAIN_GDN_FWD_WS_OTMA``) against the
 pair stores: o (training: also the chunk states, vn) bitwise first, then two alternating timed rounds.
@@ -109,6 +114,8 @@ def main():
                          "stores and with the transposed tiles' TMA stores (64 and 128 columns): bitwise, then timed")
     ap.add_argument("--otma", action="store_true", help="the forwards with o by TMA stores, alternating")
     ap.add_argument("--kshare", action="store_true", help="the forwards with the chain's k factors shared")
+    ap.add_argument("--train-onfly", action="store_true",
+                    help="the training forward with w, u formed in its chain and the sweep on Tm, alternating")
     ap.add_argument("--tlayout", action="store_true",
                     help="the inference forward with TLAYOUT / ULDM, the training forward with ULDM, alternating")
     ap.add_argument("--profile-defaults", action="store_true",
@@ -148,6 +155,9 @@ def main():
             continue
         if args.tlayout:
             tlayout_rows(q, k, v, g, beta, B, T, H, HV)
+            continue
+        if args.train_onfly:
+            train_onfly_rows(q, k, v, g, beta, B, T, H, HV)
             continue
         if args.otma or args.kshare:
             switch_rows(q, k, v, g, beta, B, T, H, HV, "OTMA" if args.otma else "KSHARE")
@@ -567,7 +577,7 @@ def ws_variant(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     o_ws = torch.full_like(o_ref, float("nan"))
 
     def run():
-        fn(q, k, w, u, gc, d4, o_ws, d4, cu, cuc, d4, d4, K**-0.5, T, NT, group, B, i64, gc)
+        fn(q, k, w, u, gc, d4, o_ws, d4, cu, cuc, d4, d4, K**-0.5, T, NT, group, B, i64, gc, d4)
 
     run()
     torch.cuda.synchronize()
@@ -645,6 +655,48 @@ def switch_rows(q, k, v, g, beta, B, T, H, HV, attr):
                 print(f"  {name:10s} {attr}={int(on)} {bench(lambda: run(name, on), 10, 40):.3f} ms")
 
 
+def train_onfly_rows(q, k, v, g, beta, B, T, H, HV):
+    """The training forward (``train_onfly=True``, as the training path asks where the fused sweep runs) with
+    ``TRAIN_ONFLY`` off and on, and the reverse sweep on each one's saved tensors (w; Tm and the effective beta), as
+    the training path calls it: outputs compared by relative L2, then two alternating timed rounds of each."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    kw = dict(FORWARDS["training"], train_onfly=True)
+    saved = F90.TRAIN_ONFLY
+
+    def fwd(on):
+        F90.TRAIN_ONFLY = on
+        try:
+            return F90.forward(q, k, v, g, beta, **kw).value
+        finally:
+            F90.TRAIN_ONFLY = saved
+
+    outs = {on: fwd(on) for on in (False, True)}
+    if outs[True][2][0] is not None:
+        print("  (the forward did not take the chain's w and u at this shape: not timed)")
+        return
+    do = torch.randn_like(v)
+    scale = q.shape[-1] ** -0.5
+
+    def sweep(on):
+        w, u, gc = outs[on][2][:3]
+        tm = outs[on][2][5]
+        return B90.reverse_sweep(q, k, tm if on else w, gc, do, scale=scale, use_qk_l2norm_in_kernel=True,
+                                 out_dtype=q.dtype, beta=u if on else None)
+
+    sw = {on: sweep(on) for on in (False, True)}
+    a, b = outs[True], outs[False]
+    parts = [("o", a[0], b[0]), ("chunk_states", a[2][3], b[2][3]), ("vn", a[2][4], b[2][4]),
+             ("Tm", a[2][5], b[2][5]), ("sweep dvn", sw[True][0], sw[False][0]), ("sweep dH", sw[True][1], sw[False][1])]
+    print(f"\nB{B} T{T} H{H} HV{HV}, the training forward and sweep, TRAIN_ONFLY off / on:")
+    print("  " + ", ".join(f"{n} rel L2 {rel_l2(x.float(), y.float()):.1e}" for n, x, y in parts))
+    for _ in range(2):
+        for on in (False, True):
+            print(f"  training forward TRAIN_ONFLY={int(on)} {bench(lambda: fwd(on), 10, 40):.3f} ms")
+        for on in (False, True):
+            print(f"  reverse sweep {'on Tm' if on else 'on w '}            {bench(lambda: sweep(on), 10, 40):.3f} ms")
+
+
 def tlayout_rows(q, k, v, g, beta, B, T, H, HV):
     """The forwards as the op calls them with TLAYOUT / ULDM off and on: outputs bitwise, then two timed rounds."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
@@ -712,7 +764,7 @@ def profile_ws(q, k, w, u, gc, d4, cu, cuc, T, NT, group, B, o_ref, **kw):
     nph = len(WS.WS_PHASES[0])
     buf = torch.zeros(ctas * 2 * (nph + 1), dtype=torch.int64, device=q.device)
     o = torch.full_like(o_ref, float("nan"))
-    fn(q, k, w, u, gc, d4, o, d4, cu, cuc, d4, d4, K**-0.5, T, NT, group, B, buf, gc)
+    fn(q, k, w, u, gc, d4, o, d4, cu, cuc, d4, d4, K**-0.5, T, NT, group, B, buf, gc, d4)
     torch.cuda.synchronize()
     print(f"  profile variant's o equals the plain kernel's: {torch.equal(o, o_ref)}")
     per_wg = buf.view(ctas, 2, nph + 1)

@@ -77,7 +77,7 @@ _SOURCES = (__file__, cm.__file__, fwd.__file__)
 def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bool, state_vk: bool, odt=None,
                   WGS: int = 1, PREFETCH: bool = False, PROFILE: bool = False, EARLY_QK: bool = False,
                   TMA: bool = False, VH: int = 1, DHTMA: bool = False, DVNTMA: bool = False, NSEG: int = 1,
-                  PREP_CAP: int = 0, NORM8: bool = False):
+                  PREP_CAP: int = 0, NORM8: bool = False, TW: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -112,7 +112,17 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     if DVNTMA and not DHTMA:
         raise ValueError("dvn's TMA stores come with dH's (their bulk groups are waited for together)")
     issue_gc = fwd.make_issue_gc()
-    WD_BYTES = (C * K + C * VB) * dtype.width // 8
+    # TW (the training forward that forms w and u in its chain, which leaves no w): mW holds the forward's gated
+    # chunk inverse Tm [B, T, HV, C] (stage 3's, lower triangular) and mBe the effective beta; the state update's
+    # term uses the identity w = Tm diag(beta exp(gc) rk) k,
+    #     dvn^T w = ((dvn^T Tm) diag(beta exp(gc) rk)) k,
+    # one more [VB, C] x [C, C] product (Y) before the update, whose B is then this chunk's k tile: k takes two
+    # buffers (the next chunk's k lands in the other while this one's is still read). With the TMA loads, the
+    # prefetch, one warpgroup a V half, not the prepare step or segments (their walks read w); Y rounds where w did.
+    if TW and not (TMA and PREFETCH and WGS == 1 and not PREP_CAP and NSEG == 1):
+        raise ValueError("TW: with the TMA loads and the prefetch, one warpgroup a V half, no segments or prepare")
+    WC = C if TW else K  # columns of the tile in w's slot
+    WD_BYTES = (C * WC + C * VB) * dtype.width // 8
     QK_BYTES = 2 * C * K * dtype.width // 8
 
     zero_tail = cm.make_zero_rows(dtype, THREADS)  # (TMA) the first chunk taken's rows past its end
@@ -146,6 +156,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     @cute.jit
     def next_qk(gm: cutlass.Constexpr, sQ: cute.Tensor, sK: cute.Tensor, ta: cutlass.Constexpr, mbar, b: Int32, h: Int32,
                 t1: Int32, length: Int32, tidx: Int32):
+        # (TW: sK is the k buffer of the chunk at row t1)
         # q and k of the chunk at row t1 into their one buffer: by TMA on mbarrier 2 (warp 0), or by cp.async
         if cutlass.const_expr(TMA):
             aQ, aK, _, _, tQ, tK, _, _ = ta
@@ -157,14 +168,16 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
 
     @cute.jit
     def next_wdg(gm: cutlass.Constexpr, sW: cute.Tensor, sDo: cute.Tensor, sGc: cute.Tensor, ta: cutlass.Constexpr,
-                 bar, b: Int32, hv: Int32, t1: Int32, v0: Int32, length: Int32, tidx: Int32):
-        # w, do and gc of the chunk at row t1 into one buffer: w and do by TMA on that buffer's mbarrier ``bar``
-        # (warp 0) and gc by cp.async, or all by cp.async
+                 bar, b: Int32, hv: Int32, t1: Int32, v0: Int32, length: Int32, tidx: Int32, sBe=None):
+        # w (TW: Tm), do and gc (TW: and beta) of the chunk at row t1 into one buffer: w and do by TMA on that
+        # buffer's mbarrier ``bar`` (warp 0) and gc by cp.async, or all by cp.async
         if cutlass.const_expr(TMA):
             _, _, aW, aDo, _, _, tW, tDo = ta
             issue_gc(gm[4], sGc, b, hv, t1, length, tidx)
+            if cutlass.const_expr(TW):
+                issue_gc(gm[5], sBe, b, hv, t1, length, tidx)
             if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-                cm.tma_load([(aW, cm.token_box(tW, b, hv, t1, 0, C, K), sW),
+                cm.tma_load([(aW, cm.token_box(tW, b, hv, t1, 0, C, WC), sW),
                              (aDo, cm.token_box(tDo, b, hv, t1, v0, C, VB), sDo)], bar, WD_BYTES)
         else:
             issue_wdg(gm[2], gm[3], gm[4], sW, sDo, sGc, b, hv, t1, v0, length, tidx)
@@ -184,7 +197,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
         scale: Float32, T: Int32, NT: Int32, group: Int32, mProf: cute.Tensor, aQ: cute.CopyAtom, aK: cute.CopyAtom,
         aW: cute.CopyAtom, aDo: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor, tW: cute.Tensor, tDo: cute.Tensor,
-        aDH: cute.CopyAtom, tDH: cute.Tensor, aDV: cute.CopyAtom, tDV: cute.Tensor,
+        aDH: cute.CopyAtom, tDH: cute.Tensor, aDV: cute.CopyAtom, tDV: cute.Tensor, mBe: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
@@ -214,24 +227,33 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         mma_t = cm.make_mma(dtype, C, a_regs=False, b_mn_major=True, a_mn_major=True, wgs=WGS, wgm=VH)  # do^T P
         mma_q = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True, a_mn_major=True, wgs=WGS, wgm=VH)  # do_s^T q
         mma_s = cm.make_mma(dtype, K, a_regs=regs_a, b_mn_major=True, wgs=WGS, wgm=VH)  # dvn^T w      [v, d]
+        # (TW) Y = -dvn^T Tm [v, j]: A the register -dvn^T of mma_s's layout (the same M and K), B Tm [i, j] read
+        # MN-major; its accumulator is mma_x's layout (the same M and N), so map_vd turns it into mma_s's A too
+        mma_y = cm.make_mma(dtype, C, a_regs=True, b_mn_major=True, wgs=WGS, wgm=VH)
         if cutlass.const_expr(regs_a):
             th = cm.sample_threads(VH)
             map_s = cm.acc_to_frag_map(mma_s, (VB, K), mma_x, (VB, K), th)
             map_vd = cm.acc_to_frag_map(mma_x, (VB, C), mma_s, (VB, C), th)
+            if cutlass.const_expr(TW):  # rVd is Y's A as it is, and Y's accumulator is dvn^T's layout
+                assert cm.acc_to_frag_map(mma_x, (VB, C), mma_y, (VB, C), th) == map_vd
+                cm.check_same_acc_layout(mma_x, mma_y, (VB, C), th)
 
         smem = cutlass.utils.SmemAllocator()
         lqk = cm.smem_tile_layout(dtype, C, K)
         lp = cm.smem_tile_layout(dtype, C, C, 128 if WGS == 1 else 64)  # a 32-column half of P^T: on an atom
         ldo = cm.smem_tile_layout(dtype, C, VB)
         sQ = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
-        sK = smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner)
-        sWb = [smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner) for _ in range(NBUF)]
+        sKb = [smem.allocate_tensor(dtype, lqk.outer, 1024, lqk.inner) for _ in range(2 if TW else 1)]
+        sK = sKb[0]
+        lw = cm.smem_tile_layout(dtype, C, C) if TW else lqk  # (TW: Tm's [C, C] tile)
+        sWb = [smem.allocate_tensor(dtype, lw.outer, 1024, lw.inner) for _ in range(NBUF)]
         sP = smem.allocate_tensor(dtype, lp.outer, 1024, lp.inner)
         sDob = [smem.allocate_tensor(dtype, ldo.outer, 1024, ldo.inner) for _ in range(NBUF)]
         sDoS = smem.allocate_tensor(dtype, ldo.outer, 1024, ldo.inner)
         sGcb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(NBUF)]
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sBeb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(NBUF)] if TW else sGcb
         if cutlass.const_expr(not regs_a):
             sDHt = cm.alloc_tile(smem, dtype, VB, K)  # dH^T [v, d], the A of dH^T k^T
             sVd = cm.alloc_tile(smem, dtype, VB, C)  # -dvn^T [v, i], the A of the state update
@@ -246,13 +268,19 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         thr_q = mma_q.get_slice(tidx)
         thr_s = mma_s.get_slice(tidx)
         tAq = mma_p.make_fragment_A(thr_p.partition_A(sQ))
-        tBk = mma_p.make_fragment_B(thr_p.partition_B(sK))
-        tBkx = mma_x.make_fragment_B(thr_x.partition_B(sK))  # [N = i, K = d]
+        tBkb = [mma_p.make_fragment_B(thr_p.partition_B(t)) for t in sKb]
+        tBkxb = [mma_x.make_fragment_B(thr_x.partition_B(t)) for t in sKb]  # [N = i, K = d]
         tAdob = [mma_t.make_fragment_A(thr_t.partition_A(cm.transpose_view(t))) for t in sDob]  # [M = v, K = i]
         tBpt = mma_t.make_fragment_B(thr_t.partition_B(cm.transpose_view(sP)))  # [N = j, K = i]
         tAdos = mma_q.make_fragment_A(thr_q.partition_A(cm.transpose_view(sDoS)))  # [M = v, K = i]
         tBqt = mma_q.make_fragment_B(thr_q.partition_B(cm.transpose_view(sQ)))  # [N = d, K = i]
-        tBwtb = [mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(t))) for t in sWb]  # [N = d, K = i]
+        if cutlass.const_expr(TW):
+            thr_y = mma_y.get_slice(tidx)
+            tBtb = [mma_y.make_fragment_B(thr_y.partition_B(cm.transpose_view(t))) for t in sWb]  # Tm [N = j, K = i]
+            tBwtb = [mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(t))) for t in sKb]  # k [N = d, K = j]
+            rYd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
+        else:
+            tBwtb = [mma_s.make_fragment_B(thr_s.partition_B(cm.transpose_view(t))) for t in sWb]  # [N = d, K = i]
         if cutlass.const_expr(regs_a):
             rD = mma_x.make_fragment_A(thr_x.partition_shape_A((VB, K)))
             rVd = mma_s.make_fragment_A(thr_s.partition_shape_A((VB, C)))
@@ -278,7 +306,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             init_barriers(mbar, 3, (aQ, aK, aW, aDo) + ((aDH,) if DHTMA else ()) + ((aDV,) if DVNTMA else ()), 0)
 
         ta = (aQ, aK, aW, aDo, tQ, tK, tW, tDo)
-        gm = (mQ, mK, mW, mDO, mGc)
+        gm = (mQ, mK, mW, mDO, mGc, mBe)
         b, ts, te, cbase, nchunks = locate_seq(n, mCu, mCuC, T, NT)
         # the chunks this CTA walks, c_e - 1 down to c_lo, of which it stores those below c_hi (SEG: a segment)
         c_lo = Int32(0)
@@ -305,7 +333,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
             if nwalk > 0:
                 t1 = ts + (c_e - 1) * C
                 next_qk(gm, sQ, sK, ta, mbar, b, h, t1, te - t1, tidx)
-                next_wdg(gm, sWb[0], sDob[0], sGcb[0], ta, mbar, b, hv, t1, vu0, te - t1, tidx)
+                next_wdg(gm, sWb[0], sDob[0], sGcb[0], ta, mbar, b, hv, t1, vu0, te - t1, tidx, sBeb[0])
             cute.arch.cp_async_commit_group()
         for cp in cutlass.range((nwalk + NBUF - 1) // NBUF, unroll=1):
             for par in cutlass.range_constexpr(NBUF):  # one chunk a buffer, so every tile stays static
@@ -318,6 +346,9 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     t0 = ts + ci * C
                     length = cutlass.min(te - t0, C)
                     sW, sDo, sGc = sWb[par], sDob[par], sGcb[par]
+                    kb = par if TW else 0  # (TW: chunk cr's k in buffer cr % 2, the next chunk's in the other)
+                    sKc = sKb[kb]  # this chunk's k tile
+                    sKn = sKb[1 - par] if TW else sKc  # the next chunk's k buffer
                     pmark(prof, -1)
                     if cutlass.const_expr(PREFETCH):
                         if cutlass.const_expr(TMA):  # chunk cr = 2 cp + par: w, do on barrier par, q, k on 2
@@ -325,8 +356,8 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                             cute.arch.mbarrier_wait(mbar + 2, par)
                             if length < C:  # only the first chunk taken, the sequence's last, is partial
                                 zero_tail(sQ, K, length, tidx)
-                                zero_tail(sK, K, length, tidx)
-                                zero_tail(sW, K, length, tidx)
+                                zero_tail(sKc, K, length, tidx)
+                                zero_tail(sW, WC, length, tidx)
                                 zero_tail(sDo, VB, length, tidx)
                             if cutlass.const_expr(DHTMA):  # chunk cr - 1's dH store has read sDHo (issued a
                                 if warp0:  # chunk ago: no wait in practice)
@@ -343,22 +374,23 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                                     cm.tma_store(aDV, cm.token_box(tDV, b, hv, pend, v0, C, VB), sDVo)
                         if cr + 1 < nwalk:  # w, do, gc of chunk cr + 1 into the buffers chunk cr - 1 used
                             next_wdg(gm, sWb[1 - par], sDob[1 - par], sGcb[1 - par], ta,
-                                     None if mbar is None else mbar + (1 - par), b, hv, t0 - C, vu0, C, tidx)
+                                     None if mbar is None else mbar + (1 - par), b, hv, t0 - C, vu0, C, tidx,
+                                     sBeb[1 - par])
                         cute.arch.cp_async_commit_group()
                     else:
                         cute.arch.sync_threads()  # the previous chunk is done with every smem tile
-                        load_chunk(mQ, mK, mW, mDO, mGc, sQ, sK, sW, sDo, sGc, b, h, hv, t0, v0, length, tidx)
+                        load_chunk(mQ, mK, mW, mDO, mGc, sQ, sKc, sW, sDo, sGc, b, h, hv, t0, v0, length, tidx)
                         cute.arch.sync_threads()
                     pmark(prof, 0)
                     if cutlass.const_expr(l2norm):
                         if cutlass.const_expr(NORM8):  # every thread, eight a row
                             rows_inv_norm(sQ, sRq, tidx)
-                            rows_inv_norm(sK, sRk, tidx)
+                            rows_inv_norm(sKc, sRk, tidx)
                         else:  # a thread a row
                             if tidx < C:
                                 sRq[tidx] = row_inv_norm(sQ, tidx)
                             elif tidx < 2 * C:
-                                sRk[tidx - C] = row_inv_norm(sK, tidx - C)
+                                sRk[tidx - C] = row_inv_norm(sKc, tidx - C)
                         cute.arch.sync_threads()
                     # do_s = do diag(scale e^gc rq): the A operand of the q term of the state update
                     scale_rows(sDo, sDoS, sGc, sRq, scale, tidx)
@@ -391,18 +423,18 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         accD[e] = accD[e] * decay
                     accX = cute.make_rmem_tensor(thr_x.partition_shape_C((VB, C)), Float32)
                     accP = cute.make_rmem_tensor(thr_p.partition_shape_C((C, C)), Float32)
-                    gemm(mma_x, accX, rD, tBkx, True)  # dH^T k^T  [v, i]
-                    gemm(mma_p, accP, tAq, tBk, True)  # q k^T     [i, j]
+                    gemm(mma_x, accX, rD, tBkxb[kb], True)  # dH^T k^T  [v, i]
+                    gemm(mma_p, accP, tAq, tBkb[kb], True)  # q k^T     [i, j]
                     gemm(mma_q, accD, tAdos, tBqt, False)  # dH^T += do_s^T q
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
                     if cutlass.const_expr(PREFETCH and EARLY_QK):
-                        # q, k of chunk cr + 1 now, not after P: nothing below reads sQ or sK (the norms
+                        # q, k of chunk cr + 1 now, not after P: nothing below reads sQ or sKc (the norms
                         # are in sRq, sRk), so once every warpgroup's products on them are done they load
                         # during P and do^T P too
                         cute.arch.sync_threads()
                         if cr + 1 < nwalk:
-                            next_qk(gm, sQ, sK, ta, mbar, b, h, t0 - C, C, tidx)
+                            next_qk(gm, sQ, sKn, ta, mbar, b, h, t0 - C, C, tidx)
                         cute.arch.cp_async_commit_group()
                     pmark(prof, 2)
 
@@ -425,7 +457,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                     pmark(prof, 3)
                     if cutlass.const_expr(PREFETCH and not EARLY_QK):  # q, k of chunk cr + 1 (done with them)
                         if cr + 1 < nwalk:
-                            next_qk(gm, sQ, sK, ta, mbar, b, h, t0 - C, C, tidx)
+                            next_qk(gm, sQ, sKn, ta, mbar, b, h, t0 - C, C, tidx)
                         cute.arch.cp_async_commit_group()
 
                     gemm(mma_t, accX, tAdob[par], tBpt, False)  # dvn^T += do^T P
@@ -457,7 +489,24 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         cute.arch.fence_view_async_shared()
                         cute.arch.sync_threads()
                     pmark(prof, 5)
-                    gemm(mma_s, accD, rVd, tBwtb[par], False)  # dH^T -= dvn^T w
+                    if cutlass.const_expr(TW):
+                        # Y = -dvn^T Tm [v, j], its columns scaled by beta exp(gc) rk, then dH^T += Y k
+                        accY = cute.make_rmem_tensor(thr_y.partition_shape_C((VB, C)), Float32)
+                        gemm(mma_y, accY, rVd, tBtb[par], True)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        sBe = sBeb[par]
+                        for e in cutlass.range_constexpr(cute.size(accY)):
+                            _, yj = cX[e]
+                            ycoef = sBe[yj] * cute.math.exp2(sGc[yj] * LOG2E, fastmath=True)
+                            if cutlass.const_expr(l2norm):
+                                ycoef = ycoef * sRk[yj]
+                            accY[e] = accY[e] * ycoef
+                        for f in cutlass.range_constexpr(cute.size(rYd)):
+                            rYd[f] = accY[map_vd[f]].to(dtype)
+                        gemm(mma_s, accD, rYd, tBwtb[kb], False)  # dH^T -= dvn^T w
+                    else:
+                        gemm(mma_s, accD, rVd, tBwtb[par], False)  # dH^T -= dvn^T w
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
                     pmark(prof, 6)
@@ -484,25 +533,28 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
     def host(
         mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mGc: cute.Tensor, mDO: cute.Tensor, mDHT: cute.Tensor,
         mDVN: cute.Tensor, mDH: cute.Tensor, mDH0: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
-        scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, mProf: cute.Tensor, stream,
+        scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, mProf: cute.Tensor, mBe: cute.Tensor,
+        stream,
     ):
         _static_checks(dtype, K, WGS, VH, DHTMA, DVNTMA)
+        if cutlass.const_expr(TW):
+            cm.check_mn_major_view(dtype, C, C)  # Tm: MN-major B of Y
         HV = mW.shape[2]
-        atoms, tmas = cm.make_tma_rows_atoms(TMA, dtype, ((mQ, C, K), (mK, C, K), (mW, C, K), (mDO, C, VB)))
+        atoms, tmas = cm.make_tma_rows_atoms(TMA, dtype, ((mQ, C, K), (mK, C, K), (mW, C, WC), (mDO, C, VB)))
         aDH, tDH = cm.make_tma_store(DHTMA, dtype, mDH, cm.STATE_ROWS, K, VB)
         aDV, tDV = cm.make_tma_store(DVNTMA, dtype, mDVN, cm.TOKEN_ROWS, C, VB)
         kernel(mQ, mK, mW, mGc, mDO, mDHT, mDVN, mDH, mDH0, mCu, mCuC, scale, T, NT, group, mProf, *atoms,
-               *tmas, aDH, tDH, aDV, tDV).launch(
+               *tmas, aDH, tDH, aDV, tDV, mBe).launch(
             grid=[nseq * (NSEG - 1), HV, (V + K) // VB] if PREP else [nseq * NSEG, HV, V // VB],
             block=[THREADS, 1, 1], stream=stream, **cm.two_ctas_an_sm(WGS == 2),
         )
 
     f = fwd._fakes()
     args = (
-        f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, K), f.any3(Float32), f.rows4(dtype, V), f.state(),
+        f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, WC), f.any3(Float32), f.rows4(dtype, V), f.state(),
         f.rows4(odt, V), f.rows4(odt, V) if DHTMA else f.state(odt), f.state(), f.vec(cutlass.Int32),
         f.vec(cutlass.Int32),
-        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.stream(),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.any3(Float32), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
@@ -624,14 +676,19 @@ def sweep_segments(nseq: int, HV: int, V: int, T: int, l2norm: bool, device) -> 
 
 def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=torch.float32, wgs=1,
                       prefetch=None, profile=False, early_qk=None, tma=None, vh=1, dh_tma=None, dvn_tma=None,
-                      nseg=1, prep_cap=0, norm8=None):
+                      nseg=1, prep_cap=0, norm8=None, tw=False):
     """The fused sweep kernel (:func:`reverse_sweep`); with ``prep_cap`` > 0 its variant for the carried split's
     prepare step (:func:`sweep_carries`: no final state's gradient, ``[K, V]`` states, the element stores).
-    ``norm8``: the l2norm rows by eight threads a row (default :func:`norm8_default`)."""
+    ``norm8``: the l2norm rows by eight threads a row (default :func:`norm8_default`). ``tw``: w's slot holds the
+    forward's gated chunk inverse Tm and the launch takes the effective beta (``_build_dstate``'s TW; the TMA loads,
+    one warpgroup a V half, no segments)."""
     norm8 = bool(l2norm) and (norm8_default() if norm8 is None else bool(norm8))
     prefetch = prefetch_default() if prefetch is None else bool(prefetch)
     early_qk = prefetch and (early_qk_default(wgs) if early_qk is None else bool(early_qk))
     tma = prefetch and (tma_default() if tma is None else bool(tma))
+    if tw and not (tma and wgs == 1 and nseg == 1 and not prep_cap and not profile):
+        raise ValueError(f"tw: the TMA loads and the prefetch, one warpgroup a V half, no segments, prepare step or "
+                         f"profile (tma={tma}, wgs={wgs}, nseg={nseg}, prep_cap={prep_cap}, profile={profile})")
     # unset: where both V halves share a CTA (the form measured); asked for: wherever the TMA loads run
     dh_tma = tma and out_dtype == dtype and (dh_tma_default() and vh == 2 if dh_tma is None else bool(dh_tma))
     dvn_tma = dh_tma and (dvn_tma_default() if dvn_tma is None else bool(dvn_tma))
@@ -645,7 +702,7 @@ def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=
         ("prefetch",) if prefetch else ()) + (("profile",) if profile else ()) + (("early_qk",) if early_qk else ()) + (
         ("tma",) if tma else ()) + (() if vh == 1 else (("vh", vh),)) + (("dh_tma",) if dh_tma else ()) + (
         ("dvn_tma",) if dvn_tma else ()) + ((("nseg", nseg),) if nseg > 1 else ()) + (
-        (("prep", prep_cap),) if prep_cap else ()) + (("norm8",) if norm8 else ())
+        (("prep", prep_cap),) if prep_cap else ()) + (("norm8",) if norm8 else ()) + (("tw",) if tw else ())
     if nseg not in cm.SEGMENTS or (nseg > 1 and not (l2norm and prefetch and not profile)):
         raise ValueError(f"nseg={nseg}: one of {cm.SEGMENTS}; more than 1 only with l2norm and the prefetch, "
                          "not the profile variant")
@@ -654,9 +711,30 @@ def get_dstate_kernel(dtype, K, V, l2norm, varlen, has_dht, state_vk, out_dtype=
 
     def build():
         return _build_dstate(fwd._dt(dtype), K, V, l2norm, varlen, has_dht, state_vk, fwd._dt(out_dtype), wgs,
-                             prefetch, bool(profile), early_qk, tma, vh, dh_tma, dvn_tma, nseg, prep_cap, norm8)
+                             prefetch, bool(profile), early_qk, tma, vh, dh_tma, dvn_tma, nseg, prep_cap, norm8,
+                             bool(tw))
 
     return kc.get_kernel("gdn_bwd_dstate", key, build, _SOURCES)
+
+
+def serves_tm(K: int, V: int, tma=None, prefetch=None, no_profile: bool = True) -> bool:
+    """Whether :func:`reverse_sweep` can take the forward's chunk inverse Tm and beta instead of w (``beta=``): the
+    fused kernel's TW variant, which needs its TMA loads and the prefetch (their switches, or ``tma`` / ``prefetch``
+    as given) and no profile; at any head dims the fused kernel takes, one warpgroup a V half."""
+    pf = prefetch_default() if prefetch is None else bool(prefetch)
+    return (K in fwd.HEAD_DIMS and V in fwd.HEAD_DIMS and pf and no_profile
+            and (tma_default() if tma is None else bool(tma)))
+
+
+def sweep_takes_tm(nseq: int, HV: int, K: int, V: int, T: int, l2norm: bool, device) -> bool:
+    """Whether :func:`reverse_sweep` called with its defaults (the training path's call) runs the fused kernel, whose
+    TW variant can take Tm and the effective beta instead of w (:func:`serves_tm`): not the split pair
+    (:func:`split_default`), the segments, the carried split or the specialized warpgroups."""
+    from . import gated_delta_rule_bwd_ws_sm90 as WS
+
+    return (serves_tm(K, V) and not WS.enabled() and not split_default(nseq, HV, V, device)
+            and sweep_segments(nseq, HV, V, T, l2norm, device) == 1
+            and carry_segments(nseq, HV, K, V, T, l2norm, device) == 1)
 
 
 def warpgroups(nseq: int, HV: int, V: int, device) -> int:
@@ -686,7 +764,7 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
                   prefetch: bool | None = None, split: bool | None = None, profile: torch.Tensor | None = None,
                   early_qk: bool | None = None, ws: bool | None = None, ws_tma: bool | None = None,
                   tma: bool | None = None, vh2: bool | None = None, dh_tma: bool | None = None,
-                  dvn_tma: bool | None = None, nseg: int | None = None, carry: int | None = None):
+                  dvn_tma: bool | None = None, nseg: int | None = None, carry: int | None = None, beta=None):
     """Launch the reverse sweep. q, k ``[B, T, H, K]``; w ``[B, T, HV, K]`` and gc ``[B, T, HV]``
     (the forward's ``return_intermediates``); do ``[B, T, HV, V]``; dht the final state's gradient
     (float32, the op's state layout) or None. Returns ``(dvn, dH, dh0)``: ``[B, T, HV, V]`` and
@@ -714,7 +792,11 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     the fused kernel (default :func:`sweep_segments`; where more than one, the fused kernel runs whatever ``split``
     and ``ws`` say, on one warpgroup a V half unless ``wgs`` says otherwise, both halves a CTA where
     :func:`vh2_default` on the segments' grid says so, unless ``vh2`` decides); ``carry``: segments a sequence for
-    the carried split (default :func:`carry_segments`, where ``nseg`` is not given; :func:`carried_sweep`)."""
+    the carried split (default :func:`carry_segments`, where ``nseg`` is not given; :func:`carried_sweep`).
+    ``beta`` (float32 ``[B, T, HV]``, the forward's effective beta): then ``w`` is the forward's gated chunk
+    inverse Tm ``[B, T, HV, 64]`` (stage 3's) instead of w, and the state update's ``dvn^T w`` is formed as
+    ``((dvn^T Tm) diag(beta exp(gc) rk)) k`` (for the training forward that never forms w); served by the fused
+    kernel alone, with its TMA loads and one warpgroup a V half (:func:`serves_tm`), else Unsupported."""
     cm.check_device(q)
     if q.dtype not in (torch.bfloat16, torch.float16) or do.dtype != q.dtype or w.dtype != q.dtype:
         raise Unsupported(f"dtypes q {q.dtype}, w {w.dtype}, do {do.dtype}")
@@ -726,6 +808,16 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
     varlen = cu_seqlens is not None
     nseq = cu_seqlens.numel() - 1 if varlen else B
     dev = q.device
+    if beta is not None:  # w is Tm: the fused kernel's TW variant, nothing else
+        if beta.dtype != torch.float32 or tuple(beta.shape) != tuple(gc.shape) or not beta.is_contiguous():
+            raise ValueError(f"beta: contiguous float32 of gc's shape {tuple(gc.shape)} (got {beta.dtype}, "
+                             f"{tuple(beta.shape)})")
+        if w.shape[-1] != CHUNK:
+            raise ValueError(f"w: with beta, the chunk inverse Tm [B, T, HV, {CHUNK}] (got {tuple(w.shape)})")
+        if not serves_tm(K, V, tma, prefetch, profile is None) or split or ws or (nseg or 1) > 1 or (carry or 1) > 1 \
+                or wgs == 2:
+            raise Unsupported("the sweep on Tm: the fused kernel with its TMA loads, one warpgroup a V half")
+        carry, nseg, split, ws, wgs = 1, 1, False, False, 1
     f32_dummy, _, i64_dummy = fwd._dummies(dev)
     cu, cu_chunks, total_chunks, NT = fwd.chunk_map(cu_seqlens, B, T, dev)
     if out_dtype not in (torch.float32, q.dtype):
@@ -788,7 +880,8 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         # the env switch never takes the profile variant (its phases are read per 64-column CTA)
         vh = 2 if vh_ok and (vh2 if vh2 is not None else profile is None and vh2_default(nseq * nseg, HV, V, dev)) else 1
         fn = get_dstate_kernel(q.dtype, K, V, use_qk_l2norm_in_kernel, varlen, dht is not None, state_v_first,
-                               out_dtype, wgs, prefetch, profile is not None, early_qk, tma, vh, dh_tma, dvn_tma, nseg)
+                               out_dtype, wgs, prefetch, profile is not None, early_qk, tma, vh, dh_tma, dvn_tma, nseg,
+                               tw=beta is not None)
     if T == 0 or nseq == 0:
         if dht is None:
             dh0.zero_()
@@ -799,9 +892,10 @@ def reverse_sweep(q, k, w, gc, do, dht=None, *, scale: float, use_qk_l2norm_in_k
         sp.sweep(q, k, w, gc, do, dht, dvn, dH, dh0, cu, cu_chunks, total_chunks, NT, scale,
                  use_qk_l2norm_in_kernel, state_v_first, HV // H, nseq)
         return dvn, dH, dh0
-    prof = () if ws else (i64_dummy if profile is None else profile,)  # the specialized warpgroups take no profile
+    # the specialized warpgroups take no profile and no beta
+    tail = () if ws else (i64_dummy if profile is None else profile, gc if beta is None else beta)
     fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1) if dht is None else dht, dvn, dH, dh0, cu, cu_chunks,
-       float(scale), T, NT, HV // H, nseq, *prof)
+       float(scale), T, NT, HV // H, nseq, *tail)
     return dvn, dH, dh0
 
 
@@ -831,7 +925,7 @@ def sweep_carries(q, k, w, gc, do, cu, cu_chunks, T, NT, scale, l2norm, group, n
     f32_dummy, _, i64_dummy = fwd._dummies(q.device)
     rows = fwd._empty(1, 1, 1, V, dtype=q.dtype, device=q.device)  # dvn and dH: the prepare step writes neither
     fn(q, k, w, gc, do, f32_dummy.view(1, 1, 1, 1), rows, rows, LM, cu, cu_chunks, float(scale), T, NT, group, nseq,
-       i64_dummy)
+       i64_dummy, gc)
     return LM
 
 

@@ -142,6 +142,18 @@ STATE_WS = None if not _ws_env else env_flag("CUDNN_TRAIN_GDN_FWD_WS")
 ONFLY = cm.env_switch("CUDNN_TRAIN_GDN_FWD_ONFLY", None)
 
 
+# The training forward with w and u formed in the specialized warpgroups' chain (CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY=1,
+# thirty-fifth session; prepared, off until GPU-run): the training forward's chain waits about a quarter of its
+# cycles for the output warpgroup (B4 T4096, H100, profile), so the inference forward's w / u formation costs it
+# little there, while the wy kernel that writes w, u and Tm (0.29 ms at B4) shrinks to its INV variant (0.16 ms in
+# the inference forward). Nothing then holds w for the reverse sweep, which takes the chain's gated inverses (Tm)
+# and the effective beta instead (``gated_delta_rule_bwd_sm90.reverse_sweep(beta=)``). Where the training path
+# asks for it (``forward(train_onfly=True)``: its backward's sweep takes Tm) and the specialized warpgroups serve
+# the training forward at 128 columns a CTA, unsegmented; other numerics than the default (T is rounded from the
+# rounded gate-free inverse, vn is one product on T), the same as the inference forward's.
+TRAIN_ONFLY = cm.env_switch("CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY", False)
+
+
 def onfly_default(K: int, V: int, vb: int) -> bool:
     """Whether w and u are formed in the chain when ``CUDNN_TRAIN_GDN_FWD_ONFLY`` is unset: only in the measured
     configuration where it is faster, one CTA holding all 128 columns of V (no CTA repeats another's vn work)."""
@@ -1184,6 +1196,7 @@ def forward(
     store_states: bool = False,
     keep_vn: bool = False,
     keep_tm: bool = False,
+    train_onfly: bool = False,
 ):
     """The chunked GDN forward on SM90. Returns ``Served((o, final_state), "sm90")``.
 
@@ -1198,7 +1211,10 @@ def forward(
     (input dtype ``[B, T, HV, V]``, as the split pass's chain writes it) with ``keep_vn``, and the chunks'
     ``Tm = (I + A)^-1`` (input dtype ``[B, T, HV, 64]``, row i of a chunk at its token, as the wy kernel
     solved it) with ``keep_tm``; each None when not asked for (vn also where the fused state kernel
-    served). Arguments follow ``fused.chunk_gated_delta_rule``; they
+    served). ``train_onfly`` (the training path's, with ``store_states``, ``keep_vn`` and ``keep_tm``): its backward
+    takes Tm and the effective beta instead of w, so where the specialized warpgroups serve at 128 columns the
+    chain may form w and u itself (``TRAIN_ONFLY``): then w is None and u's slot holds the effective beta
+    (float32 ``[B, T, HV]``). Arguments follow ``fused.chunk_gated_delta_rule``; they
     are assumed validated there. Declines with ``Unsupported`` before any
     device work for what it does not serve (see ``check_serve``).
     """
@@ -1268,7 +1284,11 @@ def forward(
         split = SPLIT
     ws = ws_nseg > 1 or (not split and ((not store_states or tstore) if STATE_WS is None else STATE_WS))
     onfly = ws and not store_states and not return_intermediates and carry == 1
-    if onfly and ONFLY is None:  # the measured default: where one CTA holds all of V (the vb state_pass_onfly takes)
+    if ws and store_states and train_onfly and keep_vn and keep_tm and tstore and carry == 1 and ws_nseg == 1:
+        from . import gated_delta_rule_fwd_ws_sm90 as WS
+
+        onfly = TRAIN_ONFLY and onfly_default(K, V, WS.v_block(V, nseq, HV, dev, True, True))
+    elif onfly and ONFLY is None:  # the measured default: where one CTA holds all of V (the vb state_pass_onfly takes)
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
         onfly = onfly_default(K, V, WS.v_block(V, nseq * ws_nseg, HV, dev))
@@ -1304,6 +1324,10 @@ def forward(
     dtb = dt_bias.reshape(HV) if (use_gate_in_kernel and dt_bias is not None) else f32_dummy
     group = HV // H
 
+    if onfly:  # the gate-free chunk inverses and the effective beta (train_onfly: in u's slot)
+        a0 = _empty(B, T, HV, CHUNK, dtype=q.dtype, device=dev)
+        beta_eff = _empty(B, T, HV, dtype=torch.float32, device=dev)
+        u = beta_eff if store_states else None
     if T == 0 or nseq == 0:  # no tokens: the final state is the initial one
         if ht is not None:
             if initial_state is None:
@@ -1313,11 +1337,9 @@ def forward(
     elif onfly:
         from . import gated_delta_rule_fwd_ws_sm90 as WS
 
-        a0 = _empty(B, T, HV, CHUNK, dtype=q.dtype, device=dev)
-        beta_eff = _empty(B, T, HV, dtype=torch.float32, device=dev)
         wy(k, g, beta, alog, dtb, cu, cu_chunks, gc, a0, beta_eff, T, NT, nseq, group, grid_chunks, i64_dummy)
         WS.state_pass_onfly(q, k, v, a0, gc, beta_eff, o, initial_state, ht, cu, cu_chunks, NT, scale,
-                            use_qk_l2norm_in_kernel, state_v_first, group, nseq, nseg=ws_nseg)
+                            use_qk_l2norm_in_kernel, state_v_first, group, nseq, nseg=ws_nseg, hs=hs, vn=vn, tm=tm)
     else:
         wy(k, v, g, beta, alog, dtb, cu, cu_chunks, w, u, gc, w[..., :CHUNK] if tm is None else tm, T, NT, nseq, group,
            grid_chunks, i64_dummy)

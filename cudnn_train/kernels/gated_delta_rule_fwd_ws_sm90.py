@@ -265,7 +265,12 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     # tstore (TSTORE): the state tile S [d, v] and the vn tile [i, v] (v contiguous, written by transposed stmatrix),
     # read as MN-major operands; hs and (keep_vn) vn leave by TMA stores from them (warp TMA_WARP of the output
     # warpgroup, issued after the CTA barrier that publishes them, their reads waited for before the next one)
-    assert not tstore or (store_states and not onfly and not wg3), (tstore, store_states, onfly, wg3)
+    assert not tstore or (store_states and not wg3), (tstore, store_states, wg3)
+    # onfly with store_states (the training forward with w and u formed in its chain, CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY):
+    # the chain also writes the gated inverse T it builds, rounded as its B operand is, into the rows of mTm
+    # ([B, T, HV, C], stage 3's Tm), the rows of the chunk only (the V block at column 0); the chunk states and vn
+    # leave as in the training forward (vn^T = R^T T^T is the chain's vn)
+    STORE_TM = onfly and store_states
     # tlayout (TLAYOUT, the inference forward): the same transposed tiles, written by stmatrix and read MN-major, without
     # the stores; tstore implies them. TL below is every place the tiles' orientation decides, tstore the stores alone
     assert not tlayout or not store_states, (tlayout, store_states)
@@ -337,10 +342,11 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def build_t(sA0: cute.Tensor, sGc: cute.Tensor, sT: cute.Tensor, lt: Int32):
+    def build_t(sA0: cute.Tensor, sGc: cute.Tensor, sT: cute.Tensor, lt: Int32, gTm: cute.Tensor, length: Int32,
+                store: Int32):
         """(The chain, onfly) T[i, j] = A0[i, j] exp(gc_i - gc_j) for j <= i, else 0, in the input dtype: eight
         adjacent columns a thread and step, 16-byte reads and writes (the factor above the diagonal may be
-        inf there, never kept)."""
+        inf there, never kept); with STORE_TM and ``store`` also into the rows i < ``length`` of ``gTm``."""
         for p in cutlass.range_constexpr(C * C // 8 // 128):
             idx = p * 128 + lt
             i = idx // (C // 8)
@@ -354,6 +360,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                 tv = a8[e].to(Float32) * cute.math.exp2((gi - sGc[j]) * LOG2E, fastmath=True)
                 t8[e] = Float32(cutlass.select_(j <= i, tv, Float32(0.0))).to(dtype)
             cute.autovec_copy(t8, cute.local_tile(sT, (1, 8), (i, c8)))
+            if cutlass.const_expr(STORE_TM):
+                if store > 0 and i < length:
+                    cute.autovec_copy(t8, cute.local_tile(gTm, (1, 8), (i, c8)))
 
     @cute.jit
     def p_and_scale(accP: cute.Tensor, rP: cute.Tensor, accO: cute.Tensor, cP: cute.Tensor, cO: cute.Tensor,
@@ -513,7 +522,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                mProf: cute.Tensor, aQ: cute.CopyAtom, aK: cute.CopyAtom, aW: cute.CopyAtom, aU: cute.CopyAtom,
                tQ: cute.Tensor, tK: cute.Tensor, tW: cute.Tensor, tU: cute.Tensor, mBe: cute.Tensor,
                aHs: cute.CopyAtom, tHs: cute.Tensor, aVo: cute.CopyAtom, tVo: cute.Tensor, aO: cute.CopyAtom,
-               tO: cute.Tensor):
+               tO: cute.Tensor, mTm: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()
         seg = Int32(0)
@@ -661,7 +670,9 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
                             if cutlass.const_expr(l2norm):
                                 rows_inv_norm(sKb[par], sRk0, lt)
                             if cutlass.const_expr(onfly):
-                                build_t(sWb[par], sGcb[par], sT, lt)
+                                tc = ts + ci * C
+                                build_t(sWb[par], sGcb[par], sT, lt, cute.domain_offset((tc, 0), mTm[b, None, hv, None]),
+                                        cutlass.min(te - tc, C), cutlass.select_(v0 == 0, Int32(1), Int32(0)))
                                 cute.arch.fence_view_async_shared()  # T: B operand of the next product
                             warpgroup.wait_group(0)
                             if cutlass.const_expr(l2norm or onfly):
@@ -859,7 +870,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     def host(mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mGc: cute.Tensor,
              mH0: cute.Tensor, mO: cute.Tensor, mHT: cute.Tensor, mCu: cute.Tensor, mCuC: cute.Tensor,
              mHs: cute.Tensor, mVn: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32,
-             mProf: cute.Tensor, mBe: cute.Tensor, stream):
+             mProf: cute.Tensor, mBe: cute.Tensor, mTm: cute.Tensor, stream):
         F._static_checks(dtype, K, V)
         cm.check_mn_major_view(dtype, C, K)  # k: MN-major B operand of the state update
         if cutlass.const_expr(TL):  # S [d, v] and vn [i, v]: MN-major operands through their (v, .) views
@@ -872,7 +883,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         aVo, tVo = cm.make_tma_store(tstore and keep_vn, dtype, mVn, cm.TOKEN_ROWS, C, VB)  # [i, v] tiles -> vn
         aO, tO = cm.make_tma_store(otma, dtype, mO, cm.TOKEN_ROWS, C, VB)  # (otma) o [i, v] from the q tile
         kernel(mQ, mK, mW, mU, mGc, mH0, mO, mHT, mCu, mCuC, mHs, mVn, scale, T, NT, group, mProf,
-               aQ, aK, aW, aU, tQ, tK, tW, tU, mBe, aHs, tHs, aVo, tVo, aO, tO).launch(
+               aQ, aK, aW, aU, tQ, tK, tW, tU, mBe, aHs, tHs, aVo, tVo, aO, tO, mTm).launch(
             grid=[nseq * nseg, HV, V // VB], block=[NTHR, 1, 1], stream=stream,
         )
 
@@ -881,7 +892,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, WCOLS), f.rows4(dtype, V), f.any3(Float32),
         f.state(), f.rows4(dtype, V), f.state(), f.vec(cutlass.Int32), f.vec(cutlass.Int32),
         f.rows4(dtype, V) if store_states else f.state(), f.rows4(dtype, V) if keep_vn else f.state(),
-        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.any3(Float32), f.stream(),
+        Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.vec(cutlass.Int64), f.any3(Float32),
+        f.rows4(dtype, C) if STORE_TM else f.state(), f.stream(),
     )
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
@@ -913,9 +925,8 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
                          f"formed in the chain (V={V}, wg3={wg3}, onfly={onfly})")
     if keep_vn and not store_states:
         raise ValueError("keep_vn: only with store_states (the training forward)")
-    if tstore and (onfly or wg3):
-        raise ValueError("tstore: the training forward's stores (w and u are not formed in its chain, one output "
-                         "warpgroup)")
+    if tstore and wg3:
+        raise ValueError("tstore: the training forward's stores (one output warpgroup)")
     if nseg not in cm.SEGMENTS or (nseg > 1 and not (l2norm and not store_states and not profile)):
         raise ValueError(f"nseg={nseg}: one of {cm.SEGMENTS}; more than 1 only with l2norm, for inference, not the "
                          "profile variant")
@@ -965,21 +976,28 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, stat
     d4 = f32_dummy.view(1, 1, 1, 1)
     fn(q, k, w, u, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
        d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq,
-       i64_dummy if prof is None else prof, gc)
+       i64_dummy if prof is None else prof, gc, d4)
 
 
 def state_pass_onfly(q, k, v, a0, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq,
-                     vb=None, nseg=1):
-    """The inference state pass from the wy kernel's INV outputs (``a0``: the gate-free chunk inverses, input
+                     vb=None, nseg=1, hs=None, vn=None, tm=None):
+    """The state pass from the wy kernel's INV outputs (``a0``: the gate-free chunk inverses, input
     dtype ``[B, T, HV, 64]``; ``gc``, ``beta_eff``: float32 ``[B, T, HV]``) and v: w and u are formed in the chain.
-    Fills ``o`` (and ``ht`` when given). ``nseg``: segments a sequence (:func:`segments`)."""
+    Fills ``o`` (and ``ht`` when given). ``nseg``: segments a sequence (:func:`segments`; inference only). The
+    training forward's (``CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY``): ``hs`` (chunk-start states, input dtype ``[rows, HV, K,
+    V]``) and ``tm`` (the gated chunk inverses T the chain builds, input dtype ``[B, T, HV, 64]``, stage 3's Tm) given
+    together, ``vn`` (input dtype ``[B, T, HV, V]``) with them or not."""
     B, T, HV, V = v.shape
     K = q.shape[-1]
-    vb = v_block(V, nseq * nseg, HV, q.device) if vb is None else vb
+    train = hs is not None
+    if train != (tm is not None) or (vn is not None and not train) or (train and nseg != 1):
+        raise ValueError("hs and tm: both or neither; vn only with them; one segment with them")
+    vb = v_block(V, nseq * nseg, HV, q.device, train, train and TSTORE) if vb is None else vb
     prof = _profile_buffer(nseq * HV * (V // vb) * nseg, q.device)
-    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, onfly=True, vb=vb,
-                    nseg=nseg, profile=prof is not None)
+    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, train, vn is not None,
+                    onfly=True, vb=vb, nseg=nseg, profile=prof is not None)
     f32_dummy, _, i64_dummy = F._dummies(q.device)
     d4 = f32_dummy.view(1, 1, 1, 1)
-    fn(q, k, a0, v, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks, d4, d4, float(scale),
-       T, NT, group, nseq, i64_dummy if prof is None else prof, beta_eff)
+    fn(q, k, a0, v, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
+       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq,
+       i64_dummy if prof is None else prof, beta_eff, d4 if tm is None else tm)

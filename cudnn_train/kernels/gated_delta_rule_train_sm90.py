@@ -58,18 +58,28 @@ def kernel_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg: Config):
     chunk-start states (always last) in the input dtype; with the stage-3 kernel
     ``(w, gc, vn, tm, chunk_states)``: the forward's ``vn`` (input dtype ``[B, T, HV, V]``, with
     :func:`vn_from_forward`) and its chunk inverses ``tm`` (``[B, T, HV, 64]``, with :func:`tm_from_forward`),
-    each None when not kept, for stage 3 to read instead of recomputing them."""
+    each None when not kept, for stage 3 to read instead of recomputing them. Where the forward formed w and u in
+    its chain (``fwd.TRAIN_ONFLY``, asked for only where the sweep can take Tm instead of w:
+    ``bwd.sweep_takes_tm``), ``(tm, gc, vn, tm, beta_eff, chunk_states)``: Tm in w's place and the effective beta
+    (float32 ``[B, T, HV]``) for the sweep."""
+    from . import gated_delta_rule_bwd_sm90 as bwd
     from . import gated_delta_rule_fwd_sm90 as fwd
 
     kernel3 = _stage3() is stage3_kernel  # the torch stage 3 recomputes both
     keep_vn, keep_tm = kernel3 and vn_from_forward(), kernel3 and tm_from_forward()
-    o, ht, (w, _u, gc, hs, vn, tm) = fwd.forward(
+    B, T = v.shape[:2]
+    nseq = B if cu is None else cu.numel() - 1
+    onfly = (fwd.TRAIN_ONFLY and keep_vn and keep_tm
+             and bwd.sweep_takes_tm(nseq, v.shape[2], q.shape[-1], v.shape[-1], B * T, cfg.l2norm, v.device))
+    o, ht, (w, u, gc, hs, vn, tm) = fwd.forward(
         q, k, v, g, beta, scale=cfg.scale, initial_state=h0, output_final_state=cfg.output_final_state,
         use_qk_l2norm_in_kernel=cfg.l2norm, cu_seqlens=cu, use_gate_in_kernel=cfg.gate,
         A_log=A_log if cfg.gate else None, dt_bias=dt_bias if cfg.gate else None,
         use_beta_sigmoid_in_kernel=cfg.beta_sigmoid, allow_neg_eigval=cfg.neg_eigval,
-        state_v_first=cfg.state_v_first, store_states=True, keep_vn=keep_vn, keep_tm=keep_tm,
+        state_v_first=cfg.state_v_first, store_states=True, keep_vn=keep_vn, keep_tm=keep_tm, train_onfly=onfly,
     ).value
+    if w is None:  # w and u formed in the forward's chain: the sweep takes Tm and the effective beta (u's slot)
+        return o, ht, (tm, gc, vn, tm, u, hs)
     if not kernel3:
         return o, ht, (w, gc, hs)
     return o, ht, (w, gc, vn, tm, hs)
@@ -77,13 +87,30 @@ def kernel_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg: Config):
 
 def kernel_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg: Config):
     """``(dvn [B, T, HV, V], dH [rows, HV, K, V], dh0)``: the reverse-sweep kernel; dvn and dH in
-    the input dtype (what the stage-3 kernel reads), dh0 float32."""
+    the input dtype (what the stage-3 kernel reads), dh0 float32. With the forward's chain-formed w (six saved
+    tensors, :func:`kernel_forward`) the sweep on Tm and the effective beta."""
     from . import gated_delta_rule_bwd_sm90 as bwd
 
     w, gc = saved[:2]
+    beta_eff = saved[4] if len(saved) == 6 else None
+    if beta_eff is not None and not bwd.serves_tm(q.shape[-1], v.shape[-1]):  # its switches moved since the forward
+        w, beta_eff = w_from_tm(k, w, gc, beta_eff, cu, cfg.l2norm), None
     return bwd.reverse_sweep(q, k, w, gc, do.contiguous(), None if dht is None else dht.contiguous(),
                              scale=cfg.scale, use_qk_l2norm_in_kernel=cfg.l2norm, cu_seqlens=cu,
-                             state_v_first=cfg.state_v_first, out_dtype=q.dtype)
+                             state_v_first=cfg.state_v_first, out_dtype=q.dtype, beta=beta_eff)
+
+
+def w_from_tm(k, tm, gc, beta_eff, cu, use_l2norm: bool):
+    """w ``[B, T, HV, K]`` in k's dtype from the forward's gated chunk inverses ``tm`` ``[B, T, HV, 64]``, gc and
+    the effective beta (float32 ``[B, T, HV]``): ``w = Tm diag(beta exp(gc)) k`` per chunk, k l2-normalized when
+    asked and expanded over each GVA group; in float32, rounded once. For a sweep that cannot take Tm itself."""
+    B, T, HV = tm.shape[:3]
+    lay = db.ChunkLayout(B, T, CHUNK, cu)
+    kx = expand_heads(k.float(), HV)
+    if use_l2norm:
+        kx = l2norm(kx)
+    x = kx * (beta_eff * gc.exp()).unsqueeze(-1)
+    return lay.from_chunks(lay.to_chunks(tm.float()) @ lay.to_chunks(x)).to(k.dtype)
 
 
 # the kernel steps; the CPU tests put reference implementations of the same contracts here
@@ -133,7 +160,7 @@ def stage3_kernel(outs, inputs, saved, dH, dvn, do, cu, cfg: Config):
 
     q, k, v = (x.contiguous() for x in inputs[:3])
     gc, hs = saved[1], saved[-1]
-    vn, tm = saved[2:4] if len(saved) == 5 else (None, None)
+    vn, tm = saved[2:4] if len(saved) >= 5 else (None, None)
     # without GVA, or with pairs of value heads summed in the kernel (GROUP_SUM_ENV), dq and dk leave the
     # kernel in the input dtype (no sum over value heads follows)
     gsum = group_sum_in_kernel() and v.shape[2] == 2 * q.shape[2]

@@ -18,6 +18,28 @@ LENS = [0, 1, 63, 64, 65, 130, 0, 7]
 
 
 
+@pytest.mark.parametrize("lens", [None, LENS])
+def test_w_from_tm_is_the_forwards_w(lens):
+    """``w_from_tm`` (the training path's fallback where the forward formed w in its chain and the sweep cannot take
+    Tm): the forward's w = Tm diag(beta e^gc) k of the chunk quantities, from the token-row Tm, in-chunk gc and
+    effective beta the forward keeps; GVA 2, l2norm, dense with a partial last chunk and varlen with empty, one-token
+    and partial sequences (float64 reference)."""
+    torch.manual_seed(0)
+    B, T, cu = (2, 150, None) if lens is None else (1, sum(lens), cu_seqlens(lens))
+    H, HV, K = 1, 2, 16
+    k = torch.randn(B, T, H, K)
+    g = F.logsigmoid(torch.rand(B, T, HV))
+    beta = torch.rand(B, T, HV)
+    lay = db.ChunkLayout(B, T, C, cu)
+    kc = lay.to_chunks(l2norm(tr.expand_heads(k.double(), HV)))
+    gch = lay.to_chunks(g.double().unsqueeze(-1))
+    r = db._recompute(kc, kc, None, gch, lay.to_chunks(beta.double().unsqueeze(-1)), 1.0, C)
+    tm, gc = lay.from_chunks(r["Tm"]).float(), lay.from_chunks(gch.cumsum(-2)).squeeze(-1).float()
+    w = tr.w_from_tm(k, tm, gc, beta, cu, True)
+    assert w.dtype == k.dtype and w.shape == (B, T, HV, K)
+    assert rel_l2(w.double(), lay.from_chunks(r["w"])) < 1e-5
+
+
 @pytest.mark.parametrize("lens", [None, LENS, [0, 0]])
 def test_chunk_layout_round_trip_and_zero_padding(lens):
     torch.manual_seed(0)

@@ -251,6 +251,48 @@ def test_carried_sweep(case, nseg, monkeypatch):
 
 
 @pytest.mark.compile
+def test_reverse_sweep_on_tm_compiles_for_sm90a(kernel_cache):
+    """The fused sweep on the forward's chunk inverses Tm and the effective beta instead of w (``tw``, for the
+    training forward that forms w and u in its chain, CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY): both V halves a CTA with
+    the dH / dvn TMA stores (the B4 call), one warpgroup a 64-column half varlen with the final state's gradient,
+    K = V = 64 fp16 without l2norm with [V, K] states; it takes the TMA loads, one warpgroup a V half, no segments."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    b4 = (torch.bfloat16, 128, 128, True, False, False, False, torch.bfloat16)
+    k64 = (torch.float16, 64, 64, False, True, True, True, torch.float16)
+    assert callable(B90.get_dstate_kernel(*b4, prefetch=True, tma=True, vh=2, tw=True))
+    assert callable(B90.get_dstate_kernel(torch.bfloat16, 128, 128, True, True, True, False, torch.bfloat16,
+                                          prefetch=True, tma=True, tw=True))
+    assert callable(B90.get_dstate_kernel(*k64, prefetch=True, tma=True, tw=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 3
+    for bad in (dict(tma=False), dict(wgs=2), dict(vh=2, nseg=4), dict(profile=True)):
+        with pytest.raises(ValueError, match="tw"):
+            B90.get_dstate_kernel(*b4, **{"prefetch": True, "tma": True, **bad}, tw=True)
+
+
+def test_sweep_takes_tm_only_where_the_fused_kernel_runs(monkeypatch):
+    """``sweep_takes_tm`` (whether the training forward may leave w out): the fused kernel with its TMA loads and
+    the prefetch, not where the split pair, the segments, the carried split or the specialized warpgroups take the
+    call (B1 T16384's grid: the split pair); the switches that move it read at the call."""
+    from cudnn_train.kernels import compile as kc
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+
+    monkeypatch.setattr(kc, "num_sms", lambda device=None: 132)
+    for env in ("CUDNN_TRAIN_GDN_SWEEP_SPLIT", "CUDNN_TRAIN_GDN_SWEEP_SEG", "CUDNN_TRAIN_GDN_SWEEP_CARRY",
+                "CUDNN_TRAIN_GDN_SWEEP_WS", "CUDNN_TRAIN_GDN_SWEEP_TMA", "CUDNN_TRAIN_GDN_SWEEP_PREFETCH"):
+        monkeypatch.delenv(env, raising=False)
+    b4 = (4, 32, 128, 128, 4 * 4096, True, "cpu")
+    assert B90.sweep_takes_tm(*b4)
+    assert not B90.sweep_takes_tm(1, 32, 128, 128, 16384, True, "cpu")  # the split pair's grid
+    for env, val in (("CUDNN_TRAIN_GDN_SWEEP_SPLIT", "1"), ("CUDNN_TRAIN_GDN_SWEEP_SEG", "4"),
+                     ("CUDNN_TRAIN_GDN_SWEEP_TMA", "0"), ("CUDNN_TRAIN_GDN_SWEEP_PREFETCH", "0")):
+        monkeypatch.setenv(env, val)
+        assert not B90.sweep_takes_tm(*b4), env
+        monkeypatch.delenv(env)
+    assert B90.sweep_takes_tm(*b4)
+
+
+@pytest.mark.compile
 def test_reverse_sweep_dh_tma_store_compiles_for_sm90a(kernel_cache):
     """dH by stmatrix and TMA stores (CUDNN_TRAIN_GDN_SWEEP_DHTMA, on by default; its stmatrix value order is
     asserted for every thread while tracing): both V halves in one CTA, two warpgroups splitting N, K = V = 64
@@ -609,6 +651,60 @@ def test_reverse_sweep_prefetch_is_bitwise_the_synchronous_loads(case, wgs):
         ref_dvn, _, ref_dh0 = _reference(q, k, g, beta, do, dht, scale, HV, True)
         assert rel_l2(outs[0][0].float(), ref_dvn) <= 2e-2
         assert rel_l2(outs[0][2], ref_dh0) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense_vh2", "dense_vh1", "T65_fp16", "varlen_k64_no_l2norm_vk"])
+def test_reverse_sweep_on_tm_matches_the_sweep_on_w(case, monkeypatch):
+    """The sweep on the forward's chunk inverses Tm and the effective beta (``reverse_sweep(beta=)``, for the
+    training forward that forms w and u in its chain): dvn, dH and dh0 within 1e-2 relative L2 of the sweep on the
+    same forward's w (the bf16 rounding point moves from w to Y = dvn^T Tm), the dense ones within 2e-2 of the
+    reference, every element the sweep on w writes written and nothing else; both V halves a CTA and one (B2 T300
+    bf16), fp16 T65 (a partial chunk, rows past the tensor's end), varlen K = V = 64 without l2norm with [V, K]
+    states (empty, one-token, partial sequences; dH's surplus chunk rows unwritten by both). Outputs NaN-filled
+    first. A bad beta is a ValueError naming it; a sweep form that cannot take Tm (the split pair) declines."""
+    from cudnn_train.backend import Unsupported
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    monkeypatch.setattr(F90, "POISON", True)
+
+    varlen = case.startswith("varlen")
+    if varlen:
+        lens, Bn, H, HV, K, dt, l2norm, vk = [1, 63, 130, 64, 0, 7, 200], 1, 1, 4, 64, torch.float16, False, True
+        T = sum(lens)
+    else:
+        lens, Bn, H, HV, K, l2norm, vk = None, 2, 2, 4, 128, True, False
+        T, dt = (65, torch.float16) if case.startswith("T65") else (300, torch.bfloat16)
+    q = torch.randn(Bn, T, H, K, device="cuda", dtype=dt)
+    k = torch.randn(Bn, T, H, K, device="cuda", dtype=dt)
+    if not l2norm:
+        q, k = _l2n(q.float()).to(dt), _l2n(k.float()).to(dt)
+    v = torch.randn(Bn, T, HV, K, device="cuda", dtype=dt)
+    g = F.logsigmoid(torch.rand(Bn, T, HV, device="cuda"))
+    beta = torch.rand(Bn, T, HV, device="cuda", dtype=dt)
+    cu = None if lens is None else cu_seqlens(lens, "cuda")
+    scale = K**-0.5
+    _, _, (w, _, gc, _, _, tm) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=l2norm,
+                                             cu_seqlens=cu, store_states=True, keep_vn=True, keep_tm=True).value
+    do = torch.randn(Bn, T, HV, K, device="cuda", dtype=dt)
+    N = Bn if lens is None else len(lens)
+    dht = torch.randn(N, HV, K, K, device="cuda")
+    kw = dict(scale=scale, use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu, state_v_first=vk, out_dtype=dt,
+              vh2=case != "dense_vh1" if K == 128 else None)
+    base = B90.reverse_sweep(q, k, w, gc, do, dht, **kw)
+    new = B90.reverse_sweep(q, k, tm, gc, do, dht, beta=beta.float(), **kw)
+    for name, a, b in zip(("dvn", "dH", "dh0"), new, base):
+        written = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), written), f"{name}: written elements differ"
+        err = rel_l2(a[written].float(), b[written].float())
+        assert err <= 1e-2, (name, err)
+    if not varlen:
+        _assert_dense_matches_reference([x.float() for x in new], q, k, g, beta, do, dht, scale)
+    with pytest.raises(ValueError, match="beta"):
+        B90.reverse_sweep(q, k, tm, gc, do, dht, beta=beta, **kw)  # not float32
+    with pytest.raises(Unsupported, match="Tm"):
+        B90.reverse_sweep(q, k, tm, gc, do, dht, beta=beta.float(), split=True, **kw)
 
 
 def _bitwise_case(case, V=None):

@@ -226,7 +226,8 @@ def test_specialized_warpgroup_state_kernel_compiles_for_sm90a(kernel_cache):
 def test_specialized_warpgroups_transposed_stores_compile_for_sm90a(kernel_cache):
     """The training forward's stores by TMA from transposed tiles (CUDNN_TRAIN_GDN_FWD_WS_TSTORE): at 64 and 128
     columns with the TMA loads (the B4 T4096 call), cp.async at K = V = 64 fp16 with [V, K] states, and K = 128 with
-    V = 64 without vn; w and u formed in the chain refuse it (the inference forward's)."""
+    V = 64 without vn; two output warpgroups refuse it (w and u formed in the chain take it since the thirty-fifth
+    session: test_training_forward_with_w_u_in_the_chain_compiles_for_sm90a)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
     train = dict(store_states=True, keep_vn=True, tstore=True)
@@ -236,9 +237,8 @@ def test_specialized_warpgroups_transposed_stores_compile_for_sm90a(kernel_cache
     assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=False, **train))
     assert callable(WS.get_kernel(*WS_VARIANTS[2], store_states=True, tma=True, tstore=True))
     assert len(list(kernel_cache.rglob("*.o"))) == 5
-    for bad in (dict(onfly=True), dict(tma=True, wg3=True)):
-        with pytest.raises(ValueError, match="tstore"):
-            WS.get_kernel(*WS_VARIANTS[0], store_states=True, tstore=True, **bad)
+    with pytest.raises(ValueError, match="tstore"):
+        WS.get_kernel(*WS_VARIANTS[0], store_states=True, tstore=True, tma=True, wg3=True)
 
 
 @pytest.mark.compile
@@ -1532,6 +1532,68 @@ def test_transposed_tiles_and_ldmatrix_are_bitwise(case, monkeypatch, poisoned):
     run = _ws_switch_case(case.removeprefix("async_").removesuffix("_vb128"), monkeypatch, train=train,
                           tma=not case.startswith("async"), vb128=case.endswith("vb128"))
     _assert_switches_bitwise(case, run, monkeypatch, WS, "TLAYOUT", "ULDM", first_off=train)
+
+
+@pytest.mark.compile
+def test_training_forward_with_w_u_in_the_chain_compiles_for_sm90a(kernel_cache):
+    """The training forward with w and u formed in the chain (CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY, prepared): the
+    specialized warpgroups' onfly chain also storing the chunk states, vn (TMA stores from the transposed tiles)
+    and the gated inverses T; the B4 call (128 columns, l2norm) and K = V = 64 fp16 varlen with [V, K] states,
+    initial and final states, at 64 columns."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    train = dict(store_states=True, keep_vn=True, onfly=True, tma=True, tstore=True)
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], vb=128, **train))
+    assert callable(WS.get_kernel(*WS_VARIANTS[1], vb=64, **train))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2
+    with pytest.raises(ValueError, match="tstore"):  # two output warpgroups store nothing
+        WS.get_kernel(*WS_VARIANTS[0], vb=64, wg3=True, **train)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense", "varlen", "gate_sigmoid_no_l2norm"])
+def test_training_forward_with_w_u_in_the_chain(case, monkeypatch, poisoned):
+    """CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY (prepared): the training forward asked with ``train_onfly`` at 128 columns a
+    CTA (the specialized warpgroups forced at these small grids) takes the wy kernel's INV variant and the onfly
+    chain: w None, u's slot the effective beta; o and the final state against the oracle (FLA-compat rule), the
+    chunk states, vn and Tm within 2e-2 relative L2 of the default training forward's on the same call (other
+    rounding points: T from the rounded gate-free inverse, vn one product), every element the default writes
+    written (over NaN-poisoned outputs). Dense B2 T333 with a partial last chunk; varlen with empty, one-token and
+    partial sequences; the in-kernel gate and beta sigmoid without the l2norm."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(WS, "VB_MODE", "128")
+    gate = case.startswith("gate")
+    q, k, v, g, beta, h0, cu = _ws_inputs("dense" if gate else case, 128, 128, torch.bfloat16)
+    flags = dict(use_qk_l2norm_in_kernel=not gate)
+    if gate:
+        q, k = _l2n(q.float()).to(q.dtype), _l2n(k.float()).to(k.dtype)
+        g = torch.randn_like(g)
+        beta = torch.randn_like(beta)
+        flags.update(use_gate_in_kernel=True, A_log=torch.rand(4, device="cuda") * 0.5,
+                     dt_bias=torch.randn(4, device="cuda") * 0.5, use_beta_sigmoid_in_kernel=True)
+    scale = 128**-0.5
+    args = dict(scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu, store_states=True,
+                keep_vn=True, keep_tm=True, train_onfly=True, **flags)
+    monkeypatch.setattr(F90, "TRAIN_ONFLY", False)
+    _, _, (w0, _, gc0, hs0, vn0, tm0) = F90.forward(q, k, v, g, beta, **args).value
+    monkeypatch.setattr(F90, "TRAIN_ONFLY", True)
+    o, ht, (w, u, gc, hs, vn, tm) = F90.forward(q, k, v, g, beta, **args).value
+    assert w0 is not None and w is None, "the switch did not change the forward's path"
+    beta_eff = torch.sigmoid(beta.float()) if gate else beta.float()
+    assert u.dtype == torch.float32 and rel_l2(u, beta_eff) < 1e-5
+    assert rel_l2(gc, gc0) < 1e-6
+    ref_o, ref_h = oracle(q, k, v, g, beta, scale, h0, cu, l2norm=not gate, A_log=flags.get("A_log"),
+                          dt_bias=flags.get("dt_bias"), beta_sigmoid=gate)
+    _check("o", o.float(), ref_o, None)
+    _check("final_state", ht, ref_h, None)
+    for name, a, b in (("chunk states", hs, hs0), ("vn", vn, vn0), ("Tm", tm, tm0)):
+        written = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), written), f"{name}: written elements differ"
+        assert rel_l2(a[written].float(), b[written].float()) <= 2e-2, (name, rel_l2(a[written].float(),
+                                                                                     b[written].float()))
 
 
 @pytest.mark.gpu

@@ -148,6 +148,35 @@ def test_train_stage3_reads_the_forwards_vn(case, monkeypatch):
     assert calls and all(c == (keep, with_tm) for c in calls), f"(vn, tm) passed to stage 3: {calls}"
 
 
+@pytest.mark.parametrize("case", ["dense_gva2", "varlen"])
+def test_train_with_w_and_u_formed_in_the_forwards_chain(case, monkeypatch):
+    """CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY=1 (prepared): the training forward forms w and u in the specialized
+    warpgroups' chain (forced here where these small grids would take the split passes: the specialized warpgroups
+    at 128 columns, the fused sweep) and keeps no w; the sweep then runs on the forward's Tm and the effective beta
+    (spied on); output, final state and every gradient against the oracle and FLA as every case here."""
+    if os.environ["CUDNN_TRAIN_GDN_SM90_STAGE3"] != "kernel":
+        pytest.skip("with the stage-3 kernel, which reads the forward's vn and Tm")
+    from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    monkeypatch.setattr(F90, "TRAIN_ONFLY", True)
+    monkeypatch.setattr(F90, "SPLIT", False)
+    monkeypatch.setattr(WS, "VB_MODE", "128")
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_SWEEP_SPLIT", "0")
+    calls = []
+    orig = B90.reverse_sweep
+    monkeypatch.setattr(B90, "reverse_sweep", lambda *a, **kw: calls.append(kw.get("beta") is not None)
+                        or orig(*a, **kw))
+    if case == "varlen":
+        lengths = [0, 1, 63, 130, 1, 257, 64, 0]
+        _compare(*_inputs(1, sum(lengths), 2, 4, 128, 128, torch.bfloat16, nseq=len(lengths)),
+                 cu_seqlens(lengths, "cuda"))
+    else:
+        _compare(*_inputs(2, 200, 2, 4, 128, 128, torch.bfloat16))
+    assert calls == [True], f"the sweep on Tm: {calls}"
+
+
 @pytest.mark.parametrize("lengths", [[0, 1, 63, 130, 1, 257, 64, 0], [5, 0, 0, 77]])
 def test_train_varlen(lengths):
     cu = cu_seqlens(lengths, "cuda")
