@@ -94,9 +94,10 @@
 #   bash tools/gpu_next.sh s54      # the forward's transposed tiles for inference and u^T by ldmatrix (prepared): the
 #                                   # bitwise cases (GDN_S), time_gdn_fwd.py --tlayout (TIME_S, SHAPES), then the
 #                                   # profiles with both on (PROF=1)
-#   bash tools/gpu_next.sh s56      # the training forward with w and u formed in its chain and the sweep on Tm
-#                                   # (prepared): the forward's and sweep's cases (GDN_S), the training op's (TRAIN_S;
-#                                   # FLA's backward needs the --peers bundle), time_gdn_fwd.py --train-onfly (TIME_S)
+#   bash tools/gpu_next.sh s56      # the training forward with w and u formed in its chain and the sweep on Tm, and
+#                                   # the chain issuing the loads (prepared): their cases (GDN_S), the training op's
+#                                   # (TRAIN_S; FLA's backward needs the --peers bundle), time_gdn_fwd.py --train-onfly,
+#                                   # --cloads and --kshare (TIME_S each)
 #   bash tools/gpu_next.sh s55      # o by TMA stores and the output on the chain's k factors in the forward's
 #                                   # specialized warpgroups (prepared): bitwise cases (GDN_S), time_gdn_fwd.py --otma
 #                                   # and --kshare (TIME_S), then the forward tier (TIER_S; 0 skips it)
@@ -579,10 +580,13 @@ s54)
   fi ;;
 s56)
   # the thirty-fifth session's prepared: CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY and reverse_sweep(beta=)
+  # (and CUDNN_TRAIN_GDN_FWD_WS_CLOADS: its bitwise cases, then --cloads; --kshare again, now over OTMA's default)
   tier s56 ${GDN_S:-200} tests/kernels/test_gated_delta_rule_sm90.py tests/kernels/test_gated_delta_rule_bwd_sm90.py \
-    -k "w_u_in_the_chain or on_tm or takes_tm"
+    -k "w_u_in_the_chain or on_tm or takes_tm or chain_issued_loads"
   tier s56train ${TRAIN_S:-300} tests/kernels/test_gated_delta_rule_train_sm90.py -k w_and_u_formed
-  timed train_onfly ${TIME_S:-150} python3 tools/time_gdn_fwd.py --train-onfly --shapes 1 ;;
+  timed train_onfly ${TIME_S:-150} python3 tools/time_gdn_fwd.py --train-onfly --shapes 1
+  timed cloads ${TIME_S:-150} python3 tools/time_gdn_fwd.py --cloads --shapes 1
+  timed kshare2 ${TIME_S:-150} python3 tools/time_gdn_fwd.py --kshare --shapes 1 ;;
 s55)
   # the thirty-fourth session's: CUDNN_TRAIN_GDN_FWD_WS_OTMA, then the forward's tier under TLAYOUT / ULDM on
   tier s55 ${GDN_S:-150} tests/kernels/test_gated_delta_rule_sm90.py -k o_tma_stores_and_shared_k_factors

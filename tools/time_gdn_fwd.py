@@ -6,7 +6,7 @@ kernel's opt-in ``CUDNN_TRAIN_GDN_FWD_WGS=2``) against one.
 
     python3 tools/time_gdn_fwd.py [--shapes N] [--profile] [--wy-only | --ws-only | --chain-tma | --out-tma |
                                    --onfly | --chain-stores | --out-otma | --chain-seg | --tstore |
-                                   --profile-defaults | --tlayout | --otma | --kshare | --train-onfly]
+                                   --profile-defaults | --tlayout | --otma | --kshare | --cloads | --train-onfly]
 
 ``--train-onfly``: the training forward as the training path calls it with w and u formed in the chain
 (``CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY``) against the default (o, chunk states, vn, Tm: relative L2), then the reverse
@@ -15,7 +15,8 @@ rounds.
 
 ``--otma``: the inference and training forwards with o by TMA stores (``CUDNN_TRAIN_GDN_FWD_WS_OTMA``) against the
 pair stores: o (training: also the chunk states, vn) bitwise first, then two alternating timed rounds.
-``--kshare``: the same with the output warpgroup on the chain's k factors (``CUDNN_TRAIN_GDN_FWD_WS_KSHARE``).
+``--kshare``: the same with the output warpgroup on the chain's k factors (``CUDNN_TRAIN_GDN_FWD_WS_KSHARE``);
+``--cloads``: with the next chunk's TMA loads issued by the chain's first warp (``CUDNN_TRAIN_GDN_FWD_WS_CLOADS``).
 
 ``--tlayout``: the inference forward with its specialized warpgroups on the transposed S / vn tiles
 (``CUDNN_TRAIN_GDN_FWD_WS_TLAYOUT``), with the chain's u^T by ldmatrix (``_ULDM``) and with both, and the training
@@ -114,6 +115,7 @@ def main():
                          "stores and with the transposed tiles' TMA stores (64 and 128 columns): bitwise, then timed")
     ap.add_argument("--otma", action="store_true", help="the forwards with o by TMA stores, alternating")
     ap.add_argument("--kshare", action="store_true", help="the forwards with the chain's k factors shared")
+    ap.add_argument("--cloads", action="store_true", help="the forwards with the chain issuing the TMA loads")
     ap.add_argument("--train-onfly", action="store_true",
                     help="the training forward with w, u formed in its chain and the sweep on Tm, alternating")
     ap.add_argument("--tlayout", action="store_true",
@@ -159,8 +161,8 @@ def main():
         if args.train_onfly:
             train_onfly_rows(q, k, v, g, beta, B, T, H, HV)
             continue
-        if args.otma or args.kshare:
-            switch_rows(q, k, v, g, beta, B, T, H, HV, "OTMA" if args.otma else "KSHARE")
+        if args.otma or args.kshare or args.cloads:
+            switch_rows(q, k, v, g, beta, B, T, H, HV, "OTMA" if args.otma else "KSHARE" if args.kshare else "CLOADS")
             continue
         if args.profile_defaults:
             profile_defaults(q, k, v, g, beta, B, T, H, HV, NT)

@@ -161,6 +161,14 @@ OTMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_OTMA", True)
 # H100, B4 T4096 (OTMA off): training 0.676 / 0.674 -> 0.680 / 0.678 ms, inference 0.481 / 0.465 -> 0.484 / 0.493:
 # the barrier's wait costs what the saved instructions gave.
 KSHARE = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_KSHARE", False)
+# The next chunk's TMA loads issued by the chain's first warp (CUDNN_TRAIN_GDN_FWD_WS_CLOADS, thirty-fifth session;
+# prepared, off until GPU-timed) instead of the output warpgroup's store warp: in the training forward the output
+# warpgroup is the longer one (the chain waits 2.6K of its 10.35K cycles a chunk at the barrier, B4 T4096, H100) and
+# its "products issued, next chunk's copies" phase takes 3.5K cycles against 1.9K in inference; the loads go to
+# buffers whose last readers (and, with the TMA stores, whose stores' reads: the store warp waits for them before
+# the barrier) are past the iteration's CTA barrier, after which the chain issues them. The same data in the same
+# tiles: the same bits. With the TMA loads.
+CLOADS = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_CLOADS", False)
 
 
 def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False, tstore: bool = False) -> int:
@@ -197,7 +205,7 @@ WS_PHASES = (
 def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_final: bool, state_vk: bool,
            store_states: bool, keep_vn: bool, profile: bool = False, tma: bool = False, onfly: bool = False,
            wg3: bool = False, vb: int = VB, nseg: int = 1, tstore: bool = False, tlayout: bool = False,
-           uldm: bool = False, otma: bool = False, kshare: bool = False):
+           uldm: bool = False, otma: bool = False, kshare: bool = False, cloads: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -239,6 +247,8 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
     CHAIN_REGS, OUT_REGS = 232, 136
     assert CHAIN_REGS + 2 * OUT_REGS <= 3 * (65536 // 384 // 8 * 8)
     TMA_WARP = 4  # the output warpgroup's first warp issues them (one elected thread arms the mbarrier)
+    LOAD_WARP = 0 if cloads else TMA_WARP  # (cloads: the chain's first warp issues the loads)
+    assert not cloads or tma, (cloads, tma)
     init_barriers = cm.make_tma_init()
     # with TMA, right after the barrier: a one-thread branch between a warpgroup's products and their wait makes
     # ptxas serialize the products (C7520)
@@ -334,7 +344,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
             t1 = ts + (ci + 1) * C
             if cutlass.const_expr(tma):
                 issue_rows(mGc, mBe, sGc, sBe, b, hv, t1, cutlass.min(te - t1, C), tidx)
-                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
+                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == LOAD_WARP:
                     tma_chunk(ta, sQ, sK, sW, sU, bar, b, h, hv, t1, v0)
             else:
                 issue_chunk(mQ, mK, mW, mU, mGc, sQ, sK, sW, sU, sGc, b, h, hv, t1, v0, cutlass.min(te - t1, C),
@@ -602,7 +612,7 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
         if nchunks > 0:
             if cutlass.const_expr(tma):
                 issue_rows(mGc, mBe, sGcb[0], sBeb[0], b, hv, ts, cutlass.min(te - ts, C), tidx)
-                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == TMA_WARP:
+                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == LOAD_WARP:
                     tma_chunk(ta, sQb[0], sKb[0], sWb[0], sUb[0], mbar, b, h, hv, ts, v0)
             else:
                 issue_chunk(mQ, mK, mW, mU, mGc, sQb[0], sKb[0], sWb[0], sUb[0], sGcb[0], b, h, hv, ts, v0,
@@ -900,14 +910,15 @@ def _build(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_h0: bool, out_
 
 def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_states=False, keep_vn=False,
                profile=False, tma=None, onfly=False, wg3=None, vb=VB, nseg=1, tstore=None, tlayout=None,
-               uldm=None, otma=None, kshare=None):
+               uldm=None, otma=None, kshare=None, cloads=None):
     """The compiled state pass; ``tstore`` (default :data:`TSTORE`, only with ``store_states``): the chunk states
     and vn written by TMA stores from tiles the chain writes transposed (see ``TSTORE``); ``tlayout`` (default
     :data:`TLAYOUT`, inference only, ignored with ``store_states``): those transposed tiles without the stores;
     ``uldm`` (default :data:`ULDM`, ignored where u's tile is not swizzled): the chain's u^T by ldmatrix; ``otma``
     (default :data:`OTMA`, ignored where it cannot serve: K != vb, cp.async loads, two output warpgroups): o by TMA
     stores; ``kshare`` (default :data:`KSHARE`, ignored without the l2norm or with two output warpgroups): the output
-    warpgroup on the chain's k factors."""
+    warpgroup on the chain's k factors; ``cloads`` (default :data:`CLOADS`, ignored without the TMA loads): the next
+    chunk's TMA loads issued by the chain's first warp."""
     tma = (K == V if TMA is None else TMA) if tma is None else bool(tma)
     tstore = bool(store_states) and (TSTORE if tstore is None else bool(tstore))
     tlayout = not store_states and (TLAYOUT if tlayout is None else bool(tlayout))
@@ -918,6 +929,7 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
     wg3 = bool(wg3)
     otma = tma and K == vb and not wg3 and (OTMA if otma is None else bool(otma))
     kshare = bool(l2norm) and not wg3 and (KSHARE if kshare is None else bool(kshare))
+    cloads = tma and (CLOADS if cloads is None else bool(cloads))
     if K not in F.HEAD_DIMS or V not in F.HEAD_DIMS:
         raise ValueError(f"K={K}, V={V}: expected each in {F.HEAD_DIMS}")
     if vb not in (64, 128) or vb > V or (wg3 and vb == 128 and onfly):
@@ -933,12 +945,13 @@ def get_kernel(dtype, K, V, l2norm, varlen, has_h0, out_final, state_vk, store_s
     key = ("state_ws", str(dtype), K, V, bool(l2norm), bool(varlen), bool(has_h0), bool(out_final), bool(state_vk),
            bool(store_states), bool(keep_vn)) + (("profile",) if profile else ()) + (("tma",) if tma else ()) + (("onfly",) if onfly else ()) + (("wg3",) if wg3 else ()) + (("vb", vb) if vb != VB else ()) + (
         (("nseg", nseg),) if nseg > 1 else ()) + (("tstore",) if tstore else ()) + (("tlayout",) if tlayout else ()) + (
-        ("uldm",) if uldm else ()) + (("otma",) if otma else ()) + (("kshare",) if kshare else ())
+        ("uldm",) if uldm else ()) + (("otma",) if otma else ()) + (("kshare",) if kshare else ()) + (
+        ("cloads",) if cloads else ())
 
     def build():
         return _build(F._dt(dtype), K, V, l2norm, varlen, has_h0, out_final, state_vk, bool(store_states),
                       bool(keep_vn), bool(profile), tma, bool(onfly), wg3, vb, nseg, tstore, tlayout, uldm, otma,
-                      kshare)
+                      kshare, cloads)
 
     return kc.get_kernel("gdn_fwd_state_ws", key, build, _SOURCES)
 

@@ -1534,6 +1534,39 @@ def test_transposed_tiles_and_ldmatrix_are_bitwise(case, monkeypatch, poisoned):
     _assert_switches_bitwise(case, run, monkeypatch, WS, "TLAYOUT", "ULDM", first_off=train)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["infer_dense_vb128", "train_varlen_vb128", "train_dense_vb128",
+                                  "train_k64_fp16_no_l2norm_vk"])
+def test_chain_issued_loads_are_bitwise(case, monkeypatch, poisoned):
+    """The next chunk's TMA loads issued by the chain's first warp (CUDNN_TRAIN_GDN_FWD_WS_CLOADS, prepared) alone,
+    o by TMA stores (OTMA, whose q tile the loads refill) alone and both: o, the final state (training: the chunk
+    states and vn) bitwise both off; inference at 128 columns (w and u formed in the chain), training at 128 columns
+    dense T 333 and varlen (empty, one-token, partial sequences), K = V = 64 fp16 with [V, K] states."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    train = case.startswith("train")
+    case = case.split("_", 1)[1]
+    monkeypatch.setattr(WS, "WG3", False)
+    run = _ws_switch_case(case.removesuffix("_vb128"), monkeypatch, train=train, tma=True,
+                          vb128=case.endswith("vb128"))
+    _assert_switches_bitwise(case, run, monkeypatch, WS, "CLOADS", "OTMA")
+
+
+@pytest.mark.compile
+def test_chain_issued_loads_compile_for_sm90a(kernel_cache):
+    """CUDNN_TRAIN_GDN_FWD_WS_CLOADS (prepared): the B4 training and inference calls with the chain's first warp
+    issuing the TMA loads; without the TMA loads the switch is ignored (the cp.async kernel's cache entry)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], store_states=True, keep_vn=True, tstore=True, tma=True, vb=128,
+                                  cloads=True))
+    assert callable(WS.get_kernel(*WS_VARIANTS[0], onfly=True, tma=True, wg3=False, vb=128, cloads=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 2
+    assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=False, vb=64, cloads=True))
+    assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=False, vb=64, cloads=False))
+    assert len(list(kernel_cache.rglob("*.o"))) == 3
+
+
 @pytest.mark.compile
 def test_training_forward_with_w_u_in_the_chain_compiles_for_sm90a(kernel_cache):
     """The training forward with w and u formed in the chain (CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY, prepared): the
