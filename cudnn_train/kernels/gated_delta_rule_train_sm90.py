@@ -103,14 +103,16 @@ def kernel_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg: Conf
 def w_from_tm(k, tm, gc, beta_eff, cu, use_l2norm: bool):
     """w ``[B, T, HV, K]`` in k's dtype from the forward's gated chunk inverses ``tm`` ``[B, T, HV, 64]``, gc and
     the effective beta (float32 ``[B, T, HV]``): ``w = Tm diag(beta exp(gc)) k`` per chunk, k l2-normalized when
-    asked and expanded over each GVA group; in float32, rounded once. For a sweep that cannot take Tm itself."""
+    asked and expanded over each GVA group; in float32 (float64 for float64 inputs), rounded once. For a sweep that
+    cannot take Tm itself."""
     B, T, HV = tm.shape[:3]
+    ct = compute_dtype(k)
     lay = db.ChunkLayout(B, T, CHUNK, cu)
-    kx = expand_heads(k.float(), HV)
+    kx = expand_heads(k.to(ct), HV)
     if use_l2norm:
         kx = l2norm(kx)
-    x = kx * (beta_eff * gc.exp()).unsqueeze(-1)
-    return lay.from_chunks(lay.to_chunks(tm.float()) @ lay.to_chunks(x)).to(k.dtype)
+    x = kx * (beta_eff.to(ct) * gc.to(ct).exp()).unsqueeze(-1)
+    return lay.from_chunks(lay.to_chunks(tm.to(ct)) @ lay.to_chunks(x)).to(k.dtype)
 
 
 # the kernel steps; the CPU tests put reference implementations of the same contracts here

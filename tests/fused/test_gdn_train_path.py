@@ -104,6 +104,30 @@ def ref_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg):
     return lay.from_chunks(dvn), lay.chunks_to_rows(dHc), _k_first(dh0, cfg)
 
 
+def ref_forward_tm(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg):
+    """The forward's contract where it forms w and u in its chain (``CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY``), in torch:
+    saved ``(Tm, gc, vn, Tm, effective beta, chunk-start rows)``, no w."""
+    o, ht, (rows,) = ref_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg)
+    with torch.no_grad():
+        lay, r = _prep(q, k, v, g, beta, A_log, dt_bias, cu, cfg)
+        gf, bf = tr.prepared(g, beta, A_log, dt_bias, cfg, q.dtype)
+        gc = lay.from_chunks(lay.to_chunks(gf).cumsum(-2)).squeeze(-1)
+        tm = lay.from_chunks(r["Tm"])
+        vn = lay.from_chunks(db.new_values(r, lay.rows_to_chunks(rows)))
+    return o, ht, (tm, gc, vn, tm, bf, rows)
+
+
+def ref_sweep_tm(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg):
+    """The reverse sweep's contract on the forward's Tm and effective beta (``reverse_sweep(beta=)``), in torch:
+    w from the saved Tm, gc and beta alone (``tr.w_from_tm``), then the sweep."""
+    assert len(saved) == 6, "the forward that forms w in its chain saves six tensors"
+    with torch.no_grad():
+        lay, r = _prep(q, k, v, g, beta, A_log, dt_bias, cu, cfg)
+        r = dict(r, w=lay.to_chunks(tr.w_from_tm(k, saved[0], saved[1], saved[4], cu, cfg.l2norm)))
+        _, _, dHc, dvn, dh0 = db.sweeps_ref(r, lay, None, _k_first(dht, cfg), lay.to_chunks(do.to(r["w"].dtype)))
+    return lay.from_chunks(dvn), lay.chunks_to_rows(dHc), _k_first(dh0, cfg)
+
+
 FLAGS = {
     "plain": {},
     "l2norm": dict(use_qk_l2norm_in_kernel=True),
@@ -116,8 +140,12 @@ FLAGS = {
 @pytest.mark.parametrize("name", list(FLAGS))
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("h0, final", [(True, True), (False, False)])
-def test_training_path_matches_autograd_of_the_torch_op(monkeypatch, name, varlen, h0, final):
-    monkeypatch.setattr(tr, "IMPL", {"forward": ref_forward, "sweep": ref_sweep, "stage3": tr.stage3_torch})
+@pytest.mark.parametrize("saved_w", [True, False], ids=["w", "tm"])
+def test_training_path_matches_autograd_of_the_torch_op(monkeypatch, name, varlen, h0, final, saved_w):
+    """``tm``: the forward that forms w in its chain saves Tm, gc and the effective beta instead, and the sweep
+    forms w from them (the contract of ``CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY`` and ``reverse_sweep(beta=)``)."""
+    impl = {"forward": ref_forward, "sweep": ref_sweep} if saved_w else {"forward": ref_forward_tm, "sweep": ref_sweep_tm}
+    monkeypatch.setattr(tr, "IMPL", {**impl, "stage3": tr.stage3_torch})
     torch.manual_seed(1)
     flags = {**dict(use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                     allow_neg_eigval=False, state_v_first=False), **FLAGS[name]}
