@@ -1492,6 +1492,20 @@ def _assert_switches_bitwise(case, run, monkeypatch, module, a: str, b: str, fir
             _assert_bitwise(case, out, outs[False, False], f"{a}={int(key[0])} {b}={int(key[1])}")
 
 
+def _assert_ws_pair_bitwise(case, monkeypatch, a: str, b: str):
+    """``case`` = ``infer_`` or ``train_`` + a :func:`_ws_switch_case` case (``_vb128``: 128 columns a CTA), TMA
+    loads, one output warpgroup: the specialized-warpgroup module's switches ``a`` and ``b`` each alone and both,
+    every output bitwise both off (:func:`_assert_switches_bitwise`)."""
+    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
+
+    train = case.startswith("train")
+    case = case.split("_", 1)[1]
+    monkeypatch.setattr(WS, "WG3", False)
+    run = _ws_switch_case(case.removesuffix("_vb128"), monkeypatch, train=train, tma=True,
+                          vb128=case.endswith("vb128"))
+    _assert_switches_bitwise(case, run, monkeypatch, WS, a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["varlen", "varlen_vb128", "tma_dense_vb128", "tma_varlen", "k64_fp16_no_l2norm_vk",
                                   "v64_tma_varlen"])
@@ -1542,14 +1556,7 @@ def test_chain_issued_loads_are_bitwise(case, monkeypatch, poisoned):
     o by TMA stores (OTMA, whose q tile the loads refill) alone and both: o, the final state (training: the chunk
     states and vn) bitwise both off; inference at 128 columns (w and u formed in the chain), training at 128 columns
     dense T 333 and varlen (empty, one-token, partial sequences), K = V = 64 fp16 with [V, K] states."""
-    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
-
-    train = case.startswith("train")
-    case = case.split("_", 1)[1]
-    monkeypatch.setattr(WS, "WG3", False)
-    run = _ws_switch_case(case.removesuffix("_vb128"), monkeypatch, train=train, tma=True,
-                          vb128=case.endswith("vb128"))
-    _assert_switches_bitwise(case, run, monkeypatch, WS, "CLOADS", "OTMA")
+    _assert_ws_pair_bitwise(case, monkeypatch, "CLOADS", "OTMA")
 
 
 @pytest.mark.compile
@@ -1639,14 +1646,7 @@ def test_o_tma_stores_and_shared_k_factors_are_bitwise(case, monkeypatch, poison
     with w and u formed in the chain, training; dense T 333 with its partial last chunk, varlen with empty,
     one-token and partial sequences) and at K = V = 64 fp16 with [V, K] states (one output warpgroup; no l2norm,
     which KSHARE needs)."""
-    from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
-
-    train = case.startswith("train")
-    case = case.split("_", 1)[1]
-    monkeypatch.setattr(WS, "WG3", False)
-    run = _ws_switch_case(case.removesuffix("_vb128"), monkeypatch, train=train, tma=True,
-                          vb128=case.endswith("vb128"))
-    _assert_switches_bitwise(case, run, monkeypatch, WS, "OTMA", "KSHARE")
+    _assert_ws_pair_bitwise(case, monkeypatch, "OTMA", "KSHARE")
 
 
 @pytest.mark.gpu
