@@ -254,6 +254,7 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
         sRq = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sRk = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
         sBeb = [smem.allocate_tensor(Float32, cute.make_layout(C), 16) for _ in range(NBUF)] if TW else sGcb
+        sYc = smem.allocate_tensor(Float32, cute.make_layout(C), 16) if TW else sRk  # (TW) Y's column factors
         if cutlass.const_expr(not regs_a):
             sDHt = cm.alloc_tile(smem, dtype, VB, K)  # dH^T [v, d], the A of dH^T k^T
             sVd = cm.alloc_tile(smem, dtype, VB, C)  # -dvn^T [v, i], the A of the state update
@@ -394,6 +395,12 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         cute.arch.sync_threads()
                     # do_s = do diag(scale e^gc rq): the A operand of the q term of the state update
                     scale_rows(sDo, sDoS, sGc, sRq, scale, tidx)
+                    if cutlass.const_expr(TW):  # Y's column factors beta exp(gc) rk, once a chunk (sRk written, the
+                        if tidx < C:  # barrier before the products publishes them)
+                            yc = sBeb[par][tidx] * cute.math.exp2(sGc[tidx] * LOG2E, fastmath=True)
+                            if cutlass.const_expr(l2norm):
+                                yc = yc * sRk[tidx]
+                            sYc[tidx] = yc
                     if cutlass.const_expr(not regs_a):  # dH^T in the input dtype, each warpgroup its columns
                         for e in cutlass.range_constexpr(cute.size(accD)):
                             sv, sd = cS[e]
@@ -495,13 +502,9 @@ def _build_dstate(dtype, K: int, V: int, l2norm: bool, varlen: bool, has_dht: bo
                         gemm(mma_y, accY, rVd, tBtb[par], True)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
-                        sBe = sBeb[par]
                         for e in cutlass.range_constexpr(cute.size(accY)):
                             _, yj = cX[e]
-                            ycoef = sBe[yj] * cute.math.exp2(sGc[yj] * LOG2E, fastmath=True)
-                            if cutlass.const_expr(l2norm):
-                                ycoef = ycoef * sRk[yj]
-                            accY[e] = accY[e] * ycoef
+                            accY[e] = accY[e] * sYc[yj]
                         for f in cutlass.range_constexpr(cute.size(rYd)):
                             rYd[f] = accY[map_vd[f]].to(dtype)
                         gemm(mma_s, accD, rYd, tBwtb[kb], False)  # dH^T -= dvn^T w
