@@ -440,9 +440,8 @@ def _l2n(x):
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-def _case(B, T, H, HV, K, V, dtype, l2norm, lens=None):
-    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
-
+def _case_inputs(B, T, H, HV, K, V, dtype, l2norm, lens=None):
+    """A sweep case's forward inputs ``(q, k, v, g, beta, cu, scale)`` on the GPU (q, k unit rows without l2norm)."""
     dev = "cuda"
     q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
     k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
@@ -451,8 +450,13 @@ def _case(B, T, H, HV, K, V, dtype, l2norm, lens=None):
     v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
     g = F.logsigmoid(torch.rand(B, T, HV, device=dev))
     beta = torch.rand(B, T, HV, device=dev, dtype=dtype)
-    cu = None if lens is None else cu_seqlens(lens, dev)
-    scale = K**-0.5
+    return q, k, v, g, beta, None if lens is None else cu_seqlens(lens, dev), K**-0.5
+
+
+def _case(B, T, H, HV, K, V, dtype, l2norm, lens=None):
+    from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
+
+    q, k, v, g, beta, cu, scale = _case_inputs(B, T, H, HV, K, V, dtype, l2norm, lens)
     o, _, (w, u, gc) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu,
                                    return_intermediates=True).value
     return q, k, g, beta, w, gc, cu, scale
@@ -676,15 +680,7 @@ def test_reverse_sweep_on_tm_matches_the_sweep_on_w(case, monkeypatch):
     else:
         lens, Bn, H, HV, K, l2norm, vk = None, 2, 2, 4, 128, True, False
         T, dt = (65, torch.float16) if case.startswith("T65") else (300, torch.bfloat16)
-    q = torch.randn(Bn, T, H, K, device="cuda", dtype=dt)
-    k = torch.randn(Bn, T, H, K, device="cuda", dtype=dt)
-    if not l2norm:
-        q, k = _l2n(q.float()).to(dt), _l2n(k.float()).to(dt)
-    v = torch.randn(Bn, T, HV, K, device="cuda", dtype=dt)
-    g = F.logsigmoid(torch.rand(Bn, T, HV, device="cuda"))
-    beta = torch.rand(Bn, T, HV, device="cuda", dtype=dt)
-    cu = None if lens is None else cu_seqlens(lens, "cuda")
-    scale = K**-0.5
+    q, k, v, g, beta, cu, scale = _case_inputs(Bn, T, H, HV, K, K, dt, l2norm, lens)
     _, _, (w, _, gc, _, _, tm) = F90.forward(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=l2norm,
                                              cu_seqlens=cu, store_states=True, keep_vn=True, keep_tm=True).value
     do = torch.randn(Bn, T, HV, K, device="cuda", dtype=dt)
