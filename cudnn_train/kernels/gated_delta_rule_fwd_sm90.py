@@ -142,16 +142,18 @@ STATE_WS = None if not _ws_env else env_flag("CUDNN_TRAIN_GDN_FWD_WS")
 ONFLY = cm.env_switch("CUDNN_TRAIN_GDN_FWD_ONFLY", None)
 
 
-# The training forward with w and u formed in the specialized warpgroups' chain (CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY=1,
-# thirty-fifth session; prepared, off until GPU-run): the training forward's chain waits about a quarter of its
-# cycles for the output warpgroup (B4 T4096, H100, profile), so the inference forward's w / u formation costs it
-# little there, while the wy kernel that writes w, u and Tm (0.29 ms at B4) shrinks to its INV variant (0.16 ms in
-# the inference forward). Nothing then holds w for the reverse sweep, which takes the chain's gated inverses (Tm)
-# and the effective beta instead (``gated_delta_rule_bwd_sm90.reverse_sweep(beta=)``). Where the training path
-# asks for it (``forward(train_onfly=True)``: its backward's sweep takes Tm) and the specialized warpgroups serve
-# the training forward at 128 columns a CTA, unsegmented; other numerics than the default (T is rounded from the
-# rounded gate-free inverse, vn is one product on T), the same as the inference forward's.
-TRAIN_ONFLY = cm.env_switch("CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY", False)
+# The training forward with w and u formed in the specialized warpgroups' chain (CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY,
+# thirty-fifth session; the default since the thirty-sixth): the training forward's chain waited about a quarter of
+# its cycles for the output warpgroup (B4 T4096, H100, profile), so the inference forward's w / u formation costs it
+# little there, while the wy kernel that writes w, u and Tm shrinks to its INV variant. Nothing then holds w for the
+# reverse sweep, which takes the chain's gated inverses (Tm) and the effective beta instead
+# (``gated_delta_rule_bwd_sm90.reverse_sweep(beta=)``); w is not saved (33 MB a layer at B4 T4096 HV32). Where the
+# training path asks for it (``forward(train_onfly=True)``: its backward's sweep takes Tm) and the specialized
+# warpgroups serve the training forward at 128 columns a CTA, unsegmented; other numerics than the split forward (T
+# is rounded from the rounded gate-free inverse, vn is one product on T), the same as the inference forward's. H200,
+# B4 T4096 (with CLOADS and KSHARE): the training forward 0.535 / 0.537 -> 0.514 / 0.515 ms, the sweep 0.380 ->
+# 0.394; through the op (graphed forward+backward) 2.091 / 2.085 -> 2.077 / 2.069. Unset or 1: on; 0: off.
+TRAIN_ONFLY = cm.env_switch("CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY", True)
 
 
 def onfly_default(K: int, V: int, vb: int) -> bool:

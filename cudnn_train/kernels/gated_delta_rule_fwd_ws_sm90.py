@@ -153,22 +153,24 @@ ULDM = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_ULDM", True)
 # inference. The same values (GPU cases: o bitwise). H100, B4 T4096: the training forward 0.678 / 0.677 -> 0.641 /
 # 0.642 ms, the inference forward unchanged (0.482 / 0.477 -> 0.485 / 0.475). Unset or 1: on; 0: off.
 OTMA = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_OTMA", True)
-# The output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE, thirty-fourth session; GPU-run in
-# the thirty-fifth: bitwise, no gain, off): both warpgroups computed the l2norm factors of each chunk's k rows (the
-# same helper on the same tile); with the switch the output takes the chain's (one named barrier: the chain arrives
-# once written, the output syncs before P), about 260 of its 1,800 SASS instructions a chunk in the training
-# forward, where it is the longer warpgroup. With the l2norm and one output warpgroup; the same values: o bitwise.
-# H100, B4 T4096 (OTMA off): training 0.676 / 0.674 -> 0.680 / 0.678 ms, inference 0.481 / 0.465 -> 0.484 / 0.493:
-# the barrier's wait costs what the saved instructions gave.
-KSHARE = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_KSHARE", False)
+# The output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE, thirty-fourth session; the default
+# since the thirty-sixth): both warpgroups computed the l2norm factors of each chunk's k rows (the same helper on the
+# same tile); with the switch the output takes the chain's (one named barrier: the chain arrives once written, the
+# output syncs before P), about 260 of its 1,800 SASS instructions a chunk in the training forward. With the l2norm
+# and one output warpgroup; the same values: o bitwise. H100, B4 T4096, OTMA off (thirty-fifth session): training
+# 0.676 / 0.674 -> 0.680 / 0.678 ms, no gain. H200 over OTMA (thirty-sixth): inference 0.485 / 0.488 -> 0.456 /
+# 0.457, training 0.572 / 0.572 -> 0.554 / 0.554; with CLOADS on too: inference 0.470 / 0.474 -> 0.453 / 0.457,
+# training 0.551 / 0.554 -> 0.540 / 0.540 (bitwise in each). Unset or 1: on; 0: off.
+KSHARE = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_KSHARE", True)
 # The next chunk's TMA loads issued by the chain's first warp (CUDNN_TRAIN_GDN_FWD_WS_CLOADS, thirty-fifth session;
-# prepared, off until GPU-timed) instead of the output warpgroup's store warp: in the training forward the output
+# the default since the thirty-sixth) instead of the output warpgroup's store warp: in the training forward the output
 # warpgroup is the longer one (the chain waits 2.6K of its 10.35K cycles a chunk at the barrier, B4 T4096, H100) and
 # its "products issued, next chunk's copies" phase takes 3.5K cycles against 1.9K in inference; the loads go to
 # buffers whose last readers (and, with the TMA stores, whose stores' reads: the store warp waits for them before
 # the barrier) are past the iteration's CTA barrier, after which the chain issues them. The same data in the same
-# tiles: the same bits. With the TMA loads.
-CLOADS = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_CLOADS", False)
+# tiles: the same bits (GPU cases). With the TMA loads. H200, B4 T4096: inference 0.485 / 0.488 -> 0.472 / 0.476 ms,
+# training 0.571 / 0.575 -> 0.554 / 0.556. Unset or 1: on; 0: off.
+CLOADS = cm.env_switch("CUDNN_TRAIN_GDN_FWD_WS_CLOADS", True)
 
 
 def v_block(V: int, nseq: int, HV: int, device, store_states: bool = False, tstore: bool = False) -> int:
@@ -972,6 +974,25 @@ def _profile_buffer(ctas: int, device):
     return buf
 
 
+def _launch(q, k, wa, uv, gc, last, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq, hs, vn, tm,
+            vb, nseg, onfly):
+    """The one launch behind :func:`state_pass` and :func:`state_pass_onfly`: ``wa`` / ``uv`` are w / u, or a0 / v
+    with ``onfly``; ``last`` is the kernel's float32 ``[B, T, HV]`` argument after the profile buffer (gc again, or
+    the effective beta with ``onfly``)."""
+    B, T, HV, V = uv.shape
+    K = q.shape[-1]
+    train = hs is not None
+    vb = v_block(V, nseq * nseg, HV, q.device, train, train and TSTORE) if vb is None else vb
+    prof = _profile_buffer(nseq * HV * (V // vb) * nseg, q.device)
+    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, train, vn is not None,
+                    onfly=onfly, vb=vb, nseg=nseg, profile=prof is not None)
+    f32_dummy, _, i64_dummy = F._dummies(q.device)
+    d4 = f32_dummy.view(1, 1, 1, 1)
+    fn(q, k, wa, uv, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
+       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq,
+       i64_dummy if prof is None else prof, last, d4 if tm is None else tm)
+
+
 def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq, hs=None,
                vn=None, vb=None, nseg=1):
     """Fill ``o`` (and ``ht`` when given) from the wy kernel's w, u, gc: the fused state kernel's job.
@@ -979,17 +1000,8 @@ def state_pass(q, k, w, u, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, stat
     ``[rows, HV, K, V]``) and ``vn`` (input dtype ``[B, T, HV, V]``, only with ``hs``), when given, are
     written too. ``vb``: V columns per CTA (None: :func:`v_block`); ``nseg``: segments a sequence (:func:`segments`;
     inference only)."""
-    B, T, HV, V = u.shape
-    K = q.shape[-1]
-    vb = v_block(V, nseq * nseg, HV, q.device, hs is not None, hs is not None and TSTORE) if vb is None else vb
-    prof = _profile_buffer(nseq * HV * (V // vb) * nseg, q.device)
-    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, hs is not None,
-                    vn is not None, vb=vb, nseg=nseg, profile=prof is not None)
-    f32_dummy, _, i64_dummy = F._dummies(q.device)
-    d4 = f32_dummy.view(1, 1, 1, 1)
-    fn(q, k, w, u, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
-       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq,
-       i64_dummy if prof is None else prof, gc, d4)
+    _launch(q, k, w, u, gc, gc, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq, hs, vn, None,
+            vb, nseg, onfly=False)
 
 
 def state_pass_onfly(q, k, v, a0, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq,
@@ -1000,17 +1012,8 @@ def state_pass_onfly(q, k, v, a0, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, sc
     training forward's (``CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY``): ``hs`` (chunk-start states, input dtype ``[rows, HV, K,
     V]``) and ``tm`` (the gated chunk inverses T the chain builds, input dtype ``[B, T, HV, 64]``, stage 3's Tm) given
     together, ``vn`` (input dtype ``[B, T, HV, V]``) with them or not."""
-    B, T, HV, V = v.shape
-    K = q.shape[-1]
     train = hs is not None
     if train != (tm is not None) or (vn is not None and not train) or (train and nseg != 1):
         raise ValueError("hs and tm: both or neither; vn only with them; one segment with them")
-    vb = v_block(V, nseq * nseg, HV, q.device, train, train and TSTORE) if vb is None else vb
-    prof = _profile_buffer(nseq * HV * (V // vb) * nseg, q.device)
-    fn = get_kernel(q.dtype, K, V, l2norm, NT == 0, h0 is not None, ht is not None, state_vk, train, vn is not None,
-                    onfly=True, vb=vb, nseg=nseg, profile=prof is not None)
-    f32_dummy, _, i64_dummy = F._dummies(q.device)
-    d4 = f32_dummy.view(1, 1, 1, 1)
-    fn(q, k, a0, v, gc, d4 if h0 is None else h0, o, d4 if ht is None else ht, cu, cu_chunks,
-       d4 if hs is None else hs, d4 if vn is None else vn, float(scale), T, NT, group, nseq,
-       i64_dummy if prof is None else prof, beta_eff, d4 if tm is None else tm)
+    _launch(q, k, a0, v, gc, beta_eff, o, h0, ht, cu, cu_chunks, NT, scale, l2norm, state_vk, group, nseq, hs, vn,
+            tm, vb, nseg, onfly=True)

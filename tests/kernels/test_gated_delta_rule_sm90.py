@@ -1552,7 +1552,7 @@ def test_transposed_tiles_and_ldmatrix_are_bitwise(case, monkeypatch, poisoned):
 @pytest.mark.parametrize("case", ["infer_dense_vb128", "train_varlen_vb128", "train_dense_vb128",
                                   "train_k64_fp16_no_l2norm_vk"])
 def test_chain_issued_loads_are_bitwise(case, monkeypatch, poisoned):
-    """The next chunk's TMA loads issued by the chain's first warp (CUDNN_TRAIN_GDN_FWD_WS_CLOADS, prepared) alone,
+    """The next chunk's TMA loads issued by the chain's first warp (CUDNN_TRAIN_GDN_FWD_WS_CLOADS, the default) alone,
     o by TMA stores (OTMA, whose q tile the loads refill) alone and both: o, the final state (training: the chunk
     states and vn) bitwise both off; inference at 128 columns (w and u formed in the chain), training at 128 columns
     dense T 333 and varlen (empty, one-token, partial sequences), K = V = 64 fp16 with [V, K] states."""
@@ -1561,7 +1561,7 @@ def test_chain_issued_loads_are_bitwise(case, monkeypatch, poisoned):
 
 @pytest.mark.compile
 def test_chain_issued_loads_compile_for_sm90a(kernel_cache):
-    """CUDNN_TRAIN_GDN_FWD_WS_CLOADS (prepared): the B4 training and inference calls with the chain's first warp
+    """CUDNN_TRAIN_GDN_FWD_WS_CLOADS (the default): the B4 training and inference calls with the chain's first warp
     issuing the TMA loads; without the TMA loads the switch is ignored (the cp.async kernel's cache entry)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
@@ -1576,7 +1576,7 @@ def test_chain_issued_loads_compile_for_sm90a(kernel_cache):
 
 @pytest.mark.compile
 def test_training_forward_with_w_u_in_the_chain_compiles_for_sm90a(kernel_cache):
-    """The training forward with w and u formed in the chain (CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY, prepared): the
+    """The training forward with w and u formed in the chain (CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY, the default): the
     specialized warpgroups' onfly chain also storing the chunk states, vn (TMA stores from the transposed tiles)
     and the gated inverses T; the B4 call (128 columns, l2norm) and K = V = 64 fp16 varlen with [V, K] states,
     initial and final states, at 64 columns."""
@@ -1593,7 +1593,7 @@ def test_training_forward_with_w_u_in_the_chain_compiles_for_sm90a(kernel_cache)
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "varlen", "gate_sigmoid_no_l2norm"])
 def test_training_forward_with_w_u_in_the_chain(case, monkeypatch, poisoned):
-    """CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY (prepared): the training forward asked with ``train_onfly`` at 128 columns a
+    """CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY (the default): the training forward asked with ``train_onfly`` at 128 columns a
     CTA (the specialized warpgroups forced at these small grids) takes the wy kernel's INV variant and the onfly
     chain: w None, u's slot the effective beta; o and the final state against the oracle (FLA-compat rule), the
     chunk states, vn and Tm within 2e-2 relative L2 of the default training forward's on the same call (other

@@ -150,7 +150,7 @@ def test_train_stage3_reads_the_forwards_vn(case, monkeypatch):
 
 @pytest.mark.parametrize("case", ["dense_gva2", "varlen"])
 def test_train_with_w_and_u_formed_in_the_forwards_chain(case, monkeypatch):
-    """CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY=1 (prepared): the training forward forms w and u in the specialized
+    """CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY (the default): the training forward forms w and u in the specialized
     warpgroups' chain (forced here where these small grids would take the split passes: the specialized warpgroups
     at 128 columns, the fused sweep) and keeps no w; the sweep then runs on the forward's Tm and the effective beta
     (spied on); output, final state and every gradient against the oracle and FLA as every case here."""
