@@ -250,10 +250,12 @@ def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache, monkeypat
     with ULDM; o by TMA stores (CUDNN_TRAIN_GDN_FWD_WS_OTMA) at the B4 inference and training calls and at
     K = V = 64, and with the output on the chain's k factors too (CUDNN_TRAIN_GDN_FWD_WS_KSHARE). TLAYOUT is ignored with store_states (the training tiles are transposed already), ULDM where u's
     tile is padded and OTMA with cp.async loads (cp.async at 64 columns): those calls take the kernels compiled
-    without them. OTMA (on by default since the thirty-fifth session) off unless asked for, as when it was written."""
+    without them. OTMA (on by default since the thirty-fifth session), KSHARE and CLOADS (since the thirty-sixth) off
+    unless asked for, as when it was written (the kernel counts below count distinct variants)."""
     from cudnn_train.kernels import gated_delta_rule_fwd_ws_sm90 as WS
 
-    monkeypatch.setattr(WS, "OTMA", False)
+    for name in ("OTMA", "KSHARE", "CLOADS"):
+        monkeypatch.setattr(WS, name, False)
     infer = dict(tma=True, wg3=False, onfly=True, vb=128)
     for tl, ul in ((True, False), (False, True), (True, True)):
         assert callable(WS.get_kernel(*WS_VARIANTS[0], tlayout=tl, uldm=ul, **infer))
@@ -267,7 +269,7 @@ def test_transposed_tiles_and_ldmatrix_compile_for_sm90a(kernel_cache, monkeypat
     assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, **both, **infer))
     assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, uldm=True, **train))
     assert callable(WS.get_kernel(*WS_VARIANTS[1], tma=True, wg3=False, otma=True, **both))
-    # the output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE, off by default), with OTMA
+    # the output warpgroup on the chain's k factors (CUDNN_TRAIN_GDN_FWD_WS_KSHARE, off here), with OTMA
     assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, kshare=True, **both, **infer))
     assert callable(WS.get_kernel(*WS_VARIANTS[0], otma=True, kshare=True, uldm=True, **train))
     assert len(list(kernel_cache.rglob("*.o"))) == 12
