@@ -96,10 +96,13 @@ def ref_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cfg):
     return o, (_k_first(ht, cfg) if cfg.output_final_state else None), (lay.chunks_to_rows(Sc),)
 
 
-def ref_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg):
-    """The reverse-sweep kernel's contract, in torch: dvn, the dH rows and dh0."""
+def ref_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg, w=None):
+    """The reverse-sweep kernel's contract, in torch: dvn, the dH rows and dh0 (on ``w`` ``[B, T, HV, K]`` when
+    given, else the recomputed w)."""
     with torch.no_grad():
         lay, r = _prep(q, k, v, g, beta, A_log, dt_bias, cu, cfg)
+        if w is not None:
+            r = dict(r, w=lay.to_chunks(w))
         _, _, dHc, dvn, dh0 = db.sweeps_ref(r, lay, None, _k_first(dht, cfg), lay.to_chunks(do.to(r["w"].dtype)))
     return lay.from_chunks(dvn), lay.chunks_to_rows(dHc), _k_first(dh0, cfg)
 
@@ -122,10 +125,8 @@ def ref_sweep_tm(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg):
     w from the saved Tm, gc and beta alone (``tr.w_from_tm``), then the sweep."""
     assert len(saved) == 6, "the forward that forms w in its chain saves six tensors"
     with torch.no_grad():
-        lay, r = _prep(q, k, v, g, beta, A_log, dt_bias, cu, cfg)
-        r = dict(r, w=lay.to_chunks(tr.w_from_tm(k, saved[0], saved[1], saved[4], cu, cfg.l2norm)))
-        _, _, dHc, dvn, dh0 = db.sweeps_ref(r, lay, None, _k_first(dht, cfg), lay.to_chunks(do.to(r["w"].dtype)))
-    return lay.from_chunks(dvn), lay.chunks_to_rows(dHc), _k_first(dh0, cfg)
+        w = tr.w_from_tm(k, saved[0], saved[1], saved[4], cu, cfg.l2norm)
+    return ref_sweep(q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg, w=w)
 
 
 FLAGS = {
