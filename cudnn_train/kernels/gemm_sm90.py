@@ -179,6 +179,11 @@ SMEM_RESERVE = 1024  # mbarriers and alignment slack
 MAX_STAGES = 8
 EPI_N = 32  # TMA-store epilogue: the tile leaves through shared memory in BM x EPI_N subtiles ...
 EPI_STAGES = 4  # ... in a ring of this many buffers (32 KB for 16-bit outputs)
+# dSwiGLU's epilogue on the producer warp group's three idle warps (KernelSpec.epi_wg): they form dgate / dup
+# from dh handed over in shared memory (float16, a float32 scale per row) while the consumers run the next tile
+EPI_WG_REGS = (104, 200)  # producer warp group, each consumer: 72 + 2 * 216 = 504 = 3 * 168, the register file
+EPI_WARPS = 3  # warps 1-3 (warp 0 issues the TMA loads)
+DH_PAD = 8  # the dh tile's rows are BN + 8 halves apart: the consumers' 4-byte stores hit 32 distinct banks
 _SOURCES = (__file__,)
 _AB_DTYPES = (torch.bfloat16, torch.float16)
 _INT32_MAX = 2**31 - 1
@@ -186,6 +191,8 @@ _EXTRA_COMPILE_OPTIONS = ""  # tests set " --keep-cubin --dump-dir DIR" to inspe
 # tools/sweep_gemm.py only: a dict of KernelSpec fields (bn, cluster_m, stages, group_m) that replaces
 # what choose_config picked; never set in a served path.
 _CONFIG_OVERRIDE: dict | None = None
+# dSwiGLU's epilogue on a fourth warp group where it serves (_epi_wg_serves); off until measured
+EPI_WG_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -209,6 +216,9 @@ class KernelSpec:
     b_tail: bool = False  # B continues along K in a second tensor (gemm's b_tail)
     tma_store: bool = False  # outputs leave through shared memory and TMA stores (dense, 16-bit outputs)
     epi_tma_load: bool = False  # dSwiGLU with tma_store: gate / up come into the store ring by TMA loads
+    epi_wg: bool = False  # dSwiGLU (dense, BN 256): the producer warp group's idle warps do the epilogue
+    ewg_rows: int = 2  # epi_wg: rows of the tile a lane of an epilogue warp has in flight at once
+    ewg_pf: bool = False  # epi_wg: the epilogue warps prefetch the next tile's gate / up into L2 as they start a tile
 
     def key(self) -> tuple:
         return tuple(getattr(self, f) for f in self.__dataclass_fields__)
@@ -227,10 +237,23 @@ def _epi_bytes(tma_store: bool) -> int:
     return BM * EPI_N * 2 * EPI_STAGES if tma_store else 0
 
 
-def _max_stages(bn: int, epilogue: str, tma_store: bool = False) -> int:
-    """As many ring stages of BN-wide tiles as fit the shared memory (beside the epilogue's ring), at most MAX_STAGES."""
+def _dh_bytes(bn: int) -> int:
+    """Shared memory of the epilogue warp group's hand-over: the float16 dh tile (padded rows) and a scale per row."""
+    return BM * (bn + DH_PAD) * 2 + BM * 4
+
+
+def _max_stages(bn: int, epilogue: str, tma_store: bool = False, epi_wg: bool = False) -> int:
+    """As many ring stages of BN-wide tiles as fit the shared memory (beside the epilogue's ring or the
+    epilogue warp group's dh tile), at most MAX_STAGES."""
     nb = 2 if epilogue == "swiglu" else 1  # SwiGLU loads a gate and an up tile per stage
-    return min(MAX_STAGES, (SMEM_BYTES - SMEM_RESERVE - _epi_bytes(tma_store)) // _stage_bytes(bn, nb))
+    beside = _dh_bytes(bn) if epi_wg else _epi_bytes(tma_store)
+    return min(MAX_STAGES, (SMEM_BYTES - SMEM_RESERVE - beside) // _stage_bytes(bn, nb))
+
+
+def _epi_wg_serves(epilogue: str, tma_store: bool, bn: int) -> bool:
+    """dSwiGLU can run its epilogue on a fourth warp group (KernelSpec.epi_wg) where the TMA-store epilogue
+    serves the call (dense, 16-bit outputs only written) with 128 x 256 tiles: a warp covers a tile row."""
+    return epilogue == "dswiglu" and tma_store and bn == 256
 
 
 def _epi_tma_load_serves(epilogue: str, tma_store: bool, bn: int) -> bool:
@@ -295,6 +318,19 @@ def _build(spec: KernelSpec):
     # A slot completes BN / EPI_N / 2 loads a tile: an even count keeps each subtile's phase static.
     EPI_LD = spec.epi_tma_load
     assert not EPI_LD or (EPI == "dswiglu" and TMA_EPI and (BN // EPI_N) % 4 == 0 and EPI_STAGES == 4), spec
+    # dSwiGLU's epilogue on the producer warp group's warps 1-3 (epi_wg): the consumers scale each row of dh
+    # into float16 range (a float32 factor per row), store it into a padded [BM, BN + DH_PAD] tile and go on
+    # to the next tile's main loop; the epilogue warps read gate / up from global memory, dh from that tile,
+    # and write dgate / dup, a warp a whole tile row at a time (32 lanes x 8 columns = BN). Two mbarriers
+    # pass the tile: full (every consumer thread arrives) and empty (every epilogue thread arrives).
+    EWG = spec.epi_wg
+    assert not EWG or (EPI == "dswiglu" and not TMA_EPI and not GROUPED and BN == 32 * 8), spec
+    REGS_PRODUCER = EPI_WG_REGS[0] if EWG else PRODUCER_REGS
+    REGS_CONSUMER = EPI_WG_REGS[1] if EWG else CONSUMER_REGS
+    EPI_WG_ROWS = spec.ewg_rows
+    EWG_PF = spec.ewg_pf
+    DH_SCALE = 16384.0  # a row's largest |dh| maps to this (float16's largest finite value is 65504)
+    DH_TINY = 1e-30  # rows of zeros (or smaller than this) keep a finite scale
     MMA_WG = 2  # consumer warp groups sharing one tile (64 rows each)
     GM = max(1, spec.group_m // CM)  # swizzle band height in cluster rows
     LOG2E = 1.4426950408889634
@@ -591,6 +627,77 @@ def _build(spec: KernelSpec):
                     epi_load_pair(e + 2, slot, atom_g, gls, glg, atom_u, uls, ulg, ldbar)
 
     @cute.jit
+    def hand_over_dh(acc, tCc, thr_mma, sDH, sScl, ctid):
+        """(EWG, consumers) dh into the shared [BM, BN] float16 tile, each row multiplied by DH_SCALE over
+        its largest |dh| in the tile, and the inverse factor into sScl[row]. A thread holds two rows of
+        its warp's 16 (accumulator element i is on the second when (i // 2) % 2 == 1), each spread over
+        the four lanes of a quad, so the row maxima take two butterfly shuffles."""
+        n = cute.size(acc)
+        mx = [Float32(0.0), Float32(0.0)]
+        for i in cutlass.range_constexpr(n):
+            x = acc[i]
+            h = (i // 2) % 2
+            mx[h] = cute.arch.fmax(mx[h], cute.arch.fmax(x, -x))
+        scl = [None, None]
+        inv = [None, None]
+        for h in cutlass.range_constexpr(2):
+            for off in cutlass.range_constexpr(1, 3):  # xor 1, 2: the quad
+                mx[h] = cute.arch.fmax(mx[h], cute.arch.shuffle_sync_bfly(mx[h], offset=off))
+            top = cute.arch.fmax(mx[h], Float32(DH_TINY))
+            scl[h] = Float32(DH_SCALE) / top
+            inv[h] = top * Float32(1.0 / DH_SCALE)
+        frag = cute.make_rmem_tensor(tCc.shape, cutlass.Float16)
+        for i in cutlass.range_constexpr(n):
+            frag[i] = (acc[i] * scl[(i // 2) % 2]).to(cutlass.Float16)
+        cute.autovec_copy(frag, thr_mma.partition_C(sDH))
+        if ctid % 4 == 0:
+            sScl[tCc[0][0]] = inv[0]
+            sScl[tCc[2][0]] = inv[1]
+
+    @cute.jit
+    def epi_wg_prefetch(mG, mU, row0, col0, M, N, ewarp, lane):
+        """(EWG, epilogue warps) the gate / up rows of the tile at (row0, col0) into L2, the rows of this warp
+        (a warp instruction covers a 512-byte row: four 128-byte lines); clamped like the loads."""
+        cc = cutlass.min(col0 + lane * 8, N - 8) // 8
+        for j in cutlass.range(-(-BM // EPI_WARPS), unroll=1):
+            gr = cutlass.min(row0 + cutlass.min(ewarp + EPI_WARPS * j, BM - 1), M - 1)
+            cute.arch.prefetch(cute.local_tile(mG, (1, 8), (gr, cc)).iterator.llvm_ptr, cache_level="L2")
+            cute.arch.prefetch(cute.local_tile(mU, (1, 8), (gr, cc)).iterator.llvm_ptr, cache_level="L2")
+
+    @cute.jit
+    def epi_wg_tile(mG, mU, mDg, mDu, sDH, sScl, row0, col0, M, N, ewarp, lane):
+        """(EWG, epilogue warps) dgate, dup of the tile at (row0, col0): epilogue warp w takes rows w, w + 3,
+        ..., lane l columns 8 l .. 8 l + 7 (16-byte accesses, a warp a whole 512-byte row); EPI_WG_ROWS rows
+        are loaded before any is computed. Loads read clamped coordinates, stores stop at M and N."""
+        c = col0 + lane * 8
+        cin = c < N
+        cc = cutlass.min(c, N - 8) // 8
+        for it in cutlass.range(-(-BM // (EPI_WARPS * EPI_WG_ROWS)), unroll=1):
+            rg = [cute.make_rmem_tensor((1, 8), mG.element_type) for _ in range(EPI_WG_ROWS)]
+            ru = [cute.make_rmem_tensor((1, 8), mU.element_type) for _ in range(EPI_WG_ROWS)]
+            rd = [cute.make_rmem_tensor((1, 8), cutlass.Float16) for _ in range(EPI_WG_ROWS)]
+            for u in cutlass.range_constexpr(EPI_WG_ROWS):
+                r = cutlass.min(ewarp + EPI_WARPS * (it * EPI_WG_ROWS + u), BM - 1)
+                gr = cutlass.min(row0 + r, M - 1)
+                cute.autovec_copy(cute.local_tile(mG, (1, 8), (gr, cc)), rg[u])
+                cute.autovec_copy(cute.local_tile(mU, (1, 8), (gr, cc)), ru[u])
+                cute.autovec_copy(cute.local_tile(sDH, (1, 8), (r, lane)), rd[u])
+            for u in cutlass.range_constexpr(EPI_WG_ROWS):
+                r = ewarp + EPI_WARPS * (it * EPI_WG_ROWS + u)
+                inv = sScl[cutlass.min(r, BM - 1)]
+                og = cute.make_rmem_tensor((1, 8), mDg.element_type)
+                ou = cute.make_rmem_tensor((1, 8), mDu.element_type)
+                for v in cutlass.range_constexpr(8):
+                    dh = rd[u][0, v].to(Float32) * inv
+                    g = rg[u][0, v].to(Float32)
+                    sg = sigmoid(g)
+                    ou[0, v] = (dh * (g * sg)).to(mDu.element_type)
+                    og[0, v] = (dh * ru[u][0, v].to(Float32) * (sg * (1.0 + g * (1.0 - sg)))).to(mDg.element_type)
+                if cutlass.and_(r < BM, row0 + r < M, cin):
+                    cute.autovec_copy(og, cute.local_tile(mDg, (1, 8), (row0 + r, cc)))
+                    cute.autovec_copy(ou, cute.local_tile(mDu, (1, 8), (row0 + r, cc)))
+
+    @cute.jit
     def copy_b(atom, src, dst, bar, mask):
         """One TMA load of a B tile (multicast to both CTAs of a 2-CTA cluster)."""
         if const_expr(CM > 1):
@@ -680,6 +787,14 @@ def _build(spec: KernelSpec):
                     cute.arch.mbarrier_init(ldbar, 1)
                     cute.arch.mbarrier_init(ldbar + 1, 1)
             cute.arch.mbarrier_init_fence()
+        dhbar = None  # EWG: the dh tile's full and empty mbarriers
+        if const_expr(EWG):
+            dhbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(dhbar, MMA_WG * 128)
+                    cute.arch.mbarrier_init(dhbar + 1, EPI_WARPS * 32)
+            cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive(cluster_shape_mn=(CM, 1), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
@@ -690,6 +805,11 @@ def _build(spec: KernelSpec):
         sC = sA  # placeholder without the TMA-store epilogue
         if const_expr(TMA_EPI):
             sC = smem.allocate_tensor(OUT, epi_smem_staged.outer, byte_alignment=1024, swizzle=epi_smem_staged.inner)
+        sDH = sScl = None
+        if const_expr(EWG):
+            sDH = smem.allocate_tensor(cutlass.Float16, cute.make_layout((BM, BN), stride=(BN + DH_PAD, 1)),
+                                       byte_alignment=128)
+            sScl = smem.allocate_tensor(Float32, cute.make_layout(BM), byte_alignment=16)
 
         M = mD.shape[0]
         N = mD.shape[1]
@@ -711,7 +831,7 @@ def _build(spec: KernelSpec):
 
         # ------------------------------------------------------ producer warp group
         if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(REGS_PRODUCER)
             if warp_idx == 0:
                 b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
                 prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
@@ -782,10 +902,31 @@ def _build(spec: KernelSpec):
                     t, g, tb, s, e, gt = next_tile(t, g, tb, s, e, gt, n_clusters, mOffs, G, n_tiles)
                     valid = cutlass.and_(g < G, t < tb + gt)
                 ab_pipe.producer_tail(prod_state)
+            if const_expr(EWG):
+                if warp_idx > 0:  # the epilogue warps: each tile's dSwiGLU once the consumers hand dh over
+                    ewarp = warp_idx - 1
+                    lane = tidx % 32
+                    tile_it = Int32(0)
+                    t = cluster_id
+                    if const_expr(EWG_PF):  # the first tile's gate / up, under its main loop
+                        if t < dense_tiles:
+                            cm, nt = swizzle(t, m_cluster_rows, n_tiles)
+                            epi_wg_prefetch(mG, mU, (cm * CM + rank_m) * BM, nt * BN, M, N, ewarp, lane)
+                    while t < dense_tiles:
+                        cm, nt = swizzle(t, m_cluster_rows, n_tiles)
+                        cute.arch.mbarrier_wait(dhbar, tile_it % 2)
+                        if const_expr(EWG_PF):  # the next tile's, under its main loop (which runs now)
+                            if t + n_clusters < dense_tiles:
+                                cmn, ntn = swizzle(t + n_clusters, m_cluster_rows, n_tiles)
+                                epi_wg_prefetch(mG, mU, (cmn * CM + rank_m) * BM, ntn * BN, M, N, ewarp, lane)
+                        epi_wg_tile(mG, mU, mD, mE1, sDH, sScl, (cm * CM + rank_m) * BM, nt * BN, M, N, ewarp, lane)
+                        cute.arch.mbarrier_arrive(dhbar + 1)
+                        tile_it = tile_it + 1
+                        t = t + n_clusters
 
         # ------------------------------------------------------ consumer warp groups
         if wg_idx > 0:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(REGS_CONSUMER)
             ctid = tidx - 128
             thr_mma = tiled_mma.get_slice(ctid)
             tCsA = thr_mma.partition_A(sA)
@@ -820,6 +961,7 @@ def _build(spec: KernelSpec):
                 )
                 epi_bar = pipeline.NamedBarrier(barrier_id=1, num_threads=MMA_WG * 128)
             epi = Int32(0)
+            tile_it = Int32(0)  # EWG: tiles handed over so far (the dh barriers' phases)
 
             t = cluster_id
             g, tb, s, e, gt = first_tile(t, mOffs, G, n_tiles, dense_tiles, M)
@@ -921,7 +1063,13 @@ def _build(spec: KernelSpec):
                     # dh = acc * row_scale; dup = dh * silu(gate); dgate = dh * up * silu'(gate)
                     if const_expr(HAS_RS):
                         add_bias_scale(acc, mBias, mRS, tCc, row0, col0, row_lo, row_lim, N, Float32(1.0), False, True)
-                    if const_expr(EPI_LD):
+                    if const_expr(EWG):
+                        # the epilogue warps have read the previous tile's dh (immediate on the first tile)
+                        cute.arch.mbarrier_wait(dhbar + 1, (tile_it + 1) % 2)
+                        hand_over_dh(acc, tCc, thr_mma, sDH, sScl, ctid)
+                        cute.arch.mbarrier_arrive(dhbar)
+                        tile_it = tile_it + 1
+                    elif const_expr(EPI_LD):
                         epi_store_dswiglu_tma(acc, tCc, row0, col0, tma_atom_g, mG_tma, tma_atom_u, mU_tma, tma_atom_d,
                                               mD_tma, tma_atom_e1, mE1_tma, ldbar, tiled_r2s, tRS_sC, tRS_rC, tRS_rC2,
                                               sC, epi_bar, warp_idx)
@@ -1419,7 +1567,19 @@ def _plan(
         spec = dataclasses.replace(spec, **over)
         if spec.epi_tma_load and not _epi_tma_load_serves(epilogue, spec.tma_store, spec.bn):
             spec = dataclasses.replace(spec, epi_tma_load=False)
+    over = _CONFIG_OVERRIDE or {}
+    if over.get("epi_wg", EPI_WG_DEFAULT) and spec.tma_store and _epi_wg_serves(epilogue, tma_store, spec.bn):
+        spec = _with_epi_wg(spec, over.get("stages"))  # with the stages that fit beside the dh tile
+    else:
+        spec = dataclasses.replace(spec, epi_wg=False)
     return _Plan(spec, m, n, groups, av, bviews[0], bviews[1] if len(bviews) > 1 else None, num_sms)
+
+
+def _with_epi_wg(spec: KernelSpec, stages: int | None = None) -> KernelSpec:
+    """``spec`` with dSwiGLU's epilogue on the fourth warp group: no store ring, as many stages as fit
+    beside the dh tile (or ``stages``)."""
+    return dataclasses.replace(spec, epi_wg=True, tma_store=False, epi_tma_load=False,
+                               stages=stages or _max_stages(spec.bn, spec.epilogue, False, True))
 
 
 # ------------------------------------------------------------------ launch

@@ -178,6 +178,33 @@ def test_choose_config_documented_heuristic():
             assert stages >= 4 and used <= gk.SMEM_BYTES
 
 
+def test_dswiglu_epilogue_warps_plan(monkeypatch):
+    # dSwiGLU's epilogue on the producer warp group's idle warps (epi_wg) serves where the TMA-store
+    # epilogue takes 128 x 256 tiles: no store ring, as many stages as fit beside the padded float16 dh tile
+    dout, wd = torch.empty(8192, 5120, dtype=torch.bfloat16), torch.empty(5120, 17408, dtype=torch.bfloat16)
+    g = torch.empty(8192, 17408, dtype=torch.bfloat16)
+    kw = dict(epilogue="dswiglu", gate=g, up=torch.empty_like(g))
+    monkeypatch.setattr(gk, "EPI_WG_DEFAULT", True)
+    spec = plan_cpu(dout, wd, None, **kw).spec
+    assert (spec.epi_wg, spec.tma_store, spec.epi_tma_load, spec.bn, spec.stages) == (True, False, False, 256, 3)
+    assert spec.stages * gk._stage_bytes(256, 1) + gk._dh_bytes(256) + gk.SMEM_RESERVE <= gk.SMEM_BYTES
+    # where 128-wide tiles are picked (a small grid), or the register-to-global epilogue is asked for: not served
+    gs = torch.empty(1000, 776, dtype=torch.bfloat16)
+    small = plan_cpu(torch.empty(1000, 384, dtype=torch.bfloat16), torch.empty(384, 776, dtype=torch.bfloat16), None,
+                     epilogue="dswiglu", gate=gs, up=torch.empty_like(gs)).spec
+    assert small.bn == 128 and not small.epi_wg and small.tma_store
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", {"tma_store": False})
+    direct = plan_cpu(dout, wd, None, **kw).spec
+    assert not direct.epi_wg and not direct.tma_store and direct.bn == 128
+    # off: the store ring with gate / up by TMA, as before
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", {"epi_wg": False})
+    ring = plan_cpu(dout, wd, None, **kw).spec
+    assert (ring.epi_wg, ring.tma_store, ring.epi_tma_load, ring.stages) == (False, True, True, 4)
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", None)
+    monkeypatch.setattr(gk, "EPI_WG_DEFAULT", False)
+    assert not plan_cpu(dout, wd, None, **kw).spec.epi_wg
+
+
 def test_unit_dims_get_aligned_strides():
     # M == 1 views with an unaligned (irrelevant) row stride are re-strided, not declined
     x = torch.randn(3, 40).bfloat16()[1:2, :16]  # stride (40, 1) is fine; make a worse one:
@@ -331,6 +358,10 @@ def _compile_cases():
         kw.pop("row_scale")
         return args, dict(kw, _spec=dict(epi_tma_load=False))
 
+    def dswiglu_epilogue_warps():  # the epilogue on the producer warp group's idle warps (epi_wg)
+        args, kw = dswiglu()
+        return args, dict(kw, _over=dict(epi_wg=True))
+
     def grouped():
         h, w = torch.empty(8 * 4096, 7168, dtype=bf), torch.empty(8, 4096, 7168, dtype=bf)
         return (h, w.transpose(1, 2), None), dict(
@@ -359,6 +390,8 @@ def _compile_cases():
         ("dswiglu_rowscale", dswiglu, dict(epilogue="dswiglu", b_major="n", rs_dtype="float32", bn=256, tma_store=True,
                                            epi_tma_load=True)),
         ("dswiglu_global_loads", dswiglu_global_loads, dict(epilogue="dswiglu", bn=256, epi_tma_load=False)),
+        ("dswiglu_epilogue_warps", dswiglu_epilogue_warps, dict(epilogue="dswiglu", bn=256, epi_wg=True, tma_store=False,
+                                                                epi_tma_load=False, stages=3, rs_dtype="float32")),
         ("grouped_rowscale", grouped, dict(grouped=True, cluster_m=1, b_major="k", rs_dtype="float32")),
         ("grouped_swiglu", grouped_swiglu, dict(grouped=True, epilogue="swiglu", b_major="n")),
         ("grouped_dswiglu_m_major", grouped_dswiglu, dict(grouped=True, epilogue="dswiglu", a_major="m", b_major="k")),
@@ -405,7 +438,9 @@ def test_compiles_for_sm90a_and_caches_on_disk(name, build, expect, tmp_path, mo
     args, kw = build()
     kw.setdefault("epilogue", "none")
     over = kw.pop("_spec", {})
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", kw.pop("_over", None))  # through the planner
     spec = dataclasses.replace(plan_cpu(*args, **kw).spec, **over)
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", None)
     for field, value in expect.items():
         assert getattr(spec, field) == value, (field, spec)
     kc.clear_memory_cache()
@@ -417,10 +452,12 @@ def test_compiles_for_sm90a_and_caches_on_disk(name, build, expect, tmp_path, mo
     objs = list(tmp_path.rglob("*.o"))
     assert len(objs) == 1 and objs[0].stat().st_size > 0
     # setmaxnreg 24 (producer) / 240 (consumers) needs the whole register file at launch:
-    # 168 registers x 384 threads = 24 x 128 + 240 x 256; and no spills (no stack frame)
+    # 168 registers x 384 threads = 24 x 128 + 240 x 256 (72 x 128 + 216 x 256 with the epilogue warps);
+    # and no spills (no stack frame)
     (cubin,) = list(cubin_dir.glob("*.cubin"))
     regs, frame = _cubin_resources(cubin)
-    assert regs * gk.THREADS == gk.PRODUCER_REGS * 128 + gk.CONSUMER_REGS * 256, regs
+    producer, consumer = gk.EPI_WG_REGS if spec.epi_wg else (gk.PRODUCER_REGS, gk.CONSUMER_REGS)
+    assert regs * gk.THREADS == producer * 128 + consumer * 256, regs
     assert frame == 0, f"{frame} bytes of stack: register spills"
     # a second process (simulated: empty memory cache) loads the object without compiling
     kc.clear_memory_cache()
@@ -479,7 +516,9 @@ def test_wgmmas_are_not_serialized(name, build, expect, tmp_path, monkeypatch):
     args, kw = build()
     kw.setdefault("epilogue", "none")
     over = kw.pop("_spec", {})
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", kw.pop("_over", None))  # through the planner
     spec = dataclasses.replace(plan_cpu(*args, **kw).spec, **over)
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", None)
     monkeypatch.setattr(gk, "_EXTRA_COMPILE_OPTIONS", f" --keep-ptx --dump-dir {tmp_path}")
     gk._build(spec)
     (ptx,) = list(tmp_path.glob("*.ptx"))
@@ -725,6 +764,42 @@ def test_dswiglu(m, with_rs):
     dg_ref, du_ref = ref_dswiglu(dout, wd, gate, up, row_scale=rs)
     assert rel_l2(dg, dg_ref) <= TOL16
     assert rel_l2(du, du_ref) <= TOL16
+
+
+@gpu
+@pytest.mark.parametrize("variant", [{}, {"ewg_rows": 4, "ewg_pf": True}, {"ewg_rows": 2, "ewg_pf": True}],
+                         ids=["default", "rows4_prefetch", "rows2_prefetch"])
+@pytest.mark.parametrize("m,n,with_rs", [(4200, 1032, True), (8200, 2056, False)])
+def test_dswiglu_on_the_epilogue_warps(m, n, with_rs, variant, monkeypatch):
+    # The producer warp group's idle warps form dgate / dup from dh handed over in shared memory as
+    # float16 with a float32 factor per row and tile (epi_wg): held to the float32 reference whole and
+    # row group by row group, with rows 1e24 apart in magnitude (each keeps its own factor) and a row of
+    # zeros; M and N tails (TMA zero-filled rows, stores stopped at M and N) and several tiles per CTA
+    # (4200 x 1032: 165 tiles of 128 x 256; 8200 x 2056: 585) on 132 persistent CTAs.
+    k = 320
+    dout = make_a(m, k, "k", device=DEV)
+    dout[0] = 0
+    dout[1::7] *= 1e-20
+    dout[2::7] *= 1e4
+    wd = make_b(k, n, "n", device=DEV)
+    gate = torch.randn(m, n, device=DEV).bfloat16() * 3
+    up = torch.randn(m, n, device=DEV).bfloat16()
+    rs = torch.rand(m, device=DEV) if with_rs else None
+    monkeypatch.setattr(gk, "EPI_WG_DEFAULT", True)
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", variant or None)
+    spec = gk._plan(dout, wd, None, epilogue="dswiglu", gate=gate, up=up, row_scale=rs).spec
+    assert spec.epi_wg and spec.bn == 256 and all(getattr(spec, f) == v for f, v in variant.items())
+    dg = poison_(torch.empty(m, n, device=DEV, dtype=torch.bfloat16))
+    du = poison_(torch.empty_like(dg))
+    gk.gemm_dswiglu(dout, wd, gate, up, row_scale=rs, out_dgate=dg, out_dup=du)
+    dg_ref, du_ref = ref_dswiglu(dout, wd, gate, up, row_scale=rs)
+    rows = torch.arange(m, device=DEV)
+    for got, want in ((dg, dg_ref), (du, du_ref)):
+        assert rel_l2(got, want) <= TOL16
+        for sel in (rows % 7 == 1, rows % 7 == 2, (rows % 7 > 2) | (rows % 7 == 0)):
+            sel = sel & (rows > 0)
+            assert rel_l2(got[sel], want[sel]) <= TOL16
+        assert (got[0] == 0).all()
 
 
 GROUP_SIZES = [0, 1, 300, 0, 129, 7, 1000, 0, 2500, 128]
