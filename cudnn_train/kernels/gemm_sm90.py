@@ -122,6 +122,19 @@ memory there, which matters because the async-proxy fence before each TMA store 
 ``MEMBAR.ALL.CTA`` in SASS and waits for a thread's outstanding loads (5% less time for that GEMM
 than reading gate / up from global memory one subtile ahead, which BN 64 still does).
 
+dSwiGLU on the epilogue warps (``epi_wg``, where the TMA-store epilogue would take 128 x 256 tiles; off
+unless ``EPI_WG_DEFAULT``): the producer warp group's three idle warps do the epilogue while the consumers
+run the next tile's main loop. The consumers scale each row of dh by DH_SCALE over its largest magnitude in
+the tile (four lanes hold a row: two shuffles), store it as float16 into a padded [BM, BN + 8] shared tile
+(conflict-free 4-byte stores) with the inverse factor per row, and arrive on a "full" mbarrier; each
+epilogue warp takes every third row of the tile, a lane 8 columns (16-byte loads of gate / up from global
+memory, of dh from the tile, 16-byte stores of dgate / dup, clamped loads and stores stopped at M and N) and
+arrives on an "empty" mbarrier that the consumers wait for before the next hand-over. dh is rounded once to
+11 significant bits relative to its row's maximum (float16 with a per-row factor, exact to that rounding for
+values down to 2^-29 of the maximum), where the ring epilogue keeps it in float32 and eager rounds it to
+bfloat16 (8 bits). The dh tile (66.5 KB) leaves room for 3 stages, not 4; registers 104 for the producer
+warp group and 200 for each consumer (``EPI_WG_REGS``).
+
 Every other call (grouped GEMMs: a group boundary can fall inside a tile, and a TMA store cannot
 stop at one; float32 or accumulated outputs) stores straight from the accumulator registers.
 Every thread holds pairs of adjacent columns, so full tiles store with 4-byte (16-bit outputs) or
@@ -181,7 +194,7 @@ EPI_N = 32  # TMA-store epilogue: the tile leaves through shared memory in BM x 
 EPI_STAGES = 4  # ... in a ring of this many buffers (32 KB for 16-bit outputs)
 # dSwiGLU's epilogue on the producer warp group's three idle warps (KernelSpec.epi_wg): they form dgate / dup
 # from dh handed over in shared memory (float16, a float32 scale per row) while the consumers run the next tile
-EPI_WG_REGS = (104, 200)  # producer warp group, each consumer: 72 + 2 * 216 = 504 = 3 * 168, the register file
+EPI_WG_REGS = (104, 200)  # producer warp group, each consumer: 104 + 2 * 200 = 504 = 3 * 168, the register file
 EPI_WARPS = 3  # warps 1-3 (warp 0 issues the TMA loads)
 DH_PAD = 8  # the dh tile's rows are BN + 8 halves apart: the consumers' 4-byte stores hit 32 distinct banks
 _SOURCES = (__file__,)

@@ -452,7 +452,7 @@ def test_compiles_for_sm90a_and_caches_on_disk(name, build, expect, tmp_path, mo
     objs = list(tmp_path.rglob("*.o"))
     assert len(objs) == 1 and objs[0].stat().st_size > 0
     # setmaxnreg 24 (producer) / 240 (consumers) needs the whole register file at launch:
-    # 168 registers x 384 threads = 24 x 128 + 240 x 256 (72 x 128 + 216 x 256 with the epilogue warps);
+    # 168 registers x 384 threads = 24 x 128 + 240 x 256 (104 x 128 + 200 x 256 with the epilogue warps);
     # and no spills (no stack frame)
     (cubin,) = list(cubin_dir.glob("*.cubin"))
     regs, frame = _cubin_resources(cubin)
