@@ -344,6 +344,7 @@ def _build(spec: KernelSpec):
     EWG_PF = spec.ewg_pf
     DH_SCALE = 16384.0  # a row's largest |dh| maps to this (float16's largest finite value is 65504)
     DH_TINY = 1e-30  # rows of zeros (or smaller than this) keep a finite scale
+    DH_HUGE = 3e38  # and rows with an inf too: it stays inf, the row's finite values are not made NaN
     MMA_WG = 2  # consumer warp groups sharing one tile (64 rows each)
     GM = max(1, spec.group_m // CM)  # swizzle band height in cluster rows
     LOG2E = 1.4426950408889634
@@ -656,7 +657,7 @@ def _build(spec: KernelSpec):
         for h in cutlass.range_constexpr(2):
             for off in cutlass.range_constexpr(1, 3):  # xor 1, 2: the quad
                 mx[h] = cute.arch.fmax(mx[h], cute.arch.shuffle_sync_bfly(mx[h], offset=off))
-            top = cute.arch.fmax(mx[h], Float32(DH_TINY))
+            top = cute.arch.fmin(cute.arch.fmax(mx[h], Float32(DH_TINY)), Float32(DH_HUGE))
             scl[h] = Float32(DH_SCALE) / top
             inv[h] = top * Float32(1.0 / DH_SCALE)
         frag = cute.make_rmem_tensor(tCc.shape, cutlass.Float16)
