@@ -205,7 +205,7 @@ _EXTRA_COMPILE_OPTIONS = ""  # tests set " --keep-cubin --dump-dir DIR" to inspe
 # what choose_config picked; never set in a served path.
 _CONFIG_OVERRIDE: dict | None = None
 # dSwiGLU's epilogue on a fourth warp group where it serves (_epi_wg_serves); off until measured
-EPI_WG_DEFAULT = False
+EPI_WG_DEFAULT = True
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ class KernelSpec:
     tma_store: bool = False  # outputs leave through shared memory and TMA stores (dense, 16-bit outputs)
     epi_tma_load: bool = False  # dSwiGLU with tma_store: gate / up come into the store ring by TMA loads
     epi_wg: bool = False  # dSwiGLU (dense, BN 256): the producer warp group's idle warps do the epilogue
-    ewg_rows: int = 2  # epi_wg: rows of the tile a lane of an epilogue warp has in flight at once
+    ewg_rows: int = 4  # epi_wg: rows of the tile a lane of an epilogue warp has in flight at once
     ewg_pf: bool = False  # epi_wg: the epilogue warps prefetch the next tile's gate / up into L2 as they start a tile
 
     def key(self) -> tuple:
