@@ -1,6 +1,6 @@
 """Where a SwiGLU MLP forward+backward spends its GPU time (GPU machine): ``fused.swiglu_mlp`` with
-each GEMM epilogue (``--epilogues tma,direct``: the TMA-store epilogue the planner picks, or the
-register-to-global one through ``gemm_sm90._CONFIG_OVERRIDE``; ``ring`` / ``ewg`` / ``ewg4p``: dSwiGLU's
+each GEMM epilogue (``--epilogues tma,direct``: the epilogues the planner picks -- for dSwiGLU the epilogue
+warps, for the other GEMMs the TMA-store one -- or the register-to-global one through ``gemm_sm90._CONFIG_OVERRIDE``; ``ring`` / ``ewg`` / ``ewg4p``: dSwiGLU's
 epilogue in the consumers' store ring, or on the producer warp group's idle warps, with 4 rows a lane in
 flight and the next tile's gate / up prefetched for ``ewg4p``) next to eager torch, in one run.
 

@@ -106,7 +106,7 @@ vertically adjacent tiles that share their B tile: each loads half of it and
 multicasts it to both (``CopyBulkTensorTileG2SMulticastOp``).
 
 Epilogue. Dense GEMMs whose outputs are 16-bit and only written (``tma_store`` in the spec:
-every GEMM of the SwiGLU MLP) store through shared memory: each output tile leaves in BM x 32
+every GEMM of the SwiGLU MLP but the dSwiGLU one, which runs on the epilogue warps below) store through shared memory: each output tile leaves in BM x 32
 subtiles, written from the accumulator layout with ``stmatrix`` into a ring of four 8 KB buffers
 and stored by one TMA store each (issued by the first consumer warp; ``wait_group.read`` keeps at
 most three in flight, so a buffer is reused only once its store has read it). The stores drain
@@ -122,8 +122,8 @@ memory there, which matters because the async-proxy fence before each TMA store 
 ``MEMBAR.ALL.CTA`` in SASS and waits for a thread's outstanding loads (5% less time for that GEMM
 than reading gate / up from global memory one subtile ahead, which BN 64 still does).
 
-dSwiGLU on the epilogue warps (``epi_wg``, where the TMA-store epilogue would take 128 x 256 tiles; off
-unless ``EPI_WG_DEFAULT``): the producer warp group's three idle warps do the epilogue while the consumers
+dSwiGLU on the epilogue warps (``epi_wg``, where the TMA-store epilogue would take 128 x 256 tiles; the
+default, ``EPI_WG_DEFAULT``): the producer warp group's three idle warps do the epilogue while the consumers
 run the next tile's main loop. The consumers scale each row of dh by DH_SCALE over its largest magnitude in
 the tile (four lanes hold a row: two shuffles), store it as float16 into a padded [BM, BN + 8] shared tile
 (conflict-free 4-byte stores) with the inverse factor per row, and arrive on a "full" mbarrier; each
@@ -131,7 +131,7 @@ epilogue warp takes every third row of the tile, a lane 8 columns (16-byte loads
 memory, of dh from the tile, 16-byte stores of dgate / dup, clamped loads and stores stopped at M and N) and
 arrives on an "empty" mbarrier that the consumers wait for before the next hand-over. dh is rounded once to
 11 significant bits relative to its row's maximum (float16 with a per-row factor, exact to that rounding for
-values down to 2^-29 of the maximum), where the ring epilogue keeps it in float32 and eager rounds it to
+values down to 2^-28 of the maximum), where the ring epilogue keeps it in float32 and eager rounds it to
 bfloat16 (8 bits). The dh tile (66.5 KB) leaves room for 3 stages, not 4; registers 104 for the producer
 warp group and 200 for each consumer (``EPI_WG_REGS``).
 
@@ -204,7 +204,8 @@ _EXTRA_COMPILE_OPTIONS = ""  # tests set " --keep-cubin --dump-dir DIR" to inspe
 # tools/sweep_gemm.py only: a dict of KernelSpec fields (bn, cluster_m, stages, group_m) that replaces
 # what choose_config picked; never set in a served path.
 _CONFIG_OVERRIDE: dict | None = None
-# dSwiGLU's epilogue on a fourth warp group where it serves (_epi_wg_serves); off until measured
+# dSwiGLU's epilogue on the producer warp group's idle warps where it serves (_epi_wg_serves); False gives the
+# store-ring epilogue back (thirty-seventh session: the GEMM ~0.5 ms faster, the MLP 0-1% at the 700 W cap)
 EPI_WG_DEFAULT = True
 
 
@@ -344,7 +345,8 @@ def _build(spec: KernelSpec):
     EWG_PF = spec.ewg_pf
     DH_SCALE = 16384.0  # a row's largest |dh| maps to this (float16's largest finite value is 65504)
     DH_TINY = 1e-30  # rows of zeros (or smaller than this) keep a finite scale
-    DH_HUGE = 3e38  # and rows with an inf too: it stays inf, the row's finite values are not made NaN
+    DH_HUGE = 3e38  # and rows holding an inf: the inf stays inf, the row's finite values below ~1e27 become 0
+    #                 (not NaN; the ring epilogue keeps them: a row maximum over finite values only would too)
     MMA_WG = 2  # consumer warp groups sharing one tile (64 rows each)
     GM = max(1, spec.group_m // CM)  # swizzle band height in cluster rows
     LOG2E = 1.4426950408889634
@@ -1590,10 +1592,11 @@ def _plan(
 
 
 def _with_epi_wg(spec: KernelSpec, stages: int | None = None) -> KernelSpec:
-    """``spec`` with dSwiGLU's epilogue on the fourth warp group: no store ring, as many stages as fit
-    beside the dh tile (or ``stages``)."""
+    """``spec`` with dSwiGLU's epilogue on the producer warp group's idle warps: no store ring, as many stages as
+    fit beside the dh tile (``stages``, a sweep's override, at most that many)."""
+    fit = _max_stages(spec.bn, spec.epilogue, False, True)
     return dataclasses.replace(spec, epi_wg=True, tma_store=False, epi_tma_load=False,
-                               stages=stages or _max_stages(spec.bn, spec.epilogue, False, True))
+                               stages=min(stages, fit) if stages else fit)
 
 
 # ------------------------------------------------------------------ launch

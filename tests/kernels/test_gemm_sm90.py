@@ -196,6 +196,11 @@ def test_dswiglu_epilogue_warps_plan(monkeypatch):
     monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", {"tma_store": False})
     direct = plan_cpu(dout, wd, None, **kw).spec
     assert not direct.epi_wg and not direct.tma_store and direct.bn == 128
+    # a sweep's stage count is honoured only as far as it fits beside the dh tile
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", {"stages": 4})
+    assert plan_cpu(dout, wd, None, **kw).spec.stages == 3
+    monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", {"stages": 2})
+    assert plan_cpu(dout, wd, None, **kw).spec.stages == 2
     # off: the store ring with gate / up by TMA, as before
     monkeypatch.setattr(gk, "_CONFIG_OVERRIDE", {"epi_wg": False})
     ring = plan_cpu(dout, wd, None, **kw).spec
@@ -353,14 +358,17 @@ def _compile_cases():
         g = torch.empty(8192, 17408, dtype=bf)
         return (dout, wd, None), dict(epilogue="dswiglu", gate=g, up=torch.empty_like(g), row_scale=torch.empty(8192))
 
-    def dswiglu_global_loads():  # gate / up read from global memory one subtile ahead (before epi_tma_load)
+    def dswiglu_ring():  # the store-ring epilogue (gate / up by TMA into it), asked for: epi_wg is the default here
         args, kw = dswiglu()
+        return args, dict(kw, _over=dict(epi_wg=False))
+
+    def dswiglu_global_loads():  # gate / up read from global memory one subtile ahead (before epi_tma_load)
+        args, kw = dswiglu_ring()
         kw.pop("row_scale")
         return args, dict(kw, _spec=dict(epi_tma_load=False))
 
-    def dswiglu_epilogue_warps():  # the epilogue on the producer warp group's idle warps (epi_wg)
-        args, kw = dswiglu()
-        return args, dict(kw, _over=dict(epi_wg=True))
+    def dswiglu_epilogue_warps():  # the epilogue on the producer warp group's idle warps (epi_wg): the default here
+        return dswiglu()
 
     def grouped():
         h, w = torch.empty(8 * 4096, 7168, dtype=bf), torch.empty(8, 4096, 7168, dtype=bf)
@@ -387,9 +395,10 @@ def _compile_cases():
         ("dx_b_tail", dx_stacked, dict(b_major="n", b_tail=True, bn=256, cluster_m=2)),
         ("swiglu_preact_bias", swiglu, dict(epilogue="swiglu", store_preact=True, bias_dtype="bfloat16", bn=128, cluster_m=2)),
         ("swiglu_mlp_forward", swiglu_mlp_forward, dict(epilogue="swiglu", store_preact=True, bias_dtype="", bn=128)),
-        ("dswiglu_rowscale", dswiglu, dict(epilogue="dswiglu", b_major="n", rs_dtype="float32", bn=256, tma_store=True,
+        ("dswiglu_rowscale", dswiglu_ring, dict(epilogue="dswiglu", b_major="n", rs_dtype="float32", bn=256, tma_store=True,
                                            epi_tma_load=True)),
-        ("dswiglu_global_loads", dswiglu_global_loads, dict(epilogue="dswiglu", bn=256, epi_tma_load=False)),
+        ("dswiglu_global_loads", dswiglu_global_loads, dict(epilogue="dswiglu", bn=256, tma_store=True, epi_tma_load=False,
+                                                            epi_wg=False)),
         ("dswiglu_epilogue_warps", dswiglu_epilogue_warps, dict(epilogue="dswiglu", bn=256, epi_wg=True, tma_store=False,
                                                                 epi_tma_load=False, stages=3, rs_dtype="float32")),
         ("grouped_rowscale", grouped, dict(grouped=True, cluster_m=1, b_major="k", rs_dtype="float32")),
