@@ -52,7 +52,7 @@ ewg)
   timeout -k 10 ${TEST_S:-200} python3 -m pytest -p no:cacheprovider -m gpu -q -rfE -n 4 tests/kernels/test_gemm_sm90.py \
     -k "epilogue_warps or dswiglu or tma_store_epilogue" > $OUT/test.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f pytest 2>/dev/null; grep -E " (FAILED|ERROR) |passed|failed" $OUT/test.log | tail -15
-  C=${CONFIGS:-default,w1,w1_p1,w1_r4,w1_r4_p1}
+  C=${CONFIGS:-w0,default,w1_r2}
   timeout -k 5 ${BUDGET_S:-300} python3 tools/sweep_gemm.py --sizes ${SIZES:-0,1} --cases bwd_dswiglu --configs $C,$C \
     --budget $(( ${BUDGET_S:-300} - 20 )) > $OUT/sweep.log 2>&1
   echo "sweep rc=$?"; cut -c1-120 $OUT/sweep.log ;;

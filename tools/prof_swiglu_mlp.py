@@ -1,8 +1,8 @@
 """Where a SwiGLU MLP forward+backward spends its GPU time (GPU machine): ``fused.swiglu_mlp`` with
 each GEMM epilogue (``--epilogues tma,direct``: the epilogues the planner picks -- for dSwiGLU the epilogue
-warps, for the other GEMMs the TMA-store one -- or the register-to-global one through ``gemm_sm90._CONFIG_OVERRIDE``; ``ring`` / ``ewg`` / ``ewg4p``: dSwiGLU's
-epilogue in the consumers' store ring, or on the producer warp group's idle warps, with 4 rows a lane in
-flight and the next tile's gate / up prefetched for ``ewg4p``) next to eager torch, in one run.
+warps, for the other GEMMs the TMA-store one -- or the register-to-global one through
+``gemm_sm90._CONFIG_OVERRIDE``; ``ring`` / ``ewg``: dSwiGLU's epilogue in the consumers' store ring, or on
+the producer warp group's idle warps) next to eager torch, in one run.
 
     python3 tools/prof_swiglu_mlp.py [--shapes 0,1] [--epilogues tma,direct] [--rounds 3]
 
@@ -30,7 +30,7 @@ from cudnn_train.kernels import gemm_sm90 as gk  # noqa: E402
 SHAPES = [(16384, 4096, 12288), (8192, 5120, 17408)]
 EPILOGUES = {"tma": None, "direct": {"tma_store": False},
              # dSwiGLU's epilogue on the producer warp group's idle warps (gemm_sm90.KernelSpec.epi_wg) off / on
-             "ring": {"epi_wg": False}, "ewg": {"epi_wg": True}, "ewg4p": {"epi_wg": True, "ewg_rows": 4, "ewg_pf": True}}
+             "ring": {"epi_wg": False}, "ewg": {"epi_wg": True}}
 
 
 def clocks() -> str:

@@ -9,7 +9,7 @@ The MLP sizes are those of the issue (0: M=16384 H=4096 I=12288, 1: M=8192 H=512
 ``bn<BN>_cm<C>_s<S>_g<G>_t<0|1>_l<0|1>`` with any part left out keeping the default (``bn128``,
 ``cm1_g16``; ``t0`` is the register-to-global epilogue, ``t1`` the TMA-store one where the call allows
 it (for dSwiGLU at 128 x 256, ``t1`` and ``default`` are the epilogue warps, ``w0`` the store ring); ``l1`` has dSwiGLU read gate / up by TMA into the store ring, ``w1`` does its epilogue on the producer
-warp group's idle warps, with ``r<N>`` rows a lane in flight and ``p1`` the next tile's gate / up prefetched into L2);
+warp group's idle warps, with ``r<N>`` rows a lane in flight);
 it is applied through ``gemm_sm90._CONFIG_OVERRIDE``. Each line prints ms, TFLOP/s and ours /
 torch (torch time over ours: above 1 is faster). Needs an SM90 GPU.
 """
@@ -32,8 +32,8 @@ SIZES = [(16384, 4096, 12288), (8192, 5120, 17408), (8192, 8192, 8192)]
 CASES = ["fwd_swiglu", "fwd_gateup", "fwd_down", "bwd_dswiglu", "bwd_dx", "bwd_dx_acc", "bwd_dx_tail", "bwd_wgrad_gu",
          "bwd_wgrad_stacked", "bwd_wgrad_down", "dense"]
 FIELDS = {"bn": "bn", "cm": "cluster_m", "s": "stages", "g": "group_m", "t": "tma_store", "l": "epi_tma_load",
-          "w": "epi_wg", "r": "ewg_rows", "p": "ewg_pf"}
-FLAGS = ("tma_store", "epi_tma_load", "epi_wg", "ewg_pf")
+          "w": "epi_wg", "r": "ewg_rows"}
+FLAGS = ("tma_store", "epi_tma_load", "epi_wg")
 
 
 def parse_config(name: str) -> dict | None:
@@ -41,9 +41,9 @@ def parse_config(name: str) -> dict | None:
         return None
     out = {}
     for part in name.split("_"):
-        m = re.fullmatch(r"(bn|cm|s|g|t|l|w|r|p)(\d+)", part)
+        m = re.fullmatch(r"(bn|cm|s|g|t|l|w|r)(\d+)", part)
         if not m:
-            raise SystemExit(f"bad config {name!r}: parts are bn<N>, cm<N>, s<N>, g<N>, t<0|1>, l<0|1>, w<0|1>, r<N>, p<0|1>")
+            raise SystemExit(f"bad config {name!r}: parts are bn<N>, cm<N>, s<N>, g<N>, t<0|1>, l<0|1>, w<0|1>, r<N>")
         field = FIELDS[m.group(1)]
         out[field] = bool(int(m.group(2))) if field in FLAGS else int(m.group(2))
     return out

@@ -232,7 +232,6 @@ class KernelSpec:
     epi_tma_load: bool = False  # dSwiGLU with tma_store: gate / up come into the store ring by TMA loads
     epi_wg: bool = False  # dSwiGLU (dense, BN 256): the producer warp group's idle warps do the epilogue
     ewg_rows: int = 4  # epi_wg: rows of the tile a lane of an epilogue warp has in flight at once
-    ewg_pf: bool = False  # epi_wg: the epilogue warps prefetch the next tile's gate / up into L2 as they start a tile
 
     def key(self) -> tuple:
         return tuple(getattr(self, f) for f in self.__dataclass_fields__)
@@ -252,20 +251,20 @@ def _epi_bytes(tma_store: bool) -> int:
 
 
 def _dh_bytes(bn: int) -> int:
-    """Shared memory of the epilogue warp group's hand-over: the float16 dh tile (padded rows) and a scale per row."""
+    """Shared memory of the epilogue warps' hand-over: the float16 dh tile (padded rows) and a scale per row."""
     return BM * (bn + DH_PAD) * 2 + BM * 4
 
 
 def _max_stages(bn: int, epilogue: str, tma_store: bool = False, epi_wg: bool = False) -> int:
     """As many ring stages of BN-wide tiles as fit the shared memory (beside the epilogue's ring or the
-    epilogue warp group's dh tile), at most MAX_STAGES."""
+    epilogue warps' dh tile), at most MAX_STAGES."""
     nb = 2 if epilogue == "swiglu" else 1  # SwiGLU loads a gate and an up tile per stage
     beside = _dh_bytes(bn) if epi_wg else _epi_bytes(tma_store)
     return min(MAX_STAGES, (SMEM_BYTES - SMEM_RESERVE - beside) // _stage_bytes(bn, nb))
 
 
 def _epi_wg_serves(epilogue: str, tma_store: bool, bn: int) -> bool:
-    """dSwiGLU can run its epilogue on a fourth warp group (KernelSpec.epi_wg) where the TMA-store epilogue
+    """dSwiGLU can run its epilogue on the producer warp group's idle warps (KernelSpec.epi_wg) where the TMA-store epilogue
     serves the call (dense, 16-bit outputs only written) with 128 x 256 tiles: a warp covers a tile row."""
     return epilogue == "dswiglu" and tma_store and bn == 256
 
@@ -342,7 +341,6 @@ def _build(spec: KernelSpec):
     REGS_PRODUCER = EPI_WG_REGS[0] if EWG else PRODUCER_REGS
     REGS_CONSUMER = EPI_WG_REGS[1] if EWG else CONSUMER_REGS
     EPI_WG_ROWS = spec.ewg_rows
-    EWG_PF = spec.ewg_pf
     DH_SCALE = 16384.0  # a row's largest |dh| maps to this (float16's largest finite value is 65504)
     DH_TINY = 1e-30  # rows of zeros (or smaller than this) keep a finite scale
     DH_HUGE = 3e38  # and rows holding an inf: the inf stays inf, the row's finite values below ~1e27 become 0
@@ -671,16 +669,6 @@ def _build(spec: KernelSpec):
             sScl[tCc[2][0]] = inv[1]
 
     @cute.jit
-    def epi_wg_prefetch(mG, mU, row0, col0, M, N, ewarp, lane):
-        """(EWG, epilogue warps) the gate / up rows of the tile at (row0, col0) into L2, the rows of this warp
-        (a warp instruction covers a 512-byte row: four 128-byte lines); clamped like the loads."""
-        cc = cutlass.min(col0 + lane * 8, N - 8) // 8
-        for j in cutlass.range(-(-BM // EPI_WARPS), unroll=1):
-            gr = cutlass.min(row0 + cutlass.min(ewarp + EPI_WARPS * j, BM - 1), M - 1)
-            cute.arch.prefetch(cute.local_tile(mG, (1, 8), (gr, cc)).iterator.llvm_ptr, cache_level="L2")
-            cute.arch.prefetch(cute.local_tile(mU, (1, 8), (gr, cc)).iterator.llvm_ptr, cache_level="L2")
-
-    @cute.jit
     def epi_wg_tile(mG, mU, mDg, mDu, sDH, sScl, row0, col0, M, N, ewarp, lane):
         """(EWG, epilogue warps) dgate, dup of the tile at (row0, col0): epilogue warp w takes rows w, w + 3,
         ..., lane l columns 8 l .. 8 l + 7 (16-byte accesses, a warp a whole 512-byte row); EPI_WG_ROWS rows
@@ -924,17 +912,9 @@ def _build(spec: KernelSpec):
                     lane = tidx % 32
                     tile_it = Int32(0)
                     t = cluster_id
-                    if const_expr(EWG_PF):  # the first tile's gate / up, under its main loop
-                        if t < dense_tiles:
-                            cm, nt = swizzle(t, m_cluster_rows, n_tiles)
-                            epi_wg_prefetch(mG, mU, (cm * CM + rank_m) * BM, nt * BN, M, N, ewarp, lane)
                     while t < dense_tiles:
                         cm, nt = swizzle(t, m_cluster_rows, n_tiles)
                         cute.arch.mbarrier_wait(dhbar, tile_it % 2)
-                        if const_expr(EWG_PF):  # the next tile's, under its main loop (which runs now)
-                            if t + n_clusters < dense_tiles:
-                                cmn, ntn = swizzle(t + n_clusters, m_cluster_rows, n_tiles)
-                                epi_wg_prefetch(mG, mU, (cmn * CM + rank_m) * BM, ntn * BN, M, N, ewarp, lane)
                         epi_wg_tile(mG, mU, mD, mE1, sDH, sScl, (cm * CM + rank_m) * BM, nt * BN, M, N, ewarp, lane)
                         cute.arch.mbarrier_arrive(dhbar + 1)
                         tile_it = tile_it + 1
