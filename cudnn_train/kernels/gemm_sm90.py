@@ -343,7 +343,7 @@ def _build(spec: KernelSpec):
     EPI_WG_ROWS = spec.ewg_rows
     DH_SCALE = 16384.0  # a row's largest |dh| maps to this (float16's largest finite value is 65504)
     DH_TINY = 1e-30  # rows of zeros (or smaller than this) keep a finite scale
-    DH_HUGE = 3e38  # and rows holding an inf: the inf stays inf, the row's finite values below ~1e27 become 0
+    DH_FINITE = 3.4028234663852886e38  # float32's largest finite value: the row maximum skips infs (and NaNs)
     #                 (not NaN; the ring epilogue keeps them: a row maximum over finite values only would too)
     MMA_WG = 2  # consumer warp groups sharing one tile (64 rows each)
     GM = max(1, spec.group_m // CM)  # swizzle band height in cluster rows
@@ -651,13 +651,14 @@ def _build(spec: KernelSpec):
         for i in cutlass.range_constexpr(n):
             x = acc[i]
             h = (i // 2) % 2
-            mx[h] = cute.arch.fmax(mx[h], cute.arch.fmax(x, -x))
+            a = cute.arch.fmax(x, -x)  # a NaN gives a NaN here, and fmax below drops it
+            mx[h] = cute.arch.fmax(mx[h], cutlass.select_(a <= Float32(DH_FINITE), a, Float32(0.0)))
         scl = [None, None]
         inv = [None, None]
         for h in cutlass.range_constexpr(2):
             for off in cutlass.range_constexpr(1, 3):  # xor 1, 2: the quad
                 mx[h] = cute.arch.fmax(mx[h], cute.arch.shuffle_sync_bfly(mx[h], offset=off))
-            top = cute.arch.fmin(cute.arch.fmax(mx[h], Float32(DH_TINY)), Float32(DH_HUGE))
+            top = cute.arch.fmax(mx[h], Float32(DH_TINY))
             scl[h] = Float32(DH_SCALE) / top
             inv[h] = top * Float32(1.0 / DH_SCALE)
         frag = cute.make_rmem_tensor(tCc.shape, cutlass.Float16)
