@@ -8,7 +8,8 @@
 #   bash tools/gpu_gemm.sh prof    # tools/prof_swiglu_mlp.py: the MLP's kernels, each epilogue vs eager (ROUNDS)
 #   bash tools/gpu_gemm.sh epi     # the tiers, then prof: one call
 #   bash tools/gpu_gemm.sh ewg     # dSwiGLU's epilogue on the producer warp group's idle warps: its GPU cases and
-#                                  # the dSwiGLU ones, then the dSwiGLU GEMM under each variant (sweep_gemm, twice)
+#                                  # the dSwiGLU ones (EWG_K: another -k), then the dSwiGLU GEMM under each variant
+#                                  # (sweep_gemm, twice; CONFIGS=none: no sweep)
 source /tmp/gpu-bundle/device.sh || exit 3
 export PYTHONPATH=$(pwd):$PYTHONPATH CUDNN_TRAIN_CACHE_DIR=/tmp/ctc
 case "$1" in
@@ -50,9 +51,9 @@ epi)  # one call: the GEMM and swiglu tiers, then prof
   bash "$0" prof ;;
 ewg)
   timeout -k 10 ${TEST_S:-200} python3 -m pytest -p no:cacheprovider -m gpu -q -rfE -n 4 tests/kernels/test_gemm_sm90.py \
-    -k "epilogue_warps or dswiglu or tma_store_epilogue" > $OUT/test.log 2>&1
+    -k "${EWG_K:-epilogue_warps or dswiglu or tma_store_epilogue}" > $OUT/test.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f pytest 2>/dev/null; grep -E " (FAILED|ERROR) |passed|failed" $OUT/test.log | tail -15
-  C=${CONFIGS:-w0,default,w1_r2}
+  C=${CONFIGS:-w0,default,w1_r2}; [ "$C" = none ] && exit 0  # CONFIGS=none: the cases alone
   timeout -k 5 ${BUDGET_S:-300} python3 tools/sweep_gemm.py --sizes ${SIZES:-0,1} --cases bwd_dswiglu --configs $C,$C \
     --budget $(( ${BUDGET_S:-300} - 20 )) > $OUT/sweep.log 2>&1
   echo "sweep rc=$?"; cut -c1-120 $OUT/sweep.log ;;
