@@ -87,8 +87,12 @@ def main() -> None:
         flops_f = 6 * m * h * i
         runs: dict[str, list] = {name: [] for name in impls}  # (fwd, fwd+bwd) per round
         failed: dict[str, str] = {}
-        for _ in range(max(1, args.rounds)):  # rounds interleave the implementations: drift hits all alike
-            for name, f in impls.items():
+        names = list(impls)
+        for rnd in range(max(1, args.rounds)):
+            # rounds interleave the implementations, each round starting one further along, so that drift
+            # within a round (the card heating toward its power cap) does not fall on the same ones every round
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                f = impls[name]
                 if name in failed:
                     continue
                 try:

@@ -27,8 +27,9 @@ test)  # the GEMM and swiglu GPU tiers
   timeout -k 10 ${TEST_S:-240} python3 -m pytest -p no:cacheprovider -m gpu -q -rfE -n 8 tests/kernels/test_gemm_sm90.py \
     tests/fused/test_swiglu_mlp.py tests/layers/test_mlp.py > $OUT/test.log 2>&1
   echo "pytest rc=$?"; grep -E " (FAILED|ERROR) |passed|failed" $OUT/test.log | tail -15 ;;
-bench)  # bench_swiglu_mlp (ROUNDS, default 2) first, then bench_gemm
-  timeout -k 5 ${MLP_S:-300} python3 -m benchmarks.bench_swiglu_mlp --warmup 10 --rep 40 --rounds ${ROUNDS:-2} \
+bench)  # bench_swiglu_mlp (ROUNDS, default 2; WARMUP / REP in ms, default 100 / 400: about 20 calls a timing, the
+        # card near its sustained clock) first, then bench_gemm
+  timeout -k 5 ${MLP_S:-300} python3 -m benchmarks.bench_swiglu_mlp --warmup ${WARMUP:-100} --rep ${REP:-400} --rounds ${ROUNDS:-2} \
     --json $OUT/bench_mlp.json > $OUT/bench_mlp.log 2>&1
   echo "bench_mlp rc=$?"; tail -n 25 $OUT/bench_mlp.log | cut -c1-260
   timeout -k 5 ${GEMM_S:-240} python3 -m benchmarks.bench_gemm --warmup 10 --rep 50 --json $OUT/bench_gemm.json \
