@@ -125,8 +125,9 @@ than reading gate / up from global memory one subtile ahead, which BN 64 still d
 dSwiGLU on the epilogue warps (``epi_wg``, where the TMA-store epilogue would take 128 x 256 tiles; the
 default, ``EPI_WG_DEFAULT``): the producer warp group's three idle warps do the epilogue while the consumers
 run the next tile's main loop. The consumers scale each row of dh by DH_SCALE over its largest finite
-magnitude in the tile (four lanes hold a row: two shuffles; infs and NaNs pass through), store it as float16 into a padded [BM, BN + 8] shared tile
-(conflict-free 4-byte stores) with the inverse factor per row, and arrive on a "full" mbarrier; each
+magnitude in the tile (four lanes hold a row: two shuffles; infs and NaNs pass through), store it as float16
+into a padded [BM, BN + 8] shared tile (conflict-free 4-byte stores) with the inverse factor per row, and
+arrive on a "full" mbarrier; each
 epilogue warp takes every third row of the tile, a lane 8 columns (16-byte loads of gate / up from global
 memory, of dh from the tile, 16-byte stores of dgate / dup, clamped loads and stores stopped at M and N) and
 arrives on an "empty" mbarrier that the consumers wait for before the next hand-over. dh is rounded once to
