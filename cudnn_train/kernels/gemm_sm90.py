@@ -342,10 +342,9 @@ def _build(spec: KernelSpec):
     REGS_PRODUCER = EPI_WG_REGS[0] if EWG else PRODUCER_REGS
     REGS_CONSUMER = EPI_WG_REGS[1] if EWG else CONSUMER_REGS
     EPI_WG_ROWS = spec.ewg_rows
-    DH_SCALE = 16384.0  # a row's largest |dh| maps to this (float16's largest finite value is 65504)
+    DH_SCALE = 16384.0  # a row's largest finite |dh| maps to this (float16's largest finite value is 65504)
     DH_TINY = 1e-30  # rows of zeros (or smaller than this) keep a finite scale
     DH_FINITE = 3.4028234663852886e38  # float32's largest finite value: the row maximum skips infs (and NaNs)
-    #                 (not NaN; the ring epilogue keeps them: a row maximum over finite values only would too)
     MMA_WG = 2  # consumer warp groups sharing one tile (64 rows each)
     GM = max(1, spec.group_m // CM)  # swizzle band height in cluster rows
     LOG2E = 1.4426950408889634
