@@ -3,7 +3,7 @@
 #   bash tools/gpu_gemm.sh sweep   # tools/sweep_gemm.py (SIZES, CASES, CONFIGS, BUDGET env)
 #   bash tools/gpu_gemm.sh ncu     # ncu of our gate/up GEMM and cuBLAS's (launches 3 and 4: after warm-up)
 #   bash tools/gpu_gemm.sh test    # the GEMM and swiglu GPU tiers
-#   bash tools/gpu_gemm.sh bench   # bench_swiglu_mlp (ROUNDS) then bench_gemm
+#   bash tools/gpu_gemm.sh bench   # bench_swiglu_mlp (ROUNDS, WARMUP, REP) then bench_gemm
 #   bash tools/gpu_gemm.sh final   # the tiers, then bench_swiglu_mlp: one call
 #   bash tools/gpu_gemm.sh prof    # tools/prof_swiglu_mlp.py: the MLP's kernels, each epilogue vs eager (ROUNDS)
 #   bash tools/gpu_gemm.sh epi     # the tiers, then prof: one call

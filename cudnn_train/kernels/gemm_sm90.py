@@ -651,7 +651,7 @@ def _build(spec: KernelSpec):
         for i in cutlass.range_constexpr(n):
             x = acc[i]
             h = (i // 2) % 2
-            a = cute.arch.fmax(x, -x)  # a NaN gives a NaN here, and fmax below drops it
+            a = cute.arch.fmax(x, -x)  # a NaN stays NaN here; the ordered compare maps it (and infs) to 0
             mx[h] = cute.arch.fmax(mx[h], cutlass.select_(a <= Float32(DH_FINITE), a, Float32(0.0)))
         scl = [None, None]
         inv = [None, None]
