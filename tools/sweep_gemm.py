@@ -8,9 +8,9 @@ The MLP sizes are those of the issue (0: M=16384 H=4096 I=12288, 1: M=8192 H=512
 8192^3 (size 2, the plain GEMM alone). A configuration is ``default`` (choose_config) or
 ``bn<BN>_cm<C>_s<S>_g<G>_t<0|1>_l<0|1>`` with any part left out keeping the default (``bn128``,
 ``cm1_g16``; ``t0`` is the register-to-global epilogue, ``t1`` the TMA-store one where the call allows
-it (for dSwiGLU at 128 x 256, ``t1`` and ``default`` are the epilogue warps, ``w0`` the store ring); ``l1`` has dSwiGLU read gate / up by TMA into the store ring, ``w1`` does its epilogue on the producer
-warp group's idle warps, with ``r<N>`` rows a lane in flight);
-it is applied through ``gemm_sm90._CONFIG_OVERRIDE``. Each line prints ms, TFLOP/s and ours /
+it (for dSwiGLU at 128 x 256, ``t1`` and ``default`` are the epilogue warps, ``w0`` the store ring);
+``l1`` has dSwiGLU read gate / up by TMA into the store ring, ``w1`` does its epilogue on the producer
+warp group's idle warps, with ``r<N>`` rows a lane in flight); it is applied through ``gemm_sm90._CONFIG_OVERRIDE``. Each line prints ms, TFLOP/s and ours /
 torch (torch time over ours: above 1 is faster). Needs an SM90 GPU.
 """
 

@@ -106,8 +106,8 @@ vertically adjacent tiles that share their B tile: each loads half of it and
 multicasts it to both (``CopyBulkTensorTileG2SMulticastOp``).
 
 Epilogue. Dense GEMMs whose outputs are 16-bit and only written (``tma_store`` in the spec:
-every GEMM of the SwiGLU MLP but the dSwiGLU one, which runs on the epilogue warps below) store through shared memory: each output tile leaves in BM x 32
-subtiles, written from the accumulator layout with ``stmatrix`` into a ring of four 8 KB buffers
+every GEMM of the SwiGLU MLP but the dSwiGLU one, which runs on the epilogue warps below) store
+through shared memory: each output tile leaves in BM x 32 subtiles, written from the accumulator layout with ``stmatrix`` into a ring of four 8 KB buffers
 and stored by one TMA store each (issued by the first consumer warp; ``wait_group.read`` keeps at
 most three in flight, so a buffer is reused only once its store has read it). The stores drain
 while the next tile's main loop runs, and TMA clips what lies past the tensor's edge, so edge
@@ -265,8 +265,9 @@ def _max_stages(bn: int, epilogue: str, tma_store: bool = False, epi_wg: bool = 
 
 
 def _epi_wg_serves(epilogue: str, tma_store: bool, bn: int) -> bool:
-    """dSwiGLU can run its epilogue on the producer warp group's idle warps (KernelSpec.epi_wg) where the TMA-store epilogue
-    serves the call (dense, 16-bit outputs only written) with 128 x 256 tiles: a warp covers a tile row."""
+    """dSwiGLU can run its epilogue on the producer warp group's idle warps (KernelSpec.epi_wg) where the
+    TMA-store epilogue serves the call (dense, 16-bit outputs only written) with 128 x 256 tiles: a warp covers
+    a tile row."""
     return epilogue == "dswiglu" and tma_store and bn == 256
 
 
