@@ -13,6 +13,8 @@
 #                                   # forward, per-phase cycles; GDN_TIER=0 skips the tier; GDN_S / TIME_S
 #                                   # limits, SHAPES=N)
 #   bash tools/gpu_next.sh gdn_bwd  # the backward kernel tiers + the forward's chunk-state cases, then gdn_prof
+#   bash tools/gpu_next.sh fused    # the fused backward's GPU cases, then tools/time_gdn_fused.py (FUSED_S, TIME_S,
+#                                   # SHAPES; FUSED_TIME=0: the cases alone)
 #   bash tools/gpu_next.sh dchunk   # the stage-3 kernel's tier, then tools/time_gdn_dchunk.py (one vs two warpgroups)
 #   bash tools/gpu_next.sh pending  # all of dchunk / sweep2 / fwd2's new cases, then the three timing tools, one call
 #   bash tools/gpu_next.sh s7       # the seventh session's defaults and the sweep's prefetch: tiers, then its timing
@@ -706,6 +708,12 @@ ncu)
     echo "source page rc=$?"; head -c 300 $OUT/ncu_${w}_src.err
     python3 tools/ncu_top.py $OUT/ncu_${w}_src.csv --top ${NCU_TOP:-40} 2>&1 | cut -c1-220 | head -80
   done ;;
+fused)
+  # the fused backward (thirty-ninth session): its GPU cases, then tools/time_gdn_fused.py against sweep + stage 3
+  timeout -k 10 ${FUSED_S:-240} $P -n 4 tests/kernels/test_gated_delta_rule_bwd_fused_sm90.py > $OUT/fused.log 2>&1
+  echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
+  grep -E " (FAILED|ERROR) |passed|failed|^E  .*(rel|assert|Error)" $OUT/fused.log | cut -c1-220 | head -30
+  [ "${FUSED_TIME:-1}" = 1 ] && timed time_fused ${TIME_S:-150} python3 tools/time_gdn_fused.py --shapes ${SHAPES:-1} ;;
 save_caches)
   cd "$HOME" || exit 1
   list=$(find .triton/cache -name "*.autotune.json" 2>/dev/null; [ -d .tilelang ] && echo .tilelang)
@@ -715,5 +723,5 @@ save_caches)
     tar czf $OUT/jit_caches.tgz $(find .triton/cache -name "*.autotune.json"); echo "TileLang cache left out (${mb} MiB)"
   fi
   ls -la $OUT/jit_caches.tgz; echo "autotune files: $(find .triton/cache -name '*.autotune.json' | wc -l)" ;;
-*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|states|dprof|ssplit|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|ncu|save_caches"; exit 2 ;;
+*) echo "usage: bash tools/gpu_next.sh verify|demo|fla|fla1|fla2|fla3|gdn|gdn_train|gdn_fwd|gdn_bwd|dchunk|pending|states|dprof|ssplit|fwd2|sweep2|gdn_prof|bench_rms|bench_gdn|fused|ncu|save_caches"; exit 2 ;;
 esac

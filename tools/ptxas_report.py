@@ -4,7 +4,7 @@ CUDA toolkit's ptxas on it for sm_90a and print ptxas's report for every entry f
     CUTE_DSL_ARCH=sm_90a .venv/bin/python tools/ptxas_report.py "EXPR" [--keep DIR]
 
 EXPR is a Python expression that builds one kernel, with these names in scope: torch, B3 (stage 3,
-``gated_delta_rule_bwd_chunk_sm90``), B90 (the reverse sweep, ``gated_delta_rule_bwd_sm90``), BS (the split
+``gated_delta_rule_bwd_chunk_sm90``), BF (the fused backward), B90 (the reverse sweep, ``gated_delta_rule_bwd_sm90``), BS (the split
 sweep), F90 (the forward), FS (the split forward), WS (the specialized-warpgroup forward), GEMM (``gemm_sm90``).
 For example::
 
@@ -62,6 +62,7 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
     from cudnn_train.kernels import gated_delta_rule_bwd_chunk_sm90 as B3
+    from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
     from cudnn_train.kernels import gated_delta_rule_bwd_sm90 as B90
     from cudnn_train.kernels import gated_delta_rule_bwd_split_sm90 as BS
     from cudnn_train.kernels import gated_delta_rule_fwd_sm90 as F90
@@ -70,7 +71,7 @@ def main():
     from cudnn_train.kernels import gemm_sm90 as GEMM
 
     before = set(glob.glob(os.path.join(out_dir, "*.ptx")))
-    scope = dict(torch=torch, B3=B3, B90=B90, BS=BS, F90=F90, FS=FS, WS=WS, GEMM=GEMM)
+    scope = dict(torch=torch, B3=B3, BF=BF, B90=B90, BS=BS, F90=F90, FS=FS, WS=WS, GEMM=GEMM)
     eval(args.expr, scope)  # noqa: S307 (a developer's own expression, run on purpose)
     new = sorted(set(glob.glob(os.path.join(out_dir, "*.ptx"))) - before)
     if not new:

@@ -1,0 +1,867 @@
+"""Chunked Gated DeltaNet backward for SM90 (CuTeDSL, WGMMA): the fused backward, one kernel for stages 2 and 3.
+
+First build (thirty-ninth session): correct by construction of its schedule, not tuned. The plan it follows is
+docs/PERFORMANCE.md's ("the first build, assigned in our notation", thirty-eighth session), with the changes written
+below where the shared-memory and register budgets forced them.
+
+One CTA per (sequence, value head), 512 threads, the chunks from the last to the first. Per chunk, with the
+notation of ``fused/delta_rule_bwd.py`` (``E_ij = exp(gc_i - gc_j)``, j <= i; ``Es`` its strictly lower part;
+``eg = exp(gc)``; ``kdec = exp(gc_C - gc)``; ``dH`` the gradient of the state leaving the chunk)::
+
+    dvn = diag(kdec) (k dH) + P^T do            dvb = Tm^T dvn            dv = diag(beta) dvb
+    dH <- e^(gc_C) dH + q^T diag(scale eg) do - k^T diag(beta eg) dvb      (the state entering the chunk)
+    P = scale (q k^T) * E      dP = do vn^T      dQK = scale dP * E
+    dq = scale diag(eg) do Sc^T + dQK k          dw = -dvn Sc^T
+    dTm = (dw k^T) diag(beta eg) + (dvn v^T) diag(beta)      dA = -strictly_lower(Tm^T dTm Tm^T)
+    dKK = diag(beta) dA * Es
+    dk = diag(kdec) vn dH^T + dQK^T q + (diag(beta eg) Tm^T) dw + dKK k + dKK^T k
+    dbeta = eg rowsum(k * dkb) + rowsum(v * dvb) + rowsum(dA * Es * KK)
+    dgc = rowsum(scale eg q * dqg) + beta eg rowsum(k * dkb) + pairs(dP * P + dA * A) - kdt
+          (+ sum(kdt) + exp(gc_C) sum(Sc * dH) on the last row),     dg = reverse cumsum of dgc
+
+with ``rowsum(k * dkb)_i = sum_j Tm_ji (dw k^T)_ji`` (a column sum of ``Tm * (dw k^T)``, which the dTm product
+gives anyway: dkb itself is never formed), ``kdt = kdec rowsum(k * (vn dH^T))``, ``pairs(t)_i = sum_j t_ij -
+sum_j t_ji``, ``A = diag(beta) (k k^T) * Es``.
+
+Warpgroups (``setmaxnreg``: :data:`REGS`):
+
+* **W0, the chain** (dH [K, V] in float32 registers, the whole chunk loop): writes dH rounded to the input dtype
+  into its tile (``sH``) for W1; the tail's ``sum(Sc * dH)`` from its float32 registers; ``do_s = diag(scale eg)
+  do`` into the do_s / dw tile; then ``dH <- e^(gc_C) dH + q^T do_s`` and, once W1 hands ``-diag(beta eg) dvb``
+  over, ``+ k^T (-diag(beta eg) dvb)``. After the first chunk: the initial state's gradient.
+* **W1, dvn, dv and dk**: ``k dH`` (row-scaled by kdec), ``+ P^T do`` -> dvn (to its tile, for W2 and itself),
+  ``Tm^T dvn`` -> dvb: dv stored, ``rowsum(v * dvb)``, ``-diag(beta eg) dvb`` to W0; then dk in one accumulator:
+  ``vn dH^T`` (kdt, row-scaled by kdec), ``+ dQK^T q``, ``+ (diag(beta eg) Tm^T) dw`` (A in registers, formed
+  from the Tm tile), ``+ dKK k + dKK^T k``; dk stored.
+* **W2, the C x C work and dq**: ``q k^T`` -> P (to the X tile, for W1), ``do vn^T`` -> dP, dQK (its tile, for
+  W1 and itself), dP * P's row and column sums; ``do Sc^T`` -> dq's first term, ``rowsum(q * dqg)``, ``+ dQK k``
+  -> dq stored; ``dvn Sc^T`` -> dw (the do_s / dw tile, for W1 and itself); ``dw k^T``, ``dvn v^T`` -> dTm^T (X
+  tile), the column sums of ``Tm * (dw k^T)``; ``Tm^T dTm`` (X tile), ``(.) Tm^T`` -> dA, ``k k^T``; dA's terms,
+  dKK (X tile, for W1); then dg (the other warpgroups' row sums joined, the reverse cumulative sum) and dbeta.
+* **W3, the loads**: one warp issues every input tile by TMA on its own ``full`` mbarrier once the tile's
+  ``empty`` mbarrier says its readers of the previous chunk are done (single buffers), and writes the chunk's gc
+  and beta (two buffers) with plain loads.
+
+Between warpgroups every hand-over is an mbarrier pair (``full`` arrived by the writer's 128 threads after their
+stores and a fence to the async proxy; ``empty`` by the readers' threads after their products completed), so no
+warpgroup waits on a CTA barrier and the only order is the data's.
+
+Inputs: q, k ``[B, T, H, K]`` l2-normalized already (the caller normalizes and applies the l2norm's backward),
+v, do, vn ``[B, T, HV, V]``, the forward's chunk inverses tm ``[B, T, HV, 64]`` and chunk-start states hs
+``[B * NT, HV, K, V]`` (input dtype), gc and beta ``[B, T, HV]`` float32 (the in-chunk cumulative log decay and
+the effective beta), dht ``[B, HV, K, V]`` float32 or None. Outputs: dq, dk ``[B, T, HV, K]`` float32 per value
+head, dv ``[B, T, HV, V]`` input dtype, dg, dbeta ``[B, T, HV]`` float32, dh0 ``[B, HV, K, V]`` float32. Dense
+batches only (no ``cu_seqlens``), K = V = 128.
+
+Status: compiles for sm_90a (compile tier); GPU tier ``tests/kernels/test_gated_delta_rule_bwd_fused_sm90.py``
+against ``fused/delta_rule_bwd.py`` (prepared, not yet GPU-run). Not wired into the training path.
+"""
+
+
+import torch
+
+from ..backend import Unsupported
+from . import compile as kc
+from . import gated_delta_rule_common_sm90 as cm
+from . import gated_delta_rule_fwd_sm90 as fwd
+
+CHUNK = cm.CHUNK
+_SOURCES = (__file__, cm.__file__, fwd.__file__)
+# setmaxnreg: the loads, W0 (dH in float32, 128 a thread), W1, W2; 512 threads launch with 128 a thread, so the four
+# may sum to 4 x 128 at most. ptxas (offline, this build): W1 spills about 1.9 KB at 152 and about 0.1 KB from 168
+# up; W0 at 168 and W2 at 152 some 0.1-0.3 KB each; this split spills 464 bytes in all
+REGS = (24, 176, 168, 144)
+assert sum(REGS) <= 512 and all(r % 8 == 0 for r in REGS)
+
+# the input tiles in the loader's issue order (each on its own full / empty mbarrier pair), and how many warpgroups
+# read each (the empty barrier's arrivals are 128 a warpgroup)
+INPUTS = ("vn", "do", "s", "v", "tm", "q", "k")
+READERS = {"vn": 2, "do": 3, "s": 2, "v": 2, "tm": 2, "q": 3, "k": 3}
+# the hand-overs between warpgroups: name -> arrivals (128 a writing or reading warpgroup)
+HANDOVERS = {
+    "h_full": 128, "h_empty": 128,  # dH tile: W0 -> W1 (k dH, vn dH^T); W1 -> W0
+    "p_full": 128, "x_empty": 128,  # X tile holds P: W2 -> W1; W1 done with the X tile's dKK: W1 -> W2
+    "dvn_full": 128, "dvn_empty": 128,  # dvn tile: W1 -> W2; W2 done with it: W2 -> W1
+    "dvb_full": 128, "dvb_empty": 128,  # -beta eg dvb tile: W1 -> W0; W0 -> W1
+    "dos_free": 128, "dw_full": 128, "dw_empty": 256,  # do_s / dw tile: W0 -> W2; W2 -> W1; W1 + W2 -> W0
+    "dqk_full": 128, "dqk_empty": 128,  # dQK tile: W2 -> W1; W1 -> W2
+    "kk_full": 128,  # X tile holds dKK: W2 -> W1
+}
+# double-buffered (by chunk parity) row vectors: name -> arrivals
+PAIRED = {"vec_full": 32, "vec_empty": 384, "rows_full": 128, "tail_full": 128, "rows_empty": 128}
+# W1's row vectors for W2: kdt, its part of dbeta (rowsum(v * dvb)); W0's: the tail's four warp sums
+W1_ROWS = 2
+
+
+def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
+    cutlass, cute = kc.import_cute()
+    from cutlass import Float32, Int32
+    from cutlass.cute.nvgpu import cpasync, warpgroup
+
+    C = CHUNK
+    LOG2E = cm.LOG2E
+    THREADS = 512
+    gemm = cm.make_gemm()
+    store_pairs = cm.make_store_pairs()
+    init_barriers = cm.make_tma_init()
+    tv = cm.transpose_view
+    COLS = {"q": K, "k": K, "v": V, "do": V, "vn": V, "tm": C}
+    TILE_BYTES = {x: (K * V if x == "s" else C * COLS[x]) * dtype.width // 8 for x in INPUTS}
+    NBAR = 2 * len(INPUTS) + len(HANDOVERS) + 2 * len(PAIRED)
+
+    def bar_index():
+        idx = {}
+        for i, x in enumerate(INPUTS):
+            idx["full_" + x] = i
+            idx["empty_" + x] = len(INPUTS) + i
+        base = 2 * len(INPUTS)
+        for i, x in enumerate(HANDOVERS):
+            idx[x] = base + i
+        base += len(HANDOVERS)
+        for i, x in enumerate(PAIRED):
+            idx[x] = base + 2 * i  # + parity
+        return idx
+
+    BAR = bar_index()
+
+    def counts():
+        cnt = [0] * NBAR
+        for x in INPUTS:
+            cnt[BAR["full_" + x]] = 1
+            cnt[BAR["empty_" + x]] = 128 * READERS[x]
+        for x, n in HANDOVERS.items():
+            cnt[BAR[x]] = n
+        for x, n in PAIRED.items():
+            cnt[BAR[x]] = cnt[BAR[x] + 1] = n
+        return tuple(cnt)
+
+    COUNTS = counts()
+
+    # ------------------------------------------------------------------ small pieces
+    def wait(mbar, name, it, paired=False):
+        # wait for the completion of iteration it's phase of barrier `name` (a paired one: buffer it % 2)
+        if paired:
+            cute.arch.mbarrier_wait(mbar + BAR[name] + it % 2, (it // 2) % 2)
+        else:
+            cute.arch.mbarrier_wait(mbar + BAR[name], it % 2)
+
+    def arrive(mbar, name, it=None, paired=False):
+        if paired:
+            cute.arch.mbarrier_arrive(mbar + BAR[name] + it % 2)
+        else:
+            cute.arch.mbarrier_arrive(mbar + BAR[name])
+
+    def published():
+        # this thread's generic-proxy writes of a tile, visible to the async proxy (WGMMA, TMA) before its arrive
+        cute.arch.fence_view_async_shared()
+
+    def acc_of(mma_, m, n, t):
+        return cute.make_rmem_tensor(mma_.get_slice(t).partition_shape_C((m, n)), Float32)
+
+    def mm(mma_, acc, a_tile, b_tile, zero, t):
+        thr = mma_.get_slice(t)
+        gemm(mma_, acc, mma_.make_fragment_A(thr.partition_A(a_tile)), mma_.make_fragment_B(thr.partition_B(b_tile)),
+             zero)
+
+    def done():
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    def wg_bar(w):
+        cute.arch.barrier(barrier_id=1 + w, number_of_threads=128)
+
+    def ex2(x):
+        return cute.math.exp2(x * LOG2E, fastmath=True)
+
+    @cute.jit
+    def quad_sum(x: Float32):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+        return x + cute.arch.shuffle_sync_bfly(x, offset=2)
+
+    @cute.jit
+    def col_sum(x: Float32):
+        # over the lanes holding the same columns (lane % 4 alike): see _col_groups
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=4)
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=8)
+        return x + cute.arch.shuffle_sync_bfly(x, offset=16)
+
+    @cute.jit
+    def st2(sX: cute.Tensor, i, j, v0: Float32, v1: Float32):
+        frag = cute.make_rmem_tensor((1, 2), sX.element_type)
+        frag[0] = v0.to(sX.element_type)
+        frag[1] = v1.to(sX.element_type)
+        cute.autovec_copy(frag, cute.local_tile(sX, (1, 2), (i, j // 2)))
+
+    @cute.jit
+    def ld2(sX: cute.Tensor, i, j):
+        frag = cute.make_rmem_tensor((1, 2), sX.element_type)
+        cute.autovec_copy(cute.local_tile(sX, (1, 2), (i, j // 2)), frag)
+        return frag[0].to(Float32), frag[1].to(Float32)
+
+    @cute.jit
+    def acc_to_tile(acc: cute.Tensor, cAcc: cute.Tensor, sX: cute.Tensor, negate: cutlass.Constexpr):
+        # a float32 accumulator (element pairs: columns n, n + 1) rounded into its smem tile at its coordinates
+        for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
+            i, j = cAcc[2 * e2]
+            if cutlass.const_expr(negate):
+                st2(sX, i, j, -acc[2 * e2], -acc[2 * e2 + 1])
+            else:
+                st2(sX, i, j, acc[2 * e2], acc[2 * e2 + 1])
+
+    @cute.jit
+    def col_parts(vals: cute.Tensor, cAcc: cute.Tensor, cols: cutlass.Constexpr, sCol: cute.Tensor, w: Int32,
+                  lane: Int32, add: cutlass.Constexpr):
+        # the column sums of a [C, C] float32 array held like an accumulator (vals, coordinates cAcc): this thread's
+        # rows summed (cols: element lists a column), then over its warp's lanes with those columns; lanes 0-3
+        # write (or with add, add) their warp's sums into sCol[w, column]
+        for ci in cutlass.range_constexpr(len(cols)):
+            s = Float32(0.0)
+            for e in cols[ci]:
+                s = s + vals[e]
+            s = col_sum(s)
+            if lane < 4:
+                _, j = cAcc[cols[ci][0]]
+                if cutlass.const_expr(add):
+                    sCol[w, j] = sCol[w, j] + s
+                else:
+                    sCol[w, j] = s
+
+    # ------------------------------------------------------------------ the kernel
+    @cute.kernel
+    def kernel(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDo: cute.Tensor, mVn: cute.Tensor,
+               mTm: cute.Tensor, mHs: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDht: cute.Tensor,
+               mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
+               mDh0: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32,
+               aQ: cute.CopyAtom, aK: cute.CopyAtom, aV: cute.CopyAtom, aDo: cute.CopyAtom, aVn: cute.CopyAtom,
+               aTm: cute.CopyAtom, aS: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor,
+               tDo: cute.Tensor, tVn: cute.Tensor, tTm: cute.Tensor, tS: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        b, hv, _ = cute.arch.block_idx()
+        h = hv // group
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        lt = tidx % 128
+        warp = lt // 32
+        lane = lt % 32
+
+        # MMAs (one warpgroup each; M = 64 a row block)
+        mma_cc = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)  # [C, C] = A [C, *] B [C, *]^T, K-major
+        mma_ck = cm.make_mma(dtype, K, a_regs=False, b_mn_major=False)  # [C, K], B K-major
+        mma_ckt = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True)  # [C, K], B MN-major
+        mma_ckta = cm.make_mma(dtype, K, a_regs=False, b_mn_major=True, a_mn_major=True)  # A, B MN-major
+        mma_ckr = cm.make_mma(dtype, K, a_regs=True, b_mn_major=True)  # A in registers, B MN-major
+        mma_cca = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False, a_mn_major=True)  # A MN-major
+        mma_h = cm.make_mma(dtype, V, a_regs=False, b_mn_major=True, a_mn_major=True)  # dH [K, V] += A^T B
+        cCC = mma_cc.get_slice(lt).partition_C(cute.make_identity_tensor((C, C)))
+        cCK = mma_ck.get_slice(lt).partition_C(cute.make_identity_tensor((C, K)))
+        cH = mma_h.get_slice(lt).partition_C(cute.make_identity_tensor((K, V)))
+
+        smem = cutlass.utils.SmemAllocator()
+        sQ = cm.alloc_tile(smem, dtype, C, K)
+        sK = cm.alloc_tile(smem, dtype, C, K)
+        sV = cm.alloc_tile(smem, dtype, C, V)
+        sDo = cm.alloc_tile(smem, dtype, C, V)
+        sVn = cm.alloc_tile(smem, dtype, C, V)
+        sS = cm.alloc_tile(smem, dtype, K, V)  # Sc [d, v]
+        sTm = cm.alloc_tile(smem, dtype, C, C)
+        sH = cm.alloc_tile(smem, dtype, K, V)  # dH [d, v], input dtype
+        sDvn = cm.alloc_tile(smem, dtype, C, V)
+        sDvb = cm.alloc_tile(smem, dtype, C, V)  # -diag(beta eg) dvb
+        sDw = cm.alloc_tile(smem, dtype, C, V)  # do_s = diag(scale eg) do (W0), then dw (W2): K == V
+        sX = cm.alloc_tile(smem, dtype, C, C)  # P, then dTm^T, Tm^T dTm, dKK
+        sDqk = cm.alloc_tile(smem, dtype, C, C)
+        lv = cute.make_layout((2, C), stride=(C, 1))
+        sGc = smem.allocate_tensor(Float32, lv, 16)  # by chunk parity
+        sB = smem.allocate_tensor(Float32, lv, 16)
+        sR1 = smem.allocate_tensor(Float32, cute.make_layout((2, W1_ROWS, C), stride=(W1_ROWS * C, C, 1)), 16)
+        sTail = smem.allocate_tensor(Float32, cute.make_layout((2, 4), stride=(4, 1)), 16)
+        l4 = cute.make_layout((4, C), stride=(C, 1))
+        sColP = smem.allocate_tensor(Float32, l4, 16)  # W2: per warp, column sums of dP * P + dA * A
+        sColS = smem.allocate_tensor(Float32, l4, 16)  # W2: per warp, column sums of Tm * (dw k^T)
+        sDgc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # W2: the chunk's dgc, then dg
+        mbar = smem.allocate_array(cutlass.Int64, NBAR, byte_alignment=8)
+        tiles = {"q": sQ, "k": sK, "v": sV, "do": sDo, "vn": sVn, "tm": sTm, "s": sS}
+        atoms = {"q": aQ, "k": aK, "v": aV, "do": aDo, "vn": aVn, "tm": aTm, "s": aS}
+        tmas = {"q": tQ, "k": tK, "v": tV, "do": tDo, "vn": tVn, "tm": tTm, "s": tS}
+
+        if tidx == 0:
+            for i in cutlass.range_constexpr(NBAR):
+                cute.arch.mbarrier_init(mbar + i, COUNTS[i])
+        if warp == 0 and wg == 3:
+            for x in INPUTS:
+                cpasync.prefetch_descriptor(atoms[x])
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        nchunks = NT
+        if wg == 3:
+            # ================================================================ W3: the loads
+            cute.arch.setmaxregister_decrease(REGS[0])
+            if warp == 0:
+                for it in cutlass.range(nchunks, unroll=1):
+                    c = nchunks - 1 - it
+                    t0 = c * C
+                    length = cutlass.min(T - t0, C)
+                    par = it % 2
+                    # gc (past the end: the last row's) and beta (past the end: 0), two rows a lane
+                    if it >= 2:
+                        cute.arch.mbarrier_wait(mbar + BAR["vec_empty"] + par, ((it - 2) // 2) % 2)
+                    for rr in cutlass.range_constexpr(2):
+                        r = 2 * lane + rr
+                        sGc[par, r] = mGc[b, t0 + cutlass.min(r, length - 1), hv]
+                        bval = Float32(0.0)
+                        if r < length:
+                            bval = mB[b, t0 + r, hv]
+                        sB[par, r] = bval
+                    cute.arch.mbarrier_arrive(mbar + BAR["vec_full"] + par)
+                    for x in cutlass.range_constexpr(len(INPUTS)):
+                        name = INPUTS[x]
+                        if it > 0:
+                            cute.arch.mbarrier_wait(mbar + BAR["empty_" + name], (it - 1) % 2)
+                        if cutlass.const_expr(name == "s"):
+                            gT = cute.local_tile(tS[None, None, b * NT + c, hv], (K, V), (0, 0))
+                        else:
+                            gT = cm.token_box(tmas[name], b, h if name in ("q", "k") else hv, t0, 0, C, COLS[name])
+                        cm.tma_load(((atoms[name], gT, tiles[name]),), mbar + BAR["full_" + name], TILE_BYTES[name])
+        elif wg == 0:
+            # ================================================================ W0: the chain (dH)
+            cute.arch.setmaxregister_increase(REGS[1])
+            accH = acc_of(mma_h, K, V, lt)
+            if cutlass.const_expr(has_dht):
+                for e in cutlass.range_constexpr(cute.size(accH)):
+                    hd, hvv = cH[e]
+                    if cutlass.const_expr(state_vk):
+                        accH[e] = mDht[b, hv, hvv, hd]
+                    else:
+                        accH[e] = mDht[b, hv, hd, hvv]
+            else:
+                accH.fill(0.0)
+            for it in cutlass.range(nchunks, unroll=1):
+                par = it % 2
+                # dH (leaving this chunk) into its tile for W1, once W1 is done with the previous one
+                if it > 0:
+                    wait(mbar, "h_empty", it - 1)
+                acc_to_tile(accH, cH, sH, False)
+                published()
+                arrive(mbar, "h_full")
+                # the tail: sum(Sc * dH), this warp's part
+                wait(mbar, "full_s", it)
+                part = Float32(0.0)
+                for e2 in cutlass.range_constexpr(cute.size(accH) // 2):
+                    d, v = cH[2 * e2]
+                    s0, s1 = ld2(sS, d, v)
+                    part = part + s0 * accH[2 * e2] + s1 * accH[2 * e2 + 1]
+                arrive(mbar, "empty_s")
+                for o in cutlass.range_constexpr(5):
+                    part = part + cute.arch.shuffle_sync_bfly(part, offset=1 << o)
+                if it >= 2:
+                    wait(mbar, "rows_empty", it - 2, paired=True)
+                if lane == 0:
+                    sTail[par, warp] = part
+                arrive(mbar, "tail_full", it, paired=True)
+                # dH <- e^(gc_C) dH
+                wait(mbar, "vec_full", it, paired=True)
+                dec = ex2(sGc[par, C - 1])
+                for e in cutlass.range_constexpr(cute.size(accH)):
+                    accH[e] = accH[e] * dec
+                # do_s = diag(scale eg) do into the do_s / dw tile, once W1 and W2 are done with the last dw
+                wait(mbar, "full_do", it)
+                if it > 0:
+                    wait(mbar, "dw_empty", it - 1)
+                for p in cutlass.range_constexpr(C * V // 8 // 128):
+                    idx = p * 128 + lt
+                    r = idx // (V // 8)
+                    c8 = idx % (V // 8)
+                    frag = cute.make_rmem_tensor((1, 8), dtype)
+                    cute.autovec_copy(cute.local_tile(sDo, (1, 8), (r, c8)), frag)
+                    frag.store((frag.load().to(Float32) * (scale * ex2(sGc[par, r]))).to(dtype))
+                    cute.autovec_copy(frag, cute.local_tile(sDw, (1, 8), (r, c8)))
+                arrive(mbar, "empty_do")
+                published()
+                wg_bar(0)
+                # dH += q^T do_s
+                wait(mbar, "full_q", it)
+                mm(mma_h, accH, tv(sQ), tv(sDw), False, lt)
+                done()
+                arrive(mbar, "empty_q")
+                arrive(mbar, "dos_free")
+                # dH += k^T (-diag(beta eg) dvb), once W1 hands it over
+                wait(mbar, "dvb_full", it)
+                wait(mbar, "full_k", it)
+                mm(mma_h, accH, tv(sK), tv(sDvb), False, lt)
+                done()
+                arrive(mbar, "dvb_empty")
+                arrive(mbar, "empty_k")
+                arrive(mbar, "vec_empty", it, paired=True)
+            # the initial state's gradient
+            for e in cutlass.range_constexpr(cute.size(accH)):
+                od, ov = cH[e]
+                if cutlass.const_expr(state_vk):
+                    mDh0[b, hv, ov, od] = accH[e]
+                else:
+                    mDh0[b, hv, od, ov] = accH[e]
+        elif wg == 1:
+            # ================================================================ W1: dvn, dv, dk
+            cute.arch.setmaxregister_increase(REGS[2])
+            grp = facts["grp_ck"]
+            thr_r = mma_ckr.get_slice(lt)
+            cA = thr_r.partition_A(cute.make_identity_tensor((C, C)))
+            for it in cutlass.range(nchunks, unroll=1):
+                c = nchunks - 1 - it
+                t0 = c * C
+                length = cutlass.min(T - t0, C)
+                par = it % 2
+                wait(mbar, "vec_full", it, paired=True)
+                glast = sGc[par, C - 1]
+                # dvn = diag(kdec) (k dH) + P^T do
+                wait(mbar, "h_full", it)
+                wait(mbar, "full_k", it)
+                acc = acc_of(mma_ckt, C, V, lt)
+                mm(mma_ckt, acc, sK, tv(sH), True, lt)
+                done()
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    i, _ = cCK[e]
+                    acc[e] = acc[e] * ex2(glast - sGc[par, i])
+                wait(mbar, "p_full", it)
+                wait(mbar, "full_do", it)
+                mm(mma_ckta, acc, tv(sX), tv(sDo), False, lt)
+                done()
+                arrive(mbar, "empty_do")
+                if it > 0:
+                    wait(mbar, "dvn_empty", it - 1)
+                acc_to_tile(acc, cCK, sDvn, False)
+                published()
+                wg_bar(1)
+                arrive(mbar, "dvn_full")
+                # dvb = Tm^T dvn ; dv = beta dvb ; rowsum(v * dvb) ; -diag(beta eg) dvb to W0
+                wait(mbar, "full_tm", it)
+                mm(mma_ckta, acc, tv(sTm), tv(sDvn), True, lt)
+                done()
+                wait(mbar, "full_v", it)
+                gDv = cute.domain_offset((t0, 0), mDv[b, None, hv, None])
+                if it > 0:
+                    wait(mbar, "dvb_empty", it - 1)
+                if it >= 2:  # W2 is done with this buffer's rows (two chunks ago)
+                    wait(mbar, "rows_empty", it - 2, paired=True)
+                for gi in cutlass.range_constexpr(len(grp)):
+                    i, _ = cCK[grp[gi][0]]
+                    bi = sB[par, i]
+                    fneg = -bi * ex2(sGc[par, i])
+                    rs = Float32(0.0)
+                    for e in grp[gi][0::2]:
+                        _, vv = cCK[e]
+                        v0, v1 = ld2(sV, i, vv)
+                        rs = rs + v0 * acc[e] + v1 * acc[e + 1]
+                        st2(sDvb, i, vv, fneg * acc[e], fneg * acc[e + 1])
+                        acc[e] = acc[e] * bi
+                        acc[e + 1] = acc[e + 1] * bi
+                    rs = quad_sum(rs)
+                    if lt % 4 == 0:
+                        sR1[par, 1, i] = rs
+                arrive(mbar, "empty_v")
+                published()
+                arrive(mbar, "dvb_full")
+                store_pairs(acc, cCK, gDv, length)
+                # dk = diag(kdec) vn dH^T (kdt = kdec rowsum(k * vn dH^T)) + dQK^T q + (diag(beta eg) Tm^T) dw
+                #      + dKK k + dKK^T k
+                wait(mbar, "full_vn", it)
+                mm(mma_ck, acc, sVn, sH, True, lt)
+                done()
+                arrive(mbar, "h_empty")
+                arrive(mbar, "empty_vn")
+                for gi in cutlass.range_constexpr(len(grp)):
+                    i, _ = cCK[grp[gi][0]]
+                    kd = ex2(glast - sGc[par, i])
+                    rs = Float32(0.0)
+                    for e in grp[gi][0::2]:
+                        _, dd = cCK[e]
+                        k0, k1 = ld2(sK, i, dd)
+                        acc[e] = acc[e] * kd
+                        acc[e + 1] = acc[e + 1] * kd
+                        rs = rs + k0 * acc[e] + k1 * acc[e + 1]
+                    rs = quad_sum(rs)
+                    if lt % 4 == 0:
+                        sR1[par, 0, i] = rs
+                wait(mbar, "dqk_full", it)
+                wait(mbar, "full_q", it)
+                mm(mma_ckta, acc, tv(sDqk), tv(sQ), False, lt)
+                # A = diag(beta eg) Tm^T in registers while dQK^T q runs
+                rA = mma_ckr.make_fragment_A(thr_r.partition_shape_A((C, C)))
+                for f in cutlass.range_constexpr(cute.size(rA)):
+                    i, j = cA[f]
+                    rA[f] = (sTm[j, i].to(Float32) * (sB[par, i] * ex2(sGc[par, i]))).to(dtype)
+                done()
+                arrive(mbar, "dqk_empty")
+                arrive(mbar, "empty_q")
+                wait(mbar, "dw_full", it)
+                gemm(mma_ckr, acc, rA, mma_ckr.make_fragment_B(thr_r.partition_B(tv(sDw))), False)
+                done()
+                arrive(mbar, "dw_empty")
+                arrive(mbar, "empty_tm")
+                wait(mbar, "kk_full", it)
+                mm(mma_ckt, acc, sX, tv(sK), False, lt)
+                mm(mma_ckta, acc, tv(sX), tv(sK), False, lt)
+                done()
+                arrive(mbar, "x_empty")
+                arrive(mbar, "empty_k")
+                store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
+                arrive(mbar, "rows_full", it, paired=True)
+                arrive(mbar, "vec_empty", it, paired=True)
+        else:
+            # ================================================================ W2: the C x C work and dq
+            cute.arch.setmaxregister_increase(REGS[3])
+            grp_cc, grp_ck, cols_cc = facts["grp_cc"], facts["grp_ck"], facts["cols_cc"]
+            for it in cutlass.range(nchunks, unroll=1):
+                c = nchunks - 1 - it
+                t0 = c * C
+                length = cutlass.min(T - t0, C)
+                par = it % 2
+                wait(mbar, "vec_full", it, paired=True)
+                # row terms of dgc and dbeta, each row's owned by its quad (the same rows in every accumulator)
+                rowg = [Float32(0.0), Float32(0.0)]
+                rowb = [Float32(0.0), Float32(0.0)]
+                # P = scale (q k^T) * E -> the X tile (W1's P^T do), kept in float32 for dP * P
+                wait(mbar, "full_q", it)
+                wait(mbar, "full_k", it)
+                accP = acc_of(mma_cc, C, C, lt)
+                mm(mma_cc, accP, sQ, sK, True, lt)
+                done()
+                if it > 0:
+                    wait(mbar, "x_empty", it - 1)
+                for e in cutlass.range_constexpr(cute.size(accP)):
+                    i, j = cCC[e]
+                    pv = Float32(0.0)
+                    if j <= i:
+                        pv = accP[e] * scale * ex2(sGc[par, i] - sGc[par, j])
+                    accP[e] = pv
+                acc_to_tile(accP, cCC, sX, False)
+                published()
+                arrive(mbar, "p_full")
+                # dP = do vn^T ; dQK = scale dP * E -> its tile ; dP * P's row and column sums
+                wait(mbar, "full_do", it)
+                wait(mbar, "full_vn", it)
+                accD = acc_of(mma_cc, C, C, lt)
+                mm(mma_cc, accD, sDo, sVn, True, lt)
+                done()
+                arrive(mbar, "empty_vn")
+                for gi in cutlass.range_constexpr(len(grp_cc)):
+                    s = Float32(0.0)
+                    for e in grp_cc[gi]:
+                        s = s + accD[e] * accP[e]
+                    rowg[gi] = rowg[gi] + quad_sum(s)
+                for e in cutlass.range_constexpr(cute.size(accP)):
+                    accP[e] = accD[e] * accP[e]
+                col_parts(accP, cCC, cols_cc, sColP, warp, lane, False)
+                if it > 0:
+                    wait(mbar, "dqk_empty", it - 1)
+                for e in cutlass.range_constexpr(cute.size(accD)):
+                    i, j = cCC[e]
+                    dv_ = Float32(0.0)
+                    if j <= i:
+                        dv_ = accD[e] * scale * ex2(sGc[par, i] - sGc[par, j])
+                    accD[e] = dv_
+                acc_to_tile(accD, cCC, sDqk, False)
+                published()
+                wg_bar(2)
+                arrive(mbar, "dqk_full")
+                # dq = scale diag(eg) do Sc^T + dQK k ; rowsum(scale eg q * do Sc^T)
+                wait(mbar, "full_s", it)
+                accQ = acc_of(mma_ck, C, K, lt)
+                mm(mma_ck, accQ, sDo, sS, True, lt)
+                done()
+                arrive(mbar, "empty_do")
+                for gi in cutlass.range_constexpr(len(grp_ck)):
+                    i, _ = cCK[grp_ck[gi][0]]
+                    f = scale * ex2(sGc[par, i])
+                    s = Float32(0.0)
+                    for e in grp_ck[gi][0::2]:
+                        _, dd = cCK[e]
+                        q0, q1 = ld2(sQ, i, dd)
+                        accQ[e] = accQ[e] * f
+                        accQ[e + 1] = accQ[e + 1] * f
+                        s = s + q0 * accQ[e] + q1 * accQ[e + 1]
+                    rowg[gi] = rowg[gi] + quad_sum(s)
+                mm(mma_ckt, accQ, sDqk, tv(sK), False, lt)
+                done()
+                arrive(mbar, "empty_q")
+                store_pairs(accQ, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
+                # dw = -dvn Sc^T -> the do_s / dw tile, once W0's q^T do_s is done
+                wait(mbar, "dvn_full", it)
+                mm(mma_ck, accQ, sDvn, sS, True, lt)
+                done()
+                arrive(mbar, "empty_s")
+                wait(mbar, "dos_free", it)
+                acc_to_tile(accQ, cCK, sDw, True)
+                published()
+                wg_bar(2)
+                arrive(mbar, "dw_full")
+                # dTm^T from dw k^T and dvn v^T ; the column sums of Tm * (dw k^T)
+                wait(mbar, "full_v", it)
+                wait(mbar, "full_tm", it)
+                accX1 = acc_of(mma_cc, C, C, lt)
+                accX2 = acc_of(mma_cc, C, C, lt)
+                mm(mma_cc, accX1, sDw, sK, True, lt)
+                mm(mma_cc, accX2, sDvn, sV, True, lt)
+                done()
+                arrive(mbar, "dvn_empty")
+                arrive(mbar, "dw_empty")
+                arrive(mbar, "empty_v")
+                for e2 in cutlass.range_constexpr(cute.size(accX1) // 2):
+                    e = 2 * e2
+                    i, j = cCC[e]
+                    t0v, t1v = ld2(sTm, i, j)
+                    bj0 = sB[par, j]
+                    bj1 = sB[par, j + 1]
+                    x10 = accX1[e] * bj0 * ex2(sGc[par, j]) + accX2[e] * bj0
+                    x11 = accX1[e + 1] * bj1 * ex2(sGc[par, j + 1]) + accX2[e + 1] * bj1
+                    accX1[e] = accX1[e] * t0v
+                    accX1[e + 1] = accX1[e + 1] * t1v
+                    sX[j, i] = x10.to(dtype)
+                    sX[j + 1, i] = x11.to(dtype)
+                col_parts(accX1, cCC, cols_cc, sColS, warp, lane, False)
+                published()
+                wg_bar(2)
+                # M1 = Tm^T dTm -> the X tile ; dA = -strictly_lower(M1 Tm^T) ; k k^T
+                accM = acc_of(mma_cc, C, C, lt)
+                mm(mma_cca, accM, tv(sTm), sX, True, lt)
+                done()
+                wg_bar(2)
+                acc_to_tile(accM, cCC, sX, False)
+                published()
+                wg_bar(2)
+                mm(mma_cc, accM, sX, sTm, True, lt)
+                mm(mma_cc, accX2, sK, sK, True, lt)
+                done()
+                arrive(mbar, "empty_tm")
+                arrive(mbar, "empty_k")
+                wg_bar(2)
+                # dA's terms: dAE = dA * Es ; dbeta += rowsum(dAE * KK) ; dA * A = beta dAE * KK (pairs) ;
+                # dKK = beta dAE -> the X tile
+                for gi in cutlass.range_constexpr(len(grp_cc)):
+                    i, _ = cCC[grp_cc[gi][0]]
+                    bi = sB[par, i]
+                    gi_ = sGc[par, i]
+                    sb_ = Float32(0.0)
+                    for e in grp_cc[gi]:
+                        _, j = cCC[e]
+                        dae = Float32(0.0)
+                        if j < i:
+                            dae = -accM[e] * ex2(gi_ - sGc[par, j])
+                        t = dae * accX2[e]
+                        sb_ = sb_ + t
+                        accX2[e] = bi * t  # dA * A
+                        accM[e] = bi * dae  # dKK
+                    rowb[gi] = rowb[gi] + quad_sum(sb_)
+                for gi in cutlass.range_constexpr(len(grp_cc)):
+                    s = Float32(0.0)
+                    for e in grp_cc[gi]:
+                        s = s + accX2[e]
+                    rowg[gi] = rowg[gi] + quad_sum(s)
+                col_parts(accX2, cCC, cols_cc, sColP, warp, lane, True)
+                acc_to_tile(accM, cCC, sX, False)
+                published()
+                arrive(mbar, "kk_full")
+                wg_bar(2)
+                # dgc (the other warpgroups' rows joined) ; dg = reverse cumsum ; dbeta
+                wait(mbar, "rows_full", it, paired=True)
+                wait(mbar, "tail_full", it, paired=True)
+                for gi in cutlass.range_constexpr(len(grp_cc)):
+                    i, _ = cCC[grp_cc[gi][0]]
+                    if lt % 4 == 0:
+                        eg = ex2(sGc[par, i])
+                        bi = sB[par, i]
+                        cs = sColS[0, i] + sColS[1, i] + sColS[2, i] + sColS[3, i]
+                        cp = sColP[0, i] + sColP[1, i] + sColP[2, i] + sColP[3, i]
+                        kdt = sR1[par, 0, i]
+                        sDgc[i] = rowg[gi] - cp + bi * eg * cs - kdt
+                        db_ = rowb[gi] + eg * cs + sR1[par, 1, i]
+                        if i < length:
+                            mDb[b, t0 + i, hv] = db_
+                wg_bar(2)
+                if warp == 0:
+                    x0 = sDgc[2 * lane]
+                    x1 = sDgc[2 * lane + 1]
+                    tail = sR1[par, 0, 2 * lane] + sR1[par, 0, 2 * lane + 1]
+                    sc_dh = Float32(0.0)
+                    if lane < 4:
+                        sc_dh = sTail[par, lane]
+                    for o in cutlass.range_constexpr(5):
+                        tail = tail + cute.arch.shuffle_sync_bfly(tail, offset=1 << o)
+                        sc_dh = sc_dh + cute.arch.shuffle_sync_bfly(sc_dh, offset=1 << o)
+                    if lane == 31:
+                        x1 = x1 + tail + sc_dh * ex2(sGc[par, C - 1])
+                    suf = x0 + x1  # -> the sum over the lanes >= this one
+                    for o in cutlass.range_constexpr(5):
+                        nxt = cute.arch.shuffle_sync_down(suf, offset=1 << o)
+                        if lane + (1 << o) < 32:
+                            suf = suf + nxt
+                    after = cute.arch.shuffle_sync_down(suf, offset=1)
+                    if lane == 31:
+                        after = Float32(0.0)
+                    run1 = x1 + after
+                    if 2 * lane < length:
+                        mDg[b, t0 + 2 * lane, hv] = x0 + run1
+                    if 2 * lane + 1 < length:
+                        mDg[b, t0 + 2 * lane + 1, hv] = run1
+                wg_bar(2)
+                arrive(mbar, "rows_empty", it, paired=True)
+                arrive(mbar, "vec_empty", it, paired=True)
+
+    # trace-time facts of the accumulator layouts the loops above rely on (checked in the host function, while
+    # tracing, before the kernel's body reads them)
+    facts = {}
+
+    def trace_facts():
+        threads = cm.sample_threads(1)
+        mma_cc = cm.make_mma(dtype, C, a_regs=False, b_mn_major=False)
+        mma_ck = cm.make_mma(dtype, K, a_regs=False, b_mn_major=False)
+        for m_, shp in ((mma_cc, (C, C)), (mma_ck, (C, K))):
+            cm.check_acc_pairs(m_, shp, threads)
+        for other in (cm.make_mma(dtype, K, a_regs=False, b_mn_major=True),
+                      cm.make_mma(dtype, K, a_regs=False, b_mn_major=True, a_mn_major=True),
+                      cm.make_mma(dtype, K, a_regs=True, b_mn_major=True)):
+            cm.check_same_acc_layout(mma_ck, other, (C, K), threads)
+        cm.check_same_acc_layout(mma_cc, cm.make_mma(dtype, C, a_regs=False, b_mn_major=False, a_mn_major=True),
+                                 (C, C), threads)
+        cm.check_acc_pairs(cm.make_mma(dtype, V, a_regs=False, b_mn_major=True, a_mn_major=True), (K, V), threads)
+        grp_cc = cm.quad_row_groups(mma_cc, (C, C), threads)
+        grp_ck = cm.quad_row_groups(mma_ck, (C, K), threads)
+        if len(grp_cc) != 2 or len(grp_ck) != 2:
+            raise AssertionError("two rows a thread in the [C, C] and [C, K] accumulators")
+        if _row_blocks(mma_cc, (C, C), threads) != _row_blocks(mma_ck, (C, K), threads):
+            raise AssertionError("a row's owner differs between the [C, C] and [C, K] accumulators")
+        for rows, cols in ((C, K), (C, V), (K, V), (C, C)):
+            cm.check_mn_major_view(dtype, rows, cols)
+        facts.update(grp_cc=grp_cc, grp_ck=grp_ck, cols_cc=_col_groups(mma_cc, (C, C), threads))
+
+    @cute.jit
+    def host(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDo: cute.Tensor, mVn: cute.Tensor,
+             mTm: cute.Tensor, mHs: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDht: cute.Tensor,
+             mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
+             mDh0: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, stream):
+        trace_facts()
+        HV = mV.shape[2]
+        ta, tt = [], []
+        for m, cols in ((mQ, K), (mK, K), (mV, V), (mDo, V), (mVn, V), (mTm, C)):
+            a, t = cm.make_tma_rows_atom(dtype, m, C, cols)
+            ta.append(a)
+            tt.append(t)
+        view = cute.make_tensor(mHs.iterator, cute.select(mHs.layout, mode=list(cm.STATE_ROWS)))
+        a, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, cm.smem_tile_layout(dtype, K, V),
+                                           (K, V))
+        kernel(mQ, mK, mV, mDo, mVn, mTm, mHs, mGc, mB, mDht, mDq, mDk, mDv, mDg, mDb, mDh0, scale, T, NT, group,
+               *ta, a, *tt, t).launch(grid=[nseq, HV, 1], block=[THREADS, 1, 1], stream=stream)
+
+    f = fwd._fakes()
+    args = (f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V),
+            f.rows4(dtype, C), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.state(),
+            f.rows4(Float32, K), f.rows4(Float32, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.state(),
+            Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream())
+    return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
+
+
+def _row_blocks(mma, shape_mn, threads):
+    """Each sampled thread's rows of an accumulator (trace time)."""
+    _, cute = kc.import_cute()
+    out = []
+    for t in threads:
+        c = mma.get_slice(t).partition_C(cute.make_identity_tensor(shape_mn))
+        out.append(tuple(sorted({tuple(c[e])[0] for e in range(cute.size(c))})))
+    return tuple(out)
+
+
+def _col_groups(mma, shape_mn, threads):
+    """The accumulator elements of one thread grouped by column, ``((e, ...), ...)`` (trace time), the same for every
+    thread; asserts that the lanes of a warp holding a column are those with the thread's ``lane % 4`` (so a column
+    sum over the warp is three butterfly shuffles, offsets 4, 8, 16) and that the warp's lanes hold distinct rows."""
+    _, cute = kc.import_cute()
+    ref = None
+    for t in threads:
+        cols_of = {}
+        c = mma.get_slice(t).partition_C(cute.make_identity_tensor(shape_mn))
+        for e in range(cute.size(c)):
+            cols_of.setdefault(tuple(c[e])[1], []).append(e)
+        groups = tuple(tuple(v) for _, v in sorted(cols_of.items()))
+        if ref is None:
+            ref = groups
+        elif groups != ref:
+            raise AssertionError(f"thread {t}: column grouping differs")
+        w0 = t - t % 32
+        seen = set()
+        for lane in range(32):
+            cl = mma.get_slice(w0 + lane).partition_C(cute.make_identity_tensor(shape_mn))
+            cset = {tuple(cl[e])[1] for e in range(cute.size(cl))}
+            if (lane % 4 == t % 4) != (cset == set(cols_of)):
+                raise AssertionError(f"lane {lane} of thread {t}'s warp: columns do not follow lane % 4")
+            for e in range(cute.size(cl)):
+                rc = tuple(cl[e])
+                if rc in seen:
+                    raise AssertionError(f"element {rc} held twice in a warp")
+                seen.add(rc)
+    return ref
+
+
+def _static_checks(K: int, V: int) -> None:
+    if K != 128 or V != 128:
+        raise Unsupported(f"the fused backward serves K = V = 128, not K={K}, V={V}")
+
+
+def get_fused_bwd_kernel(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
+    _static_checks(K, V)
+    key = ("fused_bwd", str(dtype), K, V, bool(has_dht), bool(state_vk))
+    return kc.get_kernel("gdn_bwd_fused", key,
+                         lambda: _build(fwd._dt(dtype), K, V, bool(has_dht), bool(state_vk)), _SOURCES)
+
+
+def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float, state_v_first: bool = False):
+    """Launch the fused backward (see the module docstring for the tensors). Returns ``(dq, dk, dv, dg, dbeta,
+    dh0)``. Raises :class:`Unsupported` for what it does not serve (dtypes, head dims, layouts) before any launch."""
+    cm.check_device(q)
+    dt = q.dtype
+    if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, vn, tm, hs)):
+        raise Unsupported("q, k, v, do, vn, tm, hs must share one half-precision dtype")
+    if q.dim() != 4 or v.dim() != 4:
+        raise Unsupported(f"shapes q {tuple(q.shape)}, v {tuple(v.shape)}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _static_checks(K, V)
+    if tuple(k.shape) != tuple(q.shape) or tuple(v.shape[:2]) != (B, T) or H == 0 or HV % H:
+        raise Unsupported(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (HV a multiple of H)")
+    for name, t in (("do", do), ("vn", vn)):
+        if tuple(t.shape) != tuple(v.shape):
+            raise Unsupported(f"{name} must have v's shape")
+    if tuple(tm.shape) != (B, T, HV, CHUNK):
+        raise Unsupported(f"tm: {tuple(tm.shape)}, [B, T, HV, {CHUNK}] expected")
+    for name, t in (("gc", gc), ("beta", beta)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (B, T, HV):
+            raise Unsupported(f"{name}: float32 [B, T, HV]")
+    NT = -(-T // CHUNK)
+    if not hs.is_contiguous() or tuple(hs.shape) != (B * NT, HV, K, V):
+        raise Unsupported(f"hs: contiguous [{B * NT}, {HV}, {K}, {V}] expected, got {tuple(hs.shape)}")
+    if dht is not None and (dht.dtype != torch.float32 or tuple(dht.shape) != (B, HV, K, V)):
+        raise Unsupported("dht: float32 [B, HV, K, V] ([B, HV, V, K] with state_v_first)")
+    q, k, v, do, vn, tm = (cm.check_rows_aligned(n, t) for n, t in (("q", q), ("k", k), ("v", v), ("do", do),
+                                                                    ("vn", vn), ("tm", tm)))
+    for name, t in (("q", q), ("k", k), ("v", v), ("gc", gc), ("beta", beta), ("do", do), ("vn", vn), ("tm", tm),
+                    ("hs", hs)) + ((("dht", dht),) if dht is not None else ()):
+        if t.device != q.device:
+            raise Unsupported(f"{name} on {t.device}")
+        cm.check_index_range(name, t)
+    dev = q.device
+    dq = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
+    dv = torch.empty(B, T, HV, V, dtype=dt, device=dev)
+    dg = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+    db = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
+    dh0 = torch.empty(B, HV, V, K, dtype=torch.float32, device=dev) if state_v_first else \
+        torch.empty(B, HV, K, V, dtype=torch.float32, device=dev)
+    if T == 0 or B == 0:
+        if dht is None:
+            dh0.zero_()
+        else:
+            dh0.copy_(dht)
+        return dq, dk, dv, dg, db, dh0
+    dht_t = dht  # (read in the layout dh0 is written in: [V, K] with state_v_first)
+    fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first)
+    fn(q, k, v, do, vn, tm, hs, gc, beta, fwd._dummies(dev)[0].view(1, 1, 1, 1) if dht is None else dht_t,
+       dq, dk, dv, dg, db, dh0, float(scale), T, NT, HV // H, B)
+    return dq, dk, dv, dg, db, dh0

@@ -1,0 +1,100 @@
+"""SM90 Gated DeltaNet fused backward (stages 2 and 3 in one kernel): compiled for sm_90a on any machine; on a GPU,
+checked against the float64 stages of ``fused/delta_rule_bwd.py`` (the reverse sweep and ``chunk_grads``) on the
+same inputs, every output."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.utils import rel_l2
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.mark.compile
+def test_fused_backward_compiles_for_sm90a(kernel_cache):
+    from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
+
+    assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False))
+    assert callable(BF.get_fused_bwd_kernel(torch.float16, 128, 128, False, True))  # no dht, [V, K] states
+    assert len(list(kernel_cache.rglob("*.o"))) == 2
+
+
+def test_fused_backward_declines_what_it_does_not_serve():
+    """Head dims other than 128 and CPU tensors are declined (Unsupported) before anything is built or launched."""
+    from cudnn_train.backend import Unsupported
+    from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
+
+    with pytest.raises(Unsupported, match="K = V = 128"):
+        BF.get_fused_bwd_kernel(torch.bfloat16, 64, 64, True, False)
+    if torch.cuda.is_available():
+        return
+    x = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
+    s = torch.zeros(1, 8, 1)
+    with pytest.raises(Unsupported):
+        BF.fused_backward(x, x, x, s, s, x, x, x[..., :64], torch.zeros(1, 1, 128, 128, dtype=torch.bfloat16),
+                          scale=0.1)
+
+
+# ------------------------------------------------------------------ GPU tier
+
+
+def _case(B, T, H, HV, dtype, with_dht=True, state_vk=False, seed=0):
+    """Random inputs, the float64 forward quantities the training forward saves (vn, Tm, the chunk-start states;
+    rounded to ``dtype`` for the kernel), and the float64 backward of stages 2 and 3 on them."""
+    from cudnn_train.fused import delta_rule_bwd as db
+    from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
+
+    torch.manual_seed(seed)
+    dev, K, V, C = "cuda", 128, 128, 64
+    q, k = (F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(dtype) for _ in range(2))
+    v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    do = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    g = F.logsigmoid(torch.rand(B, T, HV, device=dev) * 4 - 1)  # some strong decays
+    beta = torch.rand(B, T, HV, device=dev)
+    h0 = torch.randn(B, HV, K, V, device=dev, dtype=torch.float64) * 0.5
+    dht = torch.randn(B, HV, K, V, device=dev) if with_dht else None
+    scale = K**-0.5
+    lay = db.ChunkLayout(B, T, C)
+    d64 = torch.float64
+    qc, kc = (lay.to_chunks(tr.expand_heads(x.to(d64), HV)) for x in (q, k))
+    vc, doc = lay.to_chunks(v.to(d64)), lay.to_chunks(do.to(d64))
+    gch, bc = lay.to_chunks(g.to(d64).unsqueeze(-1)), lay.to_chunks(beta.to(d64).unsqueeze(-1))
+    r = db._recompute(qc, kc, vc, gch, bc, scale, C)
+    Sc, _, dHc, dvn, dh0 = db.sweeps_ref(r, lay, h0, None if dht is None else dht.to(d64), doc)
+    vn = db.new_values(r, Sc)
+    want = db.chunk_grads(qc, kc, vc, bc, Sc, dHc, dvn, doc, r, vn=vn)
+    dq, dk, dv, dg = (lay.from_chunks(x) for x in want[:4])
+    dbeta = lay.from_chunks(want[4].unsqueeze(-1)).squeeze(-1)
+    gc = lay.from_chunks(gch.cumsum(-2)).squeeze(-1).float().contiguous()  # the in-chunk cumulative log decay
+    ins = dict(q=q, k=k, v=v, gc=gc, beta=beta, do=do, vn=lay.from_chunks(vn).to(dtype).contiguous(),
+               tm=lay.from_chunks(r["Tm"]).to(dtype).contiguous(), hs=lay.chunks_to_rows(Sc).to(dtype).contiguous(),
+               dht=None if dht is None else (dht.transpose(-1, -2).contiguous() if state_vk else dht))
+    if state_vk:
+        dh0 = dh0.transpose(-1, -2)
+    return ins, scale, dict(dq=dq, dk=dk, dv=dv, dg=dg.squeeze(-1), dbeta=dbeta, dh0=dh0)
+
+
+CASES = [  # (B, T, H, HV, dtype, with_dht, state_vk)
+    (2, 200, 2, 4, torch.bfloat16, True, False),  # GVA, a partial last chunk
+    (1, 1000, 1, 2, torch.bfloat16, True, False),  # a long chain of chunks
+    (3, 37, 1, 1, torch.float16, False, True),  # one partial chunk, no dht, [V, K] states
+    (1, 128, 2, 2, torch.bfloat16, False, False),  # whole chunks only
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}HV{c[3]}")
+def test_fused_backward_matches_the_stagewise_float64_backward(case):
+    from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
+
+    B, T, H, HV, dtype, with_dht, state_vk = case
+    ins, scale, want = _case(B, T, H, HV, dtype, with_dht, state_vk)
+    got = BF.fused_backward(ins["q"], ins["k"], ins["v"], ins["gc"], ins["beta"], ins["do"], ins["vn"], ins["tm"],
+                            ins["hs"], ins["dht"], scale=scale, state_v_first=state_vk)
+    torch.cuda.synchronize()
+    for name, a in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got):
+        b = want[name]
+        assert tuple(a.shape) == tuple(b.shape), (name, tuple(a.shape), tuple(b.shape))
+        err = rel_l2(a.float(), b.float())
+        assert err <= 2e-2, (case, name, err)
