@@ -727,6 +727,9 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
         grp_ck = cm.quad_row_groups(mma_ck, (C, K), threads)
         if len(grp_cc) != 2 or len(grp_ck) != 2:
             raise AssertionError("two rows a thread in the [C, C] and [C, K] accumulators")
+        for grp in grp_cc + grp_ck:  # a row's elements are whole pairs (e, e + 1), e even: [0::2] takes each once
+            if len(grp) % 2 or any(grp[p + 1] != grp[p] + 1 or grp[p] % 2 for p in range(0, len(grp), 2)):
+                raise AssertionError(f"accumulator row group {grp} is not made of element pairs")
         if _row_blocks(mma_cc, (C, C), threads) != _row_blocks(mma_ck, (C, K), threads):
             raise AssertionError("a row's owner differs between the [C, C] and [C, K] accumulators")
         for rows, cols in ((C, K), (C, V), (K, V), (C, C)):

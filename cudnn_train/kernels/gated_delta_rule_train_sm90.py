@@ -115,8 +115,45 @@ def w_from_tm(k, tm, gc, beta_eff, cu, use_l2norm: bool):
     return lay.from_chunks(lay.to_chunks(tm.to(ct)) @ lay.to_chunks(x)).to(k.dtype)
 
 
+def kernel_fused(outs, inputs, saved, do, dht, cu, cfg: Config):
+    """Stages 2 and 3 on the fused backward kernel (``gated_delta_rule_bwd_fused_sm90``, :func:`fused_serves`):
+    ``([dq, dk, dv, dg, dbeta], dh0)``, the first five as the stage-3 steps return them (dq, dk the gradients of
+    q and k before the l2norm, per value head, float32), dh0 float32 in the state layout. q and k are normalized
+    here (float32, rounded once to their dtype, as the stage-3 kernel rounds its normalized rows) and the l2norm's
+    backward applied here, in float32."""
+    from . import gated_delta_rule_bwd_fused_sm90 as bf
+
+    q, k, v = inputs[:3]
+    HV = v.shape[2]
+    qn, kn = ((l2norm(x.float()).to(x.dtype) if cfg.l2norm else x).contiguous() for x in (q, k))
+    dq, dk, dv, dg, dbeta, dh0 = bf.fused_backward(
+        qn, kn, v.contiguous(), saved[1], outs[1].float().contiguous(), do.contiguous(), saved[2], saved[3],
+        saved[-1], None if dht is None else dht.float().contiguous(), scale=cfg.scale,
+        state_v_first=cfg.state_v_first)
+    if cfg.l2norm:
+        dq, dk = (l2norm_bwd(expand_heads(x.float(), HV), d) for x, d in ((q, dq), (k, dk)))
+    return [dq, dk, dv, dg.unsqueeze(-1), dbeta], dh0
+
+
+FUSED_ENV = "CUDNN_TRAIN_GDN_FUSED_BWD"
+
+
+def fused_serves(q, v, saved, cu) -> bool:
+    """Whether the backward runs on the fused kernel (``kernel_fused``): asked for (``CUDNN_TRAIN_GDN_FUSED_BWD=1``;
+    off by default: the first build, not yet measured faster than the sweep + stage 3), a dense batch, one
+    half-precision dtype, K = V = 128, and the forward's vn and Tm kept (the stage-3 kernel's defaults)."""
+    from . import gated_delta_rule_common_sm90 as cm
+
+    if not cm.env_switch(FUSED_ENV, False):
+        return False
+    return (cu is None and q.dtype in (torch.bfloat16, torch.float16) and v.dtype == q.dtype
+            and q.shape[-1] == v.shape[-1] == 128 and len(saved) >= 5
+            and saved[2] is not None and saved[3] is not None)
+
+
 # the kernel steps; the CPU tests put reference implementations of the same contracts here
-IMPL = {"forward": kernel_forward, "sweep": kernel_sweep, "stage3": None}  # stage3 None: chosen by STAGE3_ENV
+IMPL = {"forward": kernel_forward, "sweep": kernel_sweep, "stage3": None,  # stage3 None: chosen by STAGE3_ENV
+        "fused": kernel_fused, "fused_serves": fused_serves}
 
 
 def prepared(g, beta, A_log, dt_bias, cfg: Config, ct):
@@ -232,15 +269,20 @@ def _group_sum(x, H: int, dtype):
     return torch.add(xs[:, :, :, 0], xs[:, :, :, 1], out=out)
 
 
-def input_grads(inputs, saved, dH, dvn, do, cu, cfg: Config):
-    """Stage 3 and the preprocessing's backward: gradients of ``inputs = (q, k, v, g, beta,
-    A_log, dt_bias)`` (None where an input is absent or needs none)."""
+def input_grads(inputs, saved, dH, dvn, do, cu, cfg: Config, dht=None, fused: bool = False):
+    """Stage 3 (with ``fused``: stages 2 and 3 on the fused kernel step, from ``dht``; dH and dvn unused) and the
+    preprocessing's backward: ``(grads, dh0)``, the gradients of ``inputs = (q, k, v, g, beta, A_log, dt_bias)``
+    (None where an input is absent or needs none) and, with ``fused``, the initial state's (else None)."""
     leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs]
     with torch.enable_grad():
         outs = prepared(*leaves[3:], cfg, compute_dtype(inputs[0]))
+    dh0 = None
     with torch.no_grad():
-        stage3 = IMPL.get("stage3") or _stage3()
-        dq, dk, dv, dg, dbeta = stage3([o.detach() for o in outs], inputs, saved, dH, dvn, do, cu, cfg)
+        if fused:
+            (dq, dk, dv, dg, dbeta), dh0 = IMPL["fused"]([o.detach() for o in outs], inputs, saved, do, dht, cu, cfg)
+        else:
+            stage3 = IMPL.get("stage3") or _stage3()
+            dq, dk, dv, dg, dbeta = stage3([o.detach() for o in outs], inputs, saved, dH, dvn, do, cu, cfg)
         H, HV = inputs[0].shape[2], inputs[2].shape[2]
         if HV != H and dq.shape[2] != H:  # per value head -> per q/k head: the sum over each GVA group
             dq, dk = (_group_sum(x, H, t.dtype) for x, t in zip((dq, dk), inputs[:2]))
@@ -255,7 +297,7 @@ def input_grads(inputs, saved, dH, dvn, do, cu, cfg: Config):
                                   allow_unused=True)
         for i, gr in zip(need, got):
             res[i] = gr
-    return res
+    return res, dh0
 
 
 class _Train(torch.autograd.Function):
@@ -270,8 +312,13 @@ class _Train(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, h0, cu, *saved = ctx.saved_tensors
         cfg = ctx.cfg
-        dvn, dH, dh0 = IMPL["sweep"](q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg)
-        grads = input_grads((q, k, v, g, beta, A_log, dt_bias), saved, dH, dvn, do, cu, cfg)
+        inputs = (q, k, v, g, beta, A_log, dt_bias)
+        serves = IMPL.get("fused_serves")  # (absent: the two-step backward)
+        if serves is not None and serves(q, v, saved, cu):
+            grads, dh0 = input_grads(inputs, saved, None, None, do, cu, cfg, dht=dht, fused=True)
+        else:
+            dvn, dH, dh0 = IMPL["sweep"](q, k, v, g, beta, A_log, dt_bias, saved, do, dht, cu, cfg)
+            grads, _ = input_grads(inputs, saved, dH, dvn, do, cu, cfg)
         dh0 = dh0 if (h0 is not None and ctx.needs_input_grad[7]) else None
         return (*grads, dh0, None, None)
 

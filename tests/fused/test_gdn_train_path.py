@@ -138,14 +138,41 @@ FLAGS = {
 }
 
 
+def ref_fused(outs, inputs, saved, do, dht, cu, cfg):
+    """The fused backward step's contract (``kernel_fused``), in torch: the reverse sweep's and stage 3's contracts
+    composed, ``([dq, dk, dv, dg, dbeta], dh0)``."""
+    assert len(saved) == 6, "the fused step reads the forward's vn and Tm (the forward that forms w in its chain)"
+    dvn, dH, dh0 = _fused_sweep(outs, inputs, do, dht, cu, cfg)
+    return tr.stage3_torch(outs, inputs, saved, dH, dvn, do, cu, cfg), dh0
+
+
+def _fused_sweep(outs, inputs, do, dht, cu, cfg):
+    # the reverse sweep from what the fused step is given: the effective gate and beta (outs), q, k, v
+    q, k, v = inputs[:3]
+    with torch.no_grad():
+        gf, bf = outs[0], outs[1]
+        qf, kf = (l2norm(x) if cfg.l2norm else x for x in (q, k))
+        qf, kf = (tr.expand_heads(x, v.shape[2]) for x in (qf, kf))
+        lay = db.ChunkLayout(q.shape[0], q.shape[1], C, cu)
+        chunks = (lay.to_chunks(x) for x in (qf, kf, v.to(qf.dtype), gf))
+        r = db._recompute(*chunks, lay.to_chunks(bf.unsqueeze(-1)), cfg.scale, C)
+        _, _, dHc, dvn, dh0 = db.sweeps_ref(r, lay, None, _k_first(dht, cfg), lay.to_chunks(do.to(qf.dtype)))
+    return lay.from_chunks(dvn), lay.chunks_to_rows(dHc), _k_first(dh0, cfg)
+
+
 @pytest.mark.parametrize("name", list(FLAGS))
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("h0, final", [(True, True), (False, False)])
-@pytest.mark.parametrize("saved_w", [True, False], ids=["w", "tm"])
+@pytest.mark.parametrize("saved_w", [True, False, "fused"], ids=["w", "tm", "fused"])
 def test_training_path_matches_autograd_of_the_torch_op(monkeypatch, name, varlen, h0, final, saved_w):
     """``tm``: the forward that forms w in its chain saves Tm, gc and the effective beta instead, and the sweep
-    forms w from them (the contract of ``CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY`` and ``reverse_sweep(beta=)``)."""
-    impl = {"forward": ref_forward, "sweep": ref_sweep} if saved_w else {"forward": ref_forward_tm, "sweep": ref_sweep_tm}
+    forms w from them (the contract of ``CUDNN_TRAIN_GDN_FWD_TRAIN_ONFLY`` and ``reverse_sweep(beta=)``).
+    ``fused``: that forward, then the backward's fused step (``kernel_fused``'s contract) in place of the sweep
+    and stage 3 (``fused_serves`` answering yes), its dh0 returned as the initial state's gradient."""
+    impl = {"forward": ref_forward, "sweep": ref_sweep} if saved_w is True else {"forward": ref_forward_tm,
+                                                                                 "sweep": ref_sweep_tm}
+    if saved_w == "fused":
+        impl = {**impl, "sweep": None, "fused": ref_fused, "fused_serves": lambda *a: True}
     monkeypatch.setattr(tr, "IMPL", {**impl, "stage3": tr.stage3_torch})
     torch.manual_seed(1)
     flags = {**dict(use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,

@@ -98,3 +98,51 @@ def test_fused_backward_matches_the_stagewise_float64_backward(case):
         assert tuple(a.shape) == tuple(b.shape), (name, tuple(a.shape), tuple(b.shape))
         err = rel_l2(a.float(), b.float())
         assert err <= 2e-2, (case, name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_the_training_path_on_the_fused_backward_matches_autograd_of_the_torch_op(monkeypatch, state_v_first):
+    """The op's training path (``gated_delta_rule_train_sm90.train``: the forward kernels, then with
+    ``CUDNN_TRAIN_GDN_FUSED_BWD=1`` the fused backward, the l2norm's backward and the GVA sum after it) against
+    autograd of the torch op in float32 on the same inputs, and against the two-kernel backward: every gradient."""
+    from cudnn_train.fused.gated_delta_rule import _gdn_torch_math
+    from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
+
+    torch.manual_seed(3)
+    dev, B, T, H, HV, K = "cuda", 2, 300, 2, 4, 128
+    q, k = (torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(B, T, HV, K, device=dev, dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.rand(B, T, HV, device=dev) * 4 - 1)
+    beta = torch.rand(B, T, HV, device=dev)
+    shape0 = (B, HV, K, K)
+    h0 = torch.randn(*shape0, device=dev) * 0.5
+    do = torch.randn(B, T, HV, K, device=dev, dtype=torch.bfloat16)
+    dht = torch.randn(*shape0, device=dev)
+    scale = K**-0.5
+    flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                 allow_neg_eigval=False, state_v_first=state_v_first)
+
+    def grads(fn, cast):
+        leaves = [(t.detach() if cast is None else t.detach().to(cast)).requires_grad_()
+                  for t in (q, k, v, g, beta, h0)]
+        o, ht = fn(*leaves)
+        return torch.autograd.grad([o, ht], leaves, [do.to(o.dtype), dht])
+
+    def ours(qq, kk, vv, gg, bb, ss):
+        return tr.train(qq, kk, vv, gg, bb, scale=scale, initial_state=ss, output_final_state=True, A_log=None,
+                        dt_bias=None, cu_seqlens=None, **flags)
+
+    def torch_op(qq, kk, vv, gg, bb, ss):
+        return _gdn_torch_math(qq, kk, vv, gg, bb, scale, ss, True, True, False, None, None, False, False,
+                               state_v_first, None, None, chunk_size=64)
+
+    want = grads(torch_op, torch.float32)
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_FUSED_BWD", "0")
+    two = grads(ours, None)
+    monkeypatch.setenv("CUDNN_TRAIN_GDN_FUSED_BWD", "1")
+    assert tr.fused_serves(q, v, (None, None, q, q, None), None)
+    fused = grads(ours, None)
+    for name, a, b, w in zip(("q", "k", "v", "g", "beta", "h0"), fused, two, want):
+        assert rel_l2(a.float(), w.float()) <= 2e-2, (name, rel_l2(a.float(), w.float()), rel_l2(b.float(), w.float()))
+        assert rel_l2(a.float(), b.float()) <= 2e-2, (name, rel_l2(a.float(), b.float()))
