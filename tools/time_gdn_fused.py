@@ -6,7 +6,8 @@ sweep and stage 3 as the training path calls them (GPU machine), on the same sha
 The inputs are random, shaped as the training path gives them (q, k at their own heads, l2-normalized for the
 fused kernel; the in-chunk cumulative log decay; bf16 chunk rows, vn and Tm): timings do not depend on the values.
 The two-kernel row is ``reverse_sweep`` (w given, dvn and dH in bf16) then ``chunk_grads`` (vn and Tm read, l2norm
-in kernel, the GVA pair sum: the training defaults); the fused row leaves the l2norm's backward and the GVA sum to
+in kernel, the GVA pair sum: the training defaults); the fused rows (one k buffer, and the two-k-buffer variant,
+``kdb=True``) leave the l2norm's backward and the GVA sum to
 the caller, so it does a little less. Median ms of ``benchmarks.common.bench`` (L2 cleared before every call),
 rounds alternating.
 """
@@ -48,9 +49,9 @@ def main():
         x = inputs(B, T, H, HV)
         scale = 128**-0.5
 
-        def fused():
+        def fused(kdb=False):
             return BF.fused_backward(x["q"], x["k"], x["v"], x["gc"], x["beta"], x["do"], x["vn"], x["tm"], x["hs"],
-                                     x["dht"], scale=scale)
+                                     x["dht"], scale=scale, kdb=kdb)
 
         def two():
             dvn, dH, dh0 = B2.reverse_sweep(x["q"], x["k"], x["w"], x["gc"], x["do"], x["dht"], scale=scale,
@@ -60,13 +61,15 @@ def main():
                                   tm=x["tm"])
 
         fused()
+        fused(True)
         two()
         torch.cuda.synchronize()
         for r in range(args.rounds):
             tf = bench(fused, warmup=25, rep=200)
+            tk = bench(lambda: fused(True), warmup=25, rep=200)
             tt = bench(two, warmup=25, rep=200)
-            print(f"B{B} T{T} H{H} HV{HV} round {r + 1}: fused {tf:.3f} ms, sweep + stage 3 {tt:.3f} ms, "
-                  f"two / fused {tt / tf:.2f}x", flush=True)
+            print(f"B{B} T{T} H{H} HV{HV} round {r + 1}: fused {tf:.3f} ms, fused two k buffers {tk:.3f} ms, "
+                  f"sweep + stage 3 {tt:.3f} ms; two / fused {tt / tf:.2f}x, {tt / tk:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

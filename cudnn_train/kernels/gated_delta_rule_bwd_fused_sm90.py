@@ -77,6 +77,8 @@ assert sum(REGS) <= 512 and all(r % 8 == 0 for r in REGS)
 # read each (the empty barrier's arrivals are 128 a warpgroup)
 INPUTS = ("vn", "do", "s", "v", "tm", "q", "k")
 READERS = {"vn": 2, "do": 3, "s": 2, "v": 2, "tm": 2, "q": 3, "k": 3}
+# KDB (two k buffers): k first (its buffer's previous readers are a chunk behind), q before Tm (released earlier)
+INPUTS_KDB = ("k", "vn", "do", "s", "v", "q", "tm")
 # the hand-overs between warpgroups: name -> arrivals (128 a writing or reading warpgroup)
 HANDOVERS = {
     "h_full": 128, "h_empty": 128,  # dH tile: W0 -> W1 (k dH, vn dH^T); W1 -> W0
@@ -86,14 +88,16 @@ HANDOVERS = {
     "dos_free": 128, "dw_full": 128, "dw_empty": 256,  # do_s / dw tile: W0 -> W2; W2 -> W1; W1 + W2 -> W0
     "dqk_full": 128, "dqk_empty": 128,  # dQK tile: W2 -> W1; W1 -> W2
     "kk_full": 128,  # X tile holds dKK: W2 -> W1
+    "do_free": 256,  # (KDB) W0's do_s and W2's do Sc^T are done with do: W1 may write dvb over it
 }
 # double-buffered (by chunk parity) row vectors: name -> arrivals
-PAIRED = {"vec_full": 32, "vec_empty": 384, "rows_full": 128, "tail_full": 128, "rows_empty": 128}
+PAIRED = {"vec_full": 32, "vec_empty": 384, "rows_full": 128, "tail_full": 128, "rows_empty": 128,
+          "kfull": 1, "kempty": 384}  # (kfull / kempty: KDB's k buffers)
 # W1's row vectors for W2: kdt, its part of dbeta (rowsum(v * dvb)); W0's: the tail's four warp sums
 W1_ROWS = 2
 
 
-def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
+def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -136,6 +140,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
         return tuple(cnt)
 
     COUNTS = counts()
+    mbar_ref = [None]
 
     # ------------------------------------------------------------------ small pieces
     def wait(mbar, name, it, paired=False):
@@ -150,6 +155,19 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
             cute.arch.mbarrier_arrive(mbar + BAR[name] + it % 2)
         else:
             cute.arch.mbarrier_arrive(mbar + BAR[name])
+
+    def wait_k(it):
+        # chunk it's k landed (KDB: in buffer it % 2)
+        if KDB:
+            wait(mbar_ref[0], "kfull", it, paired=True)
+        else:
+            wait(mbar_ref[0], "full_k", it)
+
+    def release_k(it):
+        if KDB:
+            arrive(mbar_ref[0], "kempty", it, paired=True)
+        else:
+            arrive(mbar_ref[0], "empty_k")
 
     def published():
         # this thread's generic-proxy writes of a tile, visible to the async proxy (WGMMA, TMA) before its arrive
@@ -258,6 +276,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
         smem = cutlass.utils.SmemAllocator()
         sQ = cm.alloc_tile(smem, dtype, C, K)
         sK = cm.alloc_tile(smem, dtype, C, K)
+        sKb = [sK, cm.alloc_tile(smem, dtype, C, K) if KDB else sK]  # (KDB: chunk it's k in buffer it % 2)
         sV = cm.alloc_tile(smem, dtype, C, V)
         sDo = cm.alloc_tile(smem, dtype, C, V)
         sVn = cm.alloc_tile(smem, dtype, C, V)
@@ -265,7 +284,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
         sTm = cm.alloc_tile(smem, dtype, C, C)
         sH = cm.alloc_tile(smem, dtype, K, V)  # dH [d, v], input dtype
         sDvn = cm.alloc_tile(smem, dtype, C, V)
-        sDvb = cm.alloc_tile(smem, dtype, C, V)  # -diag(beta eg) dvb
+        sDvb = sDo if KDB else cm.alloc_tile(smem, dtype, C, V)  # -diag(beta eg) dvb (KDB: over do)
         sDw = cm.alloc_tile(smem, dtype, C, V)  # do_s = diag(scale eg) do (W0), then dw (W2): K == V
         sX = cm.alloc_tile(smem, dtype, C, C)  # P, then dTm^T, Tm^T dTm, dKK
         sDqk = cm.alloc_tile(smem, dtype, C, C)
@@ -279,6 +298,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
         sColS = smem.allocate_tensor(Float32, l4, 16)  # W2: per warp, column sums of Tm * (dw k^T)
         sDgc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # W2: the chunk's dgc, then dg
         mbar = smem.allocate_array(cutlass.Int64, NBAR, byte_alignment=8)
+        mbar_ref[0] = mbar  # (for wait_k / release_k, while tracing)
         tiles = {"q": sQ, "k": sK, "v": sV, "do": sDo, "vn": sVn, "tm": sTm, "s": sS}
         atoms = {"q": aQ, "k": aK, "v": aV, "do": aDo, "vn": aVn, "tm": aTm, "s": aS}
         tmas = {"q": tQ, "k": tK, "v": tV, "do": tDo, "vn": tVn, "tm": tTm, "s": tS}
@@ -297,31 +317,42 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
             # ================================================================ W3: the loads
             cute.arch.setmaxregister_decrease(REGS[0])
             if warp == 0:
-                for it in cutlass.range(nchunks, unroll=1):
-                    c = nchunks - 1 - it
-                    t0 = c * C
-                    length = cutlass.min(T - t0, C)
-                    par = it % 2
-                    # gc (past the end: the last row's) and beta (past the end: 0), two rows a lane
-                    if it >= 2:
-                        cute.arch.mbarrier_wait(mbar + BAR["vec_empty"] + par, ((it - 2) // 2) % 2)
-                    for rr in cutlass.range_constexpr(2):
-                        r = 2 * lane + rr
-                        sGc[par, r] = mGc[b, t0 + cutlass.min(r, length - 1), hv]
-                        bval = Float32(0.0)
-                        if r < length:
-                            bval = mB[b, t0 + r, hv]
-                        sB[par, r] = bval
-                    cute.arch.mbarrier_arrive(mbar + BAR["vec_full"] + par)
-                    for x in cutlass.range_constexpr(len(INPUTS)):
-                        name = INPUTS[x]
-                        if it > 0:
-                            cute.arch.mbarrier_wait(mbar + BAR["empty_" + name], (it - 1) % 2)
-                        if cutlass.const_expr(name == "s"):
-                            gT = cute.local_tile(tS[None, None, b * NT + c, hv], (K, V), (0, 0))
-                        else:
-                            gT = cm.token_box(tmas[name], b, h if name in ("q", "k") else hv, t0, 0, C, COLS[name])
-                        cm.tma_load(((atoms[name], gT, tiles[name]),), mbar + BAR["full_" + name], TILE_BYTES[name])
+                for itp in cutlass.range((nchunks + 1) // 2, unroll=1):
+                    for par in cutlass.range_constexpr(2):  # chunk it in buffer par: every buffer static
+                        it = itp * 2 + par
+                        if it < nchunks:
+                            c = nchunks - 1 - it
+                            t0 = c * C
+                            length = cutlass.min(T - t0, C)
+                            # gc (past the end: the last row's) and beta (past the end: 0), two rows a lane
+                            if it >= 2:
+                                cute.arch.mbarrier_wait(mbar + BAR["vec_empty"] + par, ((it - 2) // 2) % 2)
+                            for rr in cutlass.range_constexpr(2):
+                                r = 2 * lane + rr
+                                sGc[par, r] = mGc[b, t0 + cutlass.min(r, length - 1), hv]
+                                bval = Float32(0.0)
+                                if r < length:
+                                    bval = mB[b, t0 + r, hv]
+                                sB[par, r] = bval
+                            cute.arch.mbarrier_arrive(mbar + BAR["vec_full"] + par)
+                            order = INPUTS_KDB if KDB else INPUTS
+                            for x in cutlass.range_constexpr(len(order)):
+                                name = order[x]
+                                if cutlass.const_expr(name == "s"):
+                                    gT = cute.local_tile(tS[None, None, b * NT + c, hv], (K, V), (0, 0))
+                                else:
+                                    gT = cm.token_box(tmas[name], b, h if name in ("q", "k") else hv, t0, 0, C,
+                                                      COLS[name])
+                                if cutlass.const_expr(KDB and name == "k"):
+                                    if it >= 2:
+                                        cute.arch.mbarrier_wait(mbar + BAR["kempty"] + par, ((it - 2) // 2) % 2)
+                                    cm.tma_load(((atoms[name], gT, sKb[par]),), mbar + BAR["kfull"] + par,
+                                                TILE_BYTES[name])
+                                else:
+                                    if it > 0:
+                                        cute.arch.mbarrier_wait(mbar + BAR["empty_" + name], (it - 1) % 2)
+                                    cm.tma_load(((atoms[name], gT, tiles[name]),), mbar + BAR["full_" + name],
+                                                TILE_BYTES[name])
         elif wg == 0:
             # ================================================================ W0: the chain (dH)
             cute.arch.setmaxregister_increase(REGS[1])
@@ -335,63 +366,71 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
                         accH[e] = mDht[b, hv, hd, hvv]
             else:
                 accH.fill(0.0)
-            for it in cutlass.range(nchunks, unroll=1):
-                par = it % 2
-                # dH (leaving this chunk) into its tile for W1, once W1 is done with the previous one
-                if it > 0:
-                    wait(mbar, "h_empty", it - 1)
-                acc_to_tile(accH, cH, sH, False)
-                published()
-                arrive(mbar, "h_full")
-                # the tail: sum(Sc * dH), this warp's part
-                wait(mbar, "full_s", it)
-                part = Float32(0.0)
-                for e2 in cutlass.range_constexpr(cute.size(accH) // 2):
-                    d, v = cH[2 * e2]
-                    s0, s1 = ld2(sS, d, v)
-                    part = part + s0 * accH[2 * e2] + s1 * accH[2 * e2 + 1]
-                arrive(mbar, "empty_s")
-                for o in cutlass.range_constexpr(5):
-                    part = part + cute.arch.shuffle_sync_bfly(part, offset=1 << o)
-                if it >= 2:
-                    wait(mbar, "rows_empty", it - 2, paired=True)
-                if lane == 0:
-                    sTail[par, warp] = part
-                arrive(mbar, "tail_full", it, paired=True)
-                # dH <- e^(gc_C) dH
-                wait(mbar, "vec_full", it, paired=True)
-                dec = ex2(sGc[par, C - 1])
-                for e in cutlass.range_constexpr(cute.size(accH)):
-                    accH[e] = accH[e] * dec
-                # do_s = diag(scale eg) do into the do_s / dw tile, once W1 and W2 are done with the last dw
-                wait(mbar, "full_do", it)
-                if it > 0:
-                    wait(mbar, "dw_empty", it - 1)
-                for p in cutlass.range_constexpr(C * V // 8 // 128):
-                    idx = p * 128 + lt
-                    r = idx // (V // 8)
-                    c8 = idx % (V // 8)
-                    frag = cute.make_rmem_tensor((1, 8), dtype)
-                    cute.autovec_copy(cute.local_tile(sDo, (1, 8), (r, c8)), frag)
-                    frag.store((frag.load().to(Float32) * (scale * ex2(sGc[par, r]))).to(dtype))
-                    cute.autovec_copy(frag, cute.local_tile(sDw, (1, 8), (r, c8)))
-                arrive(mbar, "empty_do")
-                published()
-                wg_bar(0)
-                # dH += q^T do_s
-                wait(mbar, "full_q", it)
-                mm(mma_h, accH, tv(sQ), tv(sDw), False, lt)
-                done()
-                arrive(mbar, "empty_q")
-                arrive(mbar, "dos_free")
-                # dH += k^T (-diag(beta eg) dvb), once W1 hands it over
-                wait(mbar, "dvb_full", it)
-                wait(mbar, "full_k", it)
-                mm(mma_h, accH, tv(sK), tv(sDvb), False, lt)
-                done()
-                arrive(mbar, "dvb_empty")
-                arrive(mbar, "empty_k")
-                arrive(mbar, "vec_empty", it, paired=True)
+            for itp in cutlass.range((nchunks + 1) // 2, unroll=1):
+                for par in cutlass.range_constexpr(2):  # chunk it in buffer par: every buffer static
+                    it = itp * 2 + par
+                    if it < nchunks:
+                        sKc = sKb[par]
+                        # dH (leaving this chunk) into its tile for W1, once W1 is done with the previous one
+                        if it > 0:
+                            wait(mbar, "h_empty", it - 1)
+                        acc_to_tile(accH, cH, sH, False)
+                        published()
+                        arrive(mbar, "h_full")
+                        # the tail: sum(Sc * dH), this warp's part
+                        wait(mbar, "full_s", it)
+                        part = Float32(0.0)
+                        for e2 in cutlass.range_constexpr(cute.size(accH) // 2):
+                            d, v = cH[2 * e2]
+                            s0, s1 = ld2(sS, d, v)
+                            part = part + s0 * accH[2 * e2] + s1 * accH[2 * e2 + 1]
+                        arrive(mbar, "empty_s")
+                        for o in cutlass.range_constexpr(5):
+                            part = part + cute.arch.shuffle_sync_bfly(part, offset=1 << o)
+                        if it >= 2:
+                            wait(mbar, "rows_empty", it - 2, paired=True)
+                        if lane == 0:
+                            sTail[par, warp] = part
+                        arrive(mbar, "tail_full", it, paired=True)
+                        # dH <- e^(gc_C) dH
+                        wait(mbar, "vec_full", it, paired=True)
+                        dec = ex2(sGc[par, C - 1])
+                        for e in cutlass.range_constexpr(cute.size(accH)):
+                            accH[e] = accH[e] * dec
+                        # do_s = diag(scale eg) do into the do_s / dw tile, once W1 and W2 are done with the last dw
+                        wait(mbar, "full_do", it)
+                        if it > 0:
+                            wait(mbar, "dw_empty", it - 1)
+                        for p in cutlass.range_constexpr(C * V // 8 // 128):
+                            idx = p * 128 + lt
+                            r = idx // (V // 8)
+                            c8 = idx % (V // 8)
+                            frag = cute.make_rmem_tensor((1, 8), dtype)
+                            cute.autovec_copy(cute.local_tile(sDo, (1, 8), (r, c8)), frag)
+                            frag.store((frag.load().to(Float32) * (scale * ex2(sGc[par, r]))).to(dtype))
+                            cute.autovec_copy(frag, cute.local_tile(sDw, (1, 8), (r, c8)))
+                        if cutlass.const_expr(KDB):  # do's tile takes dvb next: released after that product
+                            arrive(mbar, "do_free")
+                        else:
+                            arrive(mbar, "empty_do")
+                        published()
+                        wg_bar(0)
+                        # dH += q^T do_s
+                        wait(mbar, "full_q", it)
+                        mm(mma_h, accH, tv(sQ), tv(sDw), False, lt)
+                        done()
+                        arrive(mbar, "empty_q")
+                        arrive(mbar, "dos_free")
+                        # dH += k^T (-diag(beta eg) dvb), once W1 hands it over
+                        wait(mbar, "dvb_full", it)
+                        wait_k(it)
+                        mm(mma_h, accH, tv(sKc), tv(sDvb), False, lt)
+                        done()
+                        arrive(mbar, "dvb_empty")
+                        if cutlass.const_expr(KDB):
+                            arrive(mbar, "empty_do")
+                        release_k(it)
+                        arrive(mbar, "vec_empty", it, paired=True)
             # the initial state's gradient
             for e in cutlass.range_constexpr(cute.size(accH)):
                 od, ov = cH[e]
@@ -405,306 +444,316 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
             grp = facts["grp_ck"]
             thr_r = mma_ckr.get_slice(lt)
             cA = thr_r.partition_A(cute.make_identity_tensor((C, C)))
-            for it in cutlass.range(nchunks, unroll=1):
-                c = nchunks - 1 - it
-                t0 = c * C
-                length = cutlass.min(T - t0, C)
-                par = it % 2
-                wait(mbar, "vec_full", it, paired=True)
-                glast = sGc[par, C - 1]
-                # dvn = diag(kdec) (k dH) + P^T do
-                wait(mbar, "h_full", it)
-                wait(mbar, "full_k", it)
-                acc = acc_of(mma_ckt, C, V, lt)
-                mm(mma_ckt, acc, sK, tv(sH), True, lt)
-                done()
-                for e in cutlass.range_constexpr(cute.size(acc)):
-                    i, _ = cCK[e]
-                    acc[e] = acc[e] * ex2(glast - sGc[par, i])
-                wait(mbar, "p_full", it)
-                wait(mbar, "full_do", it)
-                mm(mma_ckta, acc, tv(sX), tv(sDo), False, lt)
-                done()
-                arrive(mbar, "empty_do")
-                if it > 0:
-                    wait(mbar, "dvn_empty", it - 1)
-                acc_to_tile(acc, cCK, sDvn, False)
-                published()
-                wg_bar(1)
-                arrive(mbar, "dvn_full")
-                # dvb = Tm^T dvn ; dv = beta dvb ; rowsum(v * dvb) ; -diag(beta eg) dvb to W0
-                wait(mbar, "full_tm", it)
-                mm(mma_ckta, acc, tv(sTm), tv(sDvn), True, lt)
-                done()
-                wait(mbar, "full_v", it)
-                gDv = cute.domain_offset((t0, 0), mDv[b, None, hv, None])
-                if it > 0:
-                    wait(mbar, "dvb_empty", it - 1)
-                if it >= 2:  # W2 is done with this buffer's rows (two chunks ago)
-                    wait(mbar, "rows_empty", it - 2, paired=True)
-                for gi in cutlass.range_constexpr(len(grp)):
-                    i, _ = cCK[grp[gi][0]]
-                    bi = sB[par, i]
-                    fneg = -bi * ex2(sGc[par, i])
-                    rs = Float32(0.0)
-                    for e in grp[gi][0::2]:
-                        _, vv = cCK[e]
-                        v0, v1 = ld2(sV, i, vv)
-                        rs = rs + v0 * acc[e] + v1 * acc[e + 1]
-                        st2(sDvb, i, vv, fneg * acc[e], fneg * acc[e + 1])
-                        acc[e] = acc[e] * bi
-                        acc[e + 1] = acc[e + 1] * bi
-                    rs = quad_sum(rs)
-                    if lt % 4 == 0:
-                        sR1[par, 1, i] = rs
-                arrive(mbar, "empty_v")
-                published()
-                arrive(mbar, "dvb_full")
-                store_pairs(acc, cCK, gDv, length)
-                # dk = diag(kdec) vn dH^T (kdt = kdec rowsum(k * vn dH^T)) + dQK^T q + (diag(beta eg) Tm^T) dw
-                #      + dKK k + dKK^T k
-                wait(mbar, "full_vn", it)
-                mm(mma_ck, acc, sVn, sH, True, lt)
-                done()
-                arrive(mbar, "h_empty")
-                arrive(mbar, "empty_vn")
-                for gi in cutlass.range_constexpr(len(grp)):
-                    i, _ = cCK[grp[gi][0]]
-                    kd = ex2(glast - sGc[par, i])
-                    rs = Float32(0.0)
-                    for e in grp[gi][0::2]:
-                        _, dd = cCK[e]
-                        k0, k1 = ld2(sK, i, dd)
-                        acc[e] = acc[e] * kd
-                        acc[e + 1] = acc[e + 1] * kd
-                        rs = rs + k0 * acc[e] + k1 * acc[e + 1]
-                    rs = quad_sum(rs)
-                    if lt % 4 == 0:
-                        sR1[par, 0, i] = rs
-                wait(mbar, "dqk_full", it)
-                wait(mbar, "full_q", it)
-                mm(mma_ckta, acc, tv(sDqk), tv(sQ), False, lt)
-                # A = diag(beta eg) Tm^T in registers while dQK^T q runs
-                rA = mma_ckr.make_fragment_A(thr_r.partition_shape_A((C, C)))
-                for f in cutlass.range_constexpr(cute.size(rA)):
-                    i, j = cA[f]
-                    rA[f] = (sTm[j, i].to(Float32) * (sB[par, i] * ex2(sGc[par, i]))).to(dtype)
-                done()
-                arrive(mbar, "dqk_empty")
-                arrive(mbar, "empty_q")
-                wait(mbar, "dw_full", it)
-                gemm(mma_ckr, acc, rA, mma_ckr.make_fragment_B(thr_r.partition_B(tv(sDw))), False)
-                done()
-                arrive(mbar, "dw_empty")
-                arrive(mbar, "empty_tm")
-                wait(mbar, "kk_full", it)
-                mm(mma_ckt, acc, sX, tv(sK), False, lt)
-                mm(mma_ckta, acc, tv(sX), tv(sK), False, lt)
-                done()
-                arrive(mbar, "x_empty")
-                arrive(mbar, "empty_k")
-                store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
-                arrive(mbar, "rows_full", it, paired=True)
-                arrive(mbar, "vec_empty", it, paired=True)
+            for itp in cutlass.range((nchunks + 1) // 2, unroll=1):
+                for par in cutlass.range_constexpr(2):  # chunk it in buffer par: every buffer static
+                    it = itp * 2 + par
+                    if it < nchunks:
+                        sKc = sKb[par]
+                        c = nchunks - 1 - it
+                        t0 = c * C
+                        length = cutlass.min(T - t0, C)
+                        wait(mbar, "vec_full", it, paired=True)
+                        glast = sGc[par, C - 1]
+                        # dvn = diag(kdec) (k dH) + P^T do
+                        wait(mbar, "h_full", it)
+                        wait_k(it)
+                        acc = acc_of(mma_ckt, C, V, lt)
+                        mm(mma_ckt, acc, sKc, tv(sH), True, lt)
+                        done()
+                        for e in cutlass.range_constexpr(cute.size(acc)):
+                            i, _ = cCK[e]
+                            acc[e] = acc[e] * ex2(glast - sGc[par, i])
+                        wait(mbar, "p_full", it)
+                        wait(mbar, "full_do", it)
+                        mm(mma_ckta, acc, tv(sX), tv(sDo), False, lt)
+                        done()
+                        arrive(mbar, "empty_do")
+                        if it > 0:
+                            wait(mbar, "dvn_empty", it - 1)
+                        acc_to_tile(acc, cCK, sDvn, False)
+                        published()
+                        wg_bar(1)
+                        arrive(mbar, "dvn_full")
+                        # dvb = Tm^T dvn ; dv = beta dvb ; rowsum(v * dvb) ; -diag(beta eg) dvb to W0
+                        wait(mbar, "full_tm", it)
+                        mm(mma_ckta, acc, tv(sTm), tv(sDvn), True, lt)
+                        done()
+                        wait(mbar, "full_v", it)
+                        gDv = cute.domain_offset((t0, 0), mDv[b, None, hv, None])
+                        if it > 0:
+                            wait(mbar, "dvb_empty", it - 1)
+                        if cutlass.const_expr(KDB):  # dvb goes over do: W0 and W2 are done reading it
+                            wait(mbar, "do_free", it)
+                        if it >= 2:  # W2 is done with this buffer's rows (two chunks ago)
+                            wait(mbar, "rows_empty", it - 2, paired=True)
+                        for gi in cutlass.range_constexpr(len(grp)):
+                            i, _ = cCK[grp[gi][0]]
+                            bi = sB[par, i]
+                            fneg = -bi * ex2(sGc[par, i])
+                            rs = Float32(0.0)
+                            for e in grp[gi][0::2]:
+                                _, vv = cCK[e]
+                                v0, v1 = ld2(sV, i, vv)
+                                rs = rs + v0 * acc[e] + v1 * acc[e + 1]
+                                st2(sDvb, i, vv, fneg * acc[e], fneg * acc[e + 1])
+                                acc[e] = acc[e] * bi
+                                acc[e + 1] = acc[e + 1] * bi
+                            rs = quad_sum(rs)
+                            if lt % 4 == 0:
+                                sR1[par, 1, i] = rs
+                        arrive(mbar, "empty_v")
+                        published()
+                        arrive(mbar, "dvb_full")
+                        store_pairs(acc, cCK, gDv, length)
+                        # dk = diag(kdec) vn dH^T (kdt = kdec rowsum(k * vn dH^T)) + dQK^T q + (diag(beta eg) Tm^T) dw
+                        #      + dKK k + dKK^T k
+                        wait(mbar, "full_vn", it)
+                        mm(mma_ck, acc, sVn, sH, True, lt)
+                        done()
+                        arrive(mbar, "h_empty")
+                        arrive(mbar, "empty_vn")
+                        for gi in cutlass.range_constexpr(len(grp)):
+                            i, _ = cCK[grp[gi][0]]
+                            kd = ex2(glast - sGc[par, i])
+                            rs = Float32(0.0)
+                            for e in grp[gi][0::2]:
+                                _, dd = cCK[e]
+                                k0, k1 = ld2(sKc, i, dd)
+                                acc[e] = acc[e] * kd
+                                acc[e + 1] = acc[e + 1] * kd
+                                rs = rs + k0 * acc[e] + k1 * acc[e + 1]
+                            rs = quad_sum(rs)
+                            if lt % 4 == 0:
+                                sR1[par, 0, i] = rs
+                        wait(mbar, "dqk_full", it)
+                        wait(mbar, "full_q", it)
+                        mm(mma_ckta, acc, tv(sDqk), tv(sQ), False, lt)
+                        # A = diag(beta eg) Tm^T in registers while dQK^T q runs
+                        rA = mma_ckr.make_fragment_A(thr_r.partition_shape_A((C, C)))
+                        for f in cutlass.range_constexpr(cute.size(rA)):
+                            i, j = cA[f]
+                            rA[f] = (sTm[j, i].to(Float32) * (sB[par, i] * ex2(sGc[par, i]))).to(dtype)
+                        done()
+                        arrive(mbar, "dqk_empty")
+                        arrive(mbar, "empty_q")
+                        wait(mbar, "dw_full", it)
+                        gemm(mma_ckr, acc, rA, mma_ckr.make_fragment_B(thr_r.partition_B(tv(sDw))), False)
+                        done()
+                        arrive(mbar, "dw_empty")
+                        arrive(mbar, "empty_tm")
+                        wait(mbar, "kk_full", it)
+                        mm(mma_ckt, acc, sX, tv(sKc), False, lt)
+                        mm(mma_ckta, acc, tv(sX), tv(sKc), False, lt)
+                        done()
+                        arrive(mbar, "x_empty")
+                        release_k(it)
+                        store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
+                        arrive(mbar, "rows_full", it, paired=True)
+                        arrive(mbar, "vec_empty", it, paired=True)
         else:
             # ================================================================ W2: the C x C work and dq
             cute.arch.setmaxregister_increase(REGS[3])
             grp_cc, grp_ck, cols_cc = facts["grp_cc"], facts["grp_ck"], facts["cols_cc"]
-            for it in cutlass.range(nchunks, unroll=1):
-                c = nchunks - 1 - it
-                t0 = c * C
-                length = cutlass.min(T - t0, C)
-                par = it % 2
-                wait(mbar, "vec_full", it, paired=True)
-                # row terms of dgc and dbeta, each row's owned by its quad (the same rows in every accumulator)
-                rowg = [Float32(0.0), Float32(0.0)]
-                rowb = [Float32(0.0), Float32(0.0)]
-                # P = scale (q k^T) * E -> the X tile (W1's P^T do), kept in float32 for dP * P
-                wait(mbar, "full_q", it)
-                wait(mbar, "full_k", it)
-                accP = acc_of(mma_cc, C, C, lt)
-                mm(mma_cc, accP, sQ, sK, True, lt)
-                done()
-                if it > 0:
-                    wait(mbar, "x_empty", it - 1)
-                for e in cutlass.range_constexpr(cute.size(accP)):
-                    i, j = cCC[e]
-                    pv = Float32(0.0)
-                    if j <= i:
-                        pv = accP[e] * scale * ex2(sGc[par, i] - sGc[par, j])
-                    accP[e] = pv
-                acc_to_tile(accP, cCC, sX, False)
-                published()
-                arrive(mbar, "p_full")
-                # dP = do vn^T ; dQK = scale dP * E -> its tile ; dP * P's row and column sums
-                wait(mbar, "full_do", it)
-                wait(mbar, "full_vn", it)
-                accD = acc_of(mma_cc, C, C, lt)
-                mm(mma_cc, accD, sDo, sVn, True, lt)
-                done()
-                arrive(mbar, "empty_vn")
-                for gi in cutlass.range_constexpr(len(grp_cc)):
-                    s = Float32(0.0)
-                    for e in grp_cc[gi]:
-                        s = s + accD[e] * accP[e]
-                    rowg[gi] = rowg[gi] + quad_sum(s)
-                for e in cutlass.range_constexpr(cute.size(accP)):
-                    accP[e] = accD[e] * accP[e]
-                col_parts(accP, cCC, cols_cc, sColP, warp, lane, False)
-                if it > 0:
-                    wait(mbar, "dqk_empty", it - 1)
-                for e in cutlass.range_constexpr(cute.size(accD)):
-                    i, j = cCC[e]
-                    dv_ = Float32(0.0)
-                    if j <= i:
-                        dv_ = accD[e] * scale * ex2(sGc[par, i] - sGc[par, j])
-                    accD[e] = dv_
-                acc_to_tile(accD, cCC, sDqk, False)
-                published()
-                wg_bar(2)
-                arrive(mbar, "dqk_full")
-                # dq = scale diag(eg) do Sc^T + dQK k ; rowsum(scale eg q * do Sc^T)
-                wait(mbar, "full_s", it)
-                accQ = acc_of(mma_ck, C, K, lt)
-                mm(mma_ck, accQ, sDo, sS, True, lt)
-                done()
-                arrive(mbar, "empty_do")
-                for gi in cutlass.range_constexpr(len(grp_ck)):
-                    i, _ = cCK[grp_ck[gi][0]]
-                    f = scale * ex2(sGc[par, i])
-                    s = Float32(0.0)
-                    for e in grp_ck[gi][0::2]:
-                        _, dd = cCK[e]
-                        q0, q1 = ld2(sQ, i, dd)
-                        accQ[e] = accQ[e] * f
-                        accQ[e + 1] = accQ[e + 1] * f
-                        s = s + q0 * accQ[e] + q1 * accQ[e + 1]
-                    rowg[gi] = rowg[gi] + quad_sum(s)
-                mm(mma_ckt, accQ, sDqk, tv(sK), False, lt)
-                done()
-                arrive(mbar, "empty_q")
-                store_pairs(accQ, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
-                # dw = -dvn Sc^T -> the do_s / dw tile, once W0's q^T do_s is done
-                wait(mbar, "dvn_full", it)
-                mm(mma_ck, accQ, sDvn, sS, True, lt)
-                done()
-                arrive(mbar, "empty_s")
-                wait(mbar, "dos_free", it)
-                acc_to_tile(accQ, cCK, sDw, True)
-                published()
-                wg_bar(2)
-                arrive(mbar, "dw_full")
-                # dTm^T from dw k^T and dvn v^T ; the column sums of Tm * (dw k^T)
-                wait(mbar, "full_v", it)
-                wait(mbar, "full_tm", it)
-                accX1 = acc_of(mma_cc, C, C, lt)
-                accX2 = acc_of(mma_cc, C, C, lt)
-                mm(mma_cc, accX1, sDw, sK, True, lt)
-                mm(mma_cc, accX2, sDvn, sV, True, lt)
-                done()
-                arrive(mbar, "dvn_empty")
-                arrive(mbar, "dw_empty")
-                arrive(mbar, "empty_v")
-                for e2 in cutlass.range_constexpr(cute.size(accX1) // 2):
-                    e = 2 * e2
-                    i, j = cCC[e]
-                    t0v, t1v = ld2(sTm, i, j)
-                    bj0 = sB[par, j]
-                    bj1 = sB[par, j + 1]
-                    x10 = accX1[e] * bj0 * ex2(sGc[par, j]) + accX2[e] * bj0
-                    x11 = accX1[e + 1] * bj1 * ex2(sGc[par, j + 1]) + accX2[e + 1] * bj1
-                    accX1[e] = accX1[e] * t0v
-                    accX1[e + 1] = accX1[e + 1] * t1v
-                    sX[j, i] = x10.to(dtype)
-                    sX[j + 1, i] = x11.to(dtype)
-                col_parts(accX1, cCC, cols_cc, sColS, warp, lane, False)
-                published()
-                wg_bar(2)
-                # M1 = Tm^T dTm -> the X tile ; dA = -strictly_lower(M1 Tm^T) ; k k^T
-                accM = acc_of(mma_cc, C, C, lt)
-                mm(mma_cca, accM, tv(sTm), sX, True, lt)
-                done()
-                wg_bar(2)
-                acc_to_tile(accM, cCC, sX, False)
-                published()
-                wg_bar(2)
-                mm(mma_cc, accM, sX, sTm, True, lt)
-                mm(mma_cc, accX2, sK, sK, True, lt)
-                done()
-                arrive(mbar, "empty_tm")
-                arrive(mbar, "empty_k")
-                wg_bar(2)
-                # dA's terms: dAE = dA * Es ; dbeta += rowsum(dAE * KK) ; dA * A = beta dAE * KK (pairs) ;
-                # dKK = beta dAE -> the X tile
-                for gi in cutlass.range_constexpr(len(grp_cc)):
-                    i, _ = cCC[grp_cc[gi][0]]
-                    bi = sB[par, i]
-                    gi_ = sGc[par, i]
-                    sb_ = Float32(0.0)
-                    for e in grp_cc[gi]:
-                        _, j = cCC[e]
-                        dae = Float32(0.0)
-                        if j < i:
-                            dae = -accM[e] * ex2(gi_ - sGc[par, j])
-                        t = dae * accX2[e]
-                        sb_ = sb_ + t
-                        accX2[e] = bi * t  # dA * A
-                        accM[e] = bi * dae  # dKK
-                    rowb[gi] = rowb[gi] + quad_sum(sb_)
-                for gi in cutlass.range_constexpr(len(grp_cc)):
-                    s = Float32(0.0)
-                    for e in grp_cc[gi]:
-                        s = s + accX2[e]
-                    rowg[gi] = rowg[gi] + quad_sum(s)
-                col_parts(accX2, cCC, cols_cc, sColP, warp, lane, True)
-                acc_to_tile(accM, cCC, sX, False)
-                published()
-                arrive(mbar, "kk_full")
-                wg_bar(2)
-                # dgc (the other warpgroups' rows joined) ; dg = reverse cumsum ; dbeta
-                wait(mbar, "rows_full", it, paired=True)
-                wait(mbar, "tail_full", it, paired=True)
-                for gi in cutlass.range_constexpr(len(grp_cc)):
-                    i, _ = cCC[grp_cc[gi][0]]
-                    if lt % 4 == 0:
-                        eg = ex2(sGc[par, i])
-                        bi = sB[par, i]
-                        cs = sColS[0, i] + sColS[1, i] + sColS[2, i] + sColS[3, i]
-                        cp = sColP[0, i] + sColP[1, i] + sColP[2, i] + sColP[3, i]
-                        kdt = sR1[par, 0, i]
-                        sDgc[i] = rowg[gi] - cp + bi * eg * cs - kdt
-                        db_ = rowb[gi] + eg * cs + sR1[par, 1, i]
-                        if i < length:
-                            mDb[b, t0 + i, hv] = db_
-                wg_bar(2)
-                if warp == 0:
-                    x0 = sDgc[2 * lane]
-                    x1 = sDgc[2 * lane + 1]
-                    tail = sR1[par, 0, 2 * lane] + sR1[par, 0, 2 * lane + 1]
-                    sc_dh = Float32(0.0)
-                    if lane < 4:
-                        sc_dh = sTail[par, lane]
-                    for o in cutlass.range_constexpr(5):
-                        tail = tail + cute.arch.shuffle_sync_bfly(tail, offset=1 << o)
-                        sc_dh = sc_dh + cute.arch.shuffle_sync_bfly(sc_dh, offset=1 << o)
-                    if lane == 31:
-                        x1 = x1 + tail + sc_dh * ex2(sGc[par, C - 1])
-                    suf = x0 + x1  # -> the sum over the lanes >= this one
-                    for o in cutlass.range_constexpr(5):
-                        nxt = cute.arch.shuffle_sync_down(suf, offset=1 << o)
-                        if lane + (1 << o) < 32:
-                            suf = suf + nxt
-                    after = cute.arch.shuffle_sync_down(suf, offset=1)
-                    if lane == 31:
-                        after = Float32(0.0)
-                    run1 = x1 + after
-                    if 2 * lane < length:
-                        mDg[b, t0 + 2 * lane, hv] = x0 + run1
-                    if 2 * lane + 1 < length:
-                        mDg[b, t0 + 2 * lane + 1, hv] = run1
-                wg_bar(2)
-                arrive(mbar, "rows_empty", it, paired=True)
-                arrive(mbar, "vec_empty", it, paired=True)
+            for itp in cutlass.range((nchunks + 1) // 2, unroll=1):
+                for par in cutlass.range_constexpr(2):  # chunk it in buffer par: every buffer static
+                    it = itp * 2 + par
+                    if it < nchunks:
+                        sKc = sKb[par]
+                        c = nchunks - 1 - it
+                        t0 = c * C
+                        length = cutlass.min(T - t0, C)
+                        wait(mbar, "vec_full", it, paired=True)
+                        # row terms of dgc and dbeta, each row's owned by its quad (the same rows in every accumulator)
+                        rowg = [Float32(0.0), Float32(0.0)]
+                        rowb = [Float32(0.0), Float32(0.0)]
+                        # P = scale (q k^T) * E -> the X tile (W1's P^T do), kept in float32 for dP * P
+                        wait(mbar, "full_q", it)
+                        wait_k(it)
+                        accP = acc_of(mma_cc, C, C, lt)
+                        mm(mma_cc, accP, sQ, sKc, True, lt)
+                        done()
+                        if it > 0:
+                            wait(mbar, "x_empty", it - 1)
+                        for e in cutlass.range_constexpr(cute.size(accP)):
+                            i, j = cCC[e]
+                            pv = Float32(0.0)
+                            if j <= i:
+                                pv = accP[e] * scale * ex2(sGc[par, i] - sGc[par, j])
+                            accP[e] = pv
+                        acc_to_tile(accP, cCC, sX, False)
+                        published()
+                        arrive(mbar, "p_full")
+                        # dP = do vn^T ; dQK = scale dP * E -> its tile ; dP * P's row and column sums
+                        wait(mbar, "full_do", it)
+                        wait(mbar, "full_vn", it)
+                        accD = acc_of(mma_cc, C, C, lt)
+                        mm(mma_cc, accD, sDo, sVn, True, lt)
+                        done()
+                        arrive(mbar, "empty_vn")
+                        for gi in cutlass.range_constexpr(len(grp_cc)):
+                            s = Float32(0.0)
+                            for e in grp_cc[gi]:
+                                s = s + accD[e] * accP[e]
+                            rowg[gi] = rowg[gi] + quad_sum(s)
+                        for e in cutlass.range_constexpr(cute.size(accP)):
+                            accP[e] = accD[e] * accP[e]
+                        col_parts(accP, cCC, cols_cc, sColP, warp, lane, False)
+                        if it > 0:
+                            wait(mbar, "dqk_empty", it - 1)
+                        for e in cutlass.range_constexpr(cute.size(accD)):
+                            i, j = cCC[e]
+                            dv_ = Float32(0.0)
+                            if j <= i:
+                                dv_ = accD[e] * scale * ex2(sGc[par, i] - sGc[par, j])
+                            accD[e] = dv_
+                        acc_to_tile(accD, cCC, sDqk, False)
+                        published()
+                        wg_bar(2)
+                        arrive(mbar, "dqk_full")
+                        # dq = scale diag(eg) do Sc^T + dQK k ; rowsum(scale eg q * do Sc^T)
+                        wait(mbar, "full_s", it)
+                        accQ = acc_of(mma_ck, C, K, lt)
+                        mm(mma_ck, accQ, sDo, sS, True, lt)
+                        done()
+                        arrive(mbar, "empty_do")
+                        if cutlass.const_expr(KDB):
+                            arrive(mbar, "do_free")
+                        for gi in cutlass.range_constexpr(len(grp_ck)):
+                            i, _ = cCK[grp_ck[gi][0]]
+                            f = scale * ex2(sGc[par, i])
+                            s = Float32(0.0)
+                            for e in grp_ck[gi][0::2]:
+                                _, dd = cCK[e]
+                                q0, q1 = ld2(sQ, i, dd)
+                                accQ[e] = accQ[e] * f
+                                accQ[e + 1] = accQ[e + 1] * f
+                                s = s + q0 * accQ[e] + q1 * accQ[e + 1]
+                            rowg[gi] = rowg[gi] + quad_sum(s)
+                        mm(mma_ckt, accQ, sDqk, tv(sKc), False, lt)
+                        done()
+                        arrive(mbar, "empty_q")
+                        store_pairs(accQ, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
+                        # dw = -dvn Sc^T -> the do_s / dw tile, once W0's q^T do_s is done
+                        wait(mbar, "dvn_full", it)
+                        mm(mma_ck, accQ, sDvn, sS, True, lt)
+                        done()
+                        arrive(mbar, "empty_s")
+                        wait(mbar, "dos_free", it)
+                        acc_to_tile(accQ, cCK, sDw, True)
+                        published()
+                        wg_bar(2)
+                        arrive(mbar, "dw_full")
+                        # dTm^T from dw k^T and dvn v^T ; the column sums of Tm * (dw k^T)
+                        wait(mbar, "full_v", it)
+                        wait(mbar, "full_tm", it)
+                        accX1 = acc_of(mma_cc, C, C, lt)
+                        accX2 = acc_of(mma_cc, C, C, lt)
+                        mm(mma_cc, accX1, sDw, sKc, True, lt)
+                        mm(mma_cc, accX2, sDvn, sV, True, lt)
+                        done()
+                        arrive(mbar, "dvn_empty")
+                        arrive(mbar, "dw_empty")
+                        arrive(mbar, "empty_v")
+                        for e2 in cutlass.range_constexpr(cute.size(accX1) // 2):
+                            e = 2 * e2
+                            i, j = cCC[e]
+                            t0v, t1v = ld2(sTm, i, j)
+                            bj0 = sB[par, j]
+                            bj1 = sB[par, j + 1]
+                            x10 = accX1[e] * bj0 * ex2(sGc[par, j]) + accX2[e] * bj0
+                            x11 = accX1[e + 1] * bj1 * ex2(sGc[par, j + 1]) + accX2[e + 1] * bj1
+                            accX1[e] = accX1[e] * t0v
+                            accX1[e + 1] = accX1[e + 1] * t1v
+                            sX[j, i] = x10.to(dtype)
+                            sX[j + 1, i] = x11.to(dtype)
+                        col_parts(accX1, cCC, cols_cc, sColS, warp, lane, False)
+                        published()
+                        wg_bar(2)
+                        # M1 = Tm^T dTm -> the X tile ; dA = -strictly_lower(M1 Tm^T) ; k k^T
+                        accM = acc_of(mma_cc, C, C, lt)
+                        mm(mma_cca, accM, tv(sTm), sX, True, lt)
+                        done()
+                        wg_bar(2)
+                        acc_to_tile(accM, cCC, sX, False)
+                        published()
+                        wg_bar(2)
+                        mm(mma_cc, accM, sX, sTm, True, lt)
+                        mm(mma_cc, accX2, sKc, sKc, True, lt)
+                        done()
+                        arrive(mbar, "empty_tm")
+                        release_k(it)
+                        wg_bar(2)
+                        # dA's terms: dAE = dA * Es ; dbeta += rowsum(dAE * KK) ; dA * A = beta dAE * KK (pairs) ;
+                        # dKK = beta dAE -> the X tile
+                        for gi in cutlass.range_constexpr(len(grp_cc)):
+                            i, _ = cCC[grp_cc[gi][0]]
+                            bi = sB[par, i]
+                            gi_ = sGc[par, i]
+                            sb_ = Float32(0.0)
+                            for e in grp_cc[gi]:
+                                _, j = cCC[e]
+                                dae = Float32(0.0)
+                                if j < i:
+                                    dae = -accM[e] * ex2(gi_ - sGc[par, j])
+                                t = dae * accX2[e]
+                                sb_ = sb_ + t
+                                accX2[e] = bi * t  # dA * A
+                                accM[e] = bi * dae  # dKK
+                            rowb[gi] = rowb[gi] + quad_sum(sb_)
+                        for gi in cutlass.range_constexpr(len(grp_cc)):
+                            s = Float32(0.0)
+                            for e in grp_cc[gi]:
+                                s = s + accX2[e]
+                            rowg[gi] = rowg[gi] + quad_sum(s)
+                        col_parts(accX2, cCC, cols_cc, sColP, warp, lane, True)
+                        acc_to_tile(accM, cCC, sX, False)
+                        published()
+                        arrive(mbar, "kk_full")
+                        wg_bar(2)
+                        # dgc (the other warpgroups' rows joined) ; dg = reverse cumsum ; dbeta
+                        wait(mbar, "rows_full", it, paired=True)
+                        wait(mbar, "tail_full", it, paired=True)
+                        for gi in cutlass.range_constexpr(len(grp_cc)):
+                            i, _ = cCC[grp_cc[gi][0]]
+                            if lt % 4 == 0:
+                                eg = ex2(sGc[par, i])
+                                bi = sB[par, i]
+                                cs = sColS[0, i] + sColS[1, i] + sColS[2, i] + sColS[3, i]
+                                cp = sColP[0, i] + sColP[1, i] + sColP[2, i] + sColP[3, i]
+                                kdt = sR1[par, 0, i]
+                                sDgc[i] = rowg[gi] - cp + bi * eg * cs - kdt
+                                db_ = rowb[gi] + eg * cs + sR1[par, 1, i]
+                                if i < length:
+                                    mDb[b, t0 + i, hv] = db_
+                        wg_bar(2)
+                        if warp == 0:
+                            x0 = sDgc[2 * lane]
+                            x1 = sDgc[2 * lane + 1]
+                            tail = sR1[par, 0, 2 * lane] + sR1[par, 0, 2 * lane + 1]
+                            sc_dh = Float32(0.0)
+                            if lane < 4:
+                                sc_dh = sTail[par, lane]
+                            for o in cutlass.range_constexpr(5):
+                                tail = tail + cute.arch.shuffle_sync_bfly(tail, offset=1 << o)
+                                sc_dh = sc_dh + cute.arch.shuffle_sync_bfly(sc_dh, offset=1 << o)
+                            if lane == 31:
+                                x1 = x1 + tail + sc_dh * ex2(sGc[par, C - 1])
+                            suf = x0 + x1  # -> the sum over the lanes >= this one
+                            for o in cutlass.range_constexpr(5):
+                                nxt = cute.arch.shuffle_sync_down(suf, offset=1 << o)
+                                if lane + (1 << o) < 32:
+                                    suf = suf + nxt
+                            after = cute.arch.shuffle_sync_down(suf, offset=1)
+                            if lane == 31:
+                                after = Float32(0.0)
+                            run1 = x1 + after
+                            if 2 * lane < length:
+                                mDg[b, t0 + 2 * lane, hv] = x0 + run1
+                            if 2 * lane + 1 < length:
+                                mDg[b, t0 + 2 * lane + 1, hv] = run1
+                        wg_bar(2)
+                        arrive(mbar, "rows_empty", it, paired=True)
+                        arrive(mbar, "vec_empty", it, paired=True)
 
     # trace-time facts of the accumulator layouts the loops above rely on (checked in the host function, while
     # tracing, before the kernel's body reads them)
@@ -808,16 +857,28 @@ def _static_checks(K: int, V: int) -> None:
         raise Unsupported(f"the fused backward serves K = V = 128, not K={K}, V={V}")
 
 
-def get_fused_bwd_kernel(dtype, K: int, V: int, has_dht: bool, state_vk: bool):
+def kdb_default() -> bool:
+    """``CUDNN_TRAIN_GDN_FUSED_KDB=1``: the fused backward with two k buffers (chunk it's k in buffer it % 2, loaded
+    first, a chunk ahead) and dvb's hand-over tile over do's (released once W0's product on it is done) instead of
+    a tile of its own: the next chunk's first products (W2's q k^T, W1's k dH) then wait for q alone, which is
+    released mid-chunk, where a single k buffer is released only after the chunk's last products (W1's dKK k,
+    W2's k k^T). Off until measured (prepared in the thirty-ninth session, not GPU-run)."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_FUSED_KDB", False)
+
+
+def get_fused_bwd_kernel(dtype, K: int, V: int, has_dht: bool, state_vk: bool, kdb: bool = False):
     _static_checks(K, V)
-    key = ("fused_bwd", str(dtype), K, V, bool(has_dht), bool(state_vk))
+    key = ("fused_bwd", str(dtype), K, V, bool(has_dht), bool(state_vk)) + (("kdb",) if kdb else ())
     return kc.get_kernel("gdn_bwd_fused", key,
-                         lambda: _build(fwd._dt(dtype), K, V, bool(has_dht), bool(state_vk)), _SOURCES)
+                         lambda: _build(fwd._dt(dtype), K, V, bool(has_dht), bool(state_vk), bool(kdb)), _SOURCES)
 
 
-def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float, state_v_first: bool = False):
+def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float, state_v_first: bool = False,
+                   kdb: bool | None = None):
     """Launch the fused backward (see the module docstring for the tensors). Returns ``(dq, dk, dv, dg, dbeta,
-    dh0)``. Raises :class:`Unsupported` for what it does not serve (dtypes, head dims, layouts) before any launch."""
+    dh0)``. Raises :class:`Unsupported` for what it does not serve (dtypes, head dims, layouts) before any launch.
+    ``kdb``: the two-k-buffer variant (default :func:`kdb_default`); the same products and roundings, the same
+    bits."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, vn, tm, hs)):
@@ -864,7 +925,8 @@ def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float,
             dh0.copy_(dht)
         return dq, dk, dv, dg, db, dh0
     dht_t = dht  # (read in the layout dh0 is written in: [V, K] with state_v_first)
-    fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first)
+    kdb = kdb_default() if kdb is None else bool(kdb)
+    fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first, kdb)
     fn(q, k, v, do, vn, tm, hs, gc, beta, fwd._dummies(dev)[0].view(1, 1, 1, 1) if dht is None else dht_t,
        dq, dk, dv, dg, db, dh0, float(scale), T, NT, HV // H, B)
     return dq, dk, dv, dg, db, dh0

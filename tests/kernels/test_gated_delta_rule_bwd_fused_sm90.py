@@ -17,7 +17,18 @@ def test_fused_backward_compiles_for_sm90a(kernel_cache):
 
     assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False))
     assert callable(BF.get_fused_bwd_kernel(torch.float16, 128, 128, False, True))  # no dht, [V, K] states
-    assert len(list(kernel_cache.rglob("*.o"))) == 2
+    # two k buffers, dvb over do (CUDNN_TRAIN_GDN_FUSED_KDB)
+    assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, kdb=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 3
+
+
+def test_two_k_buffers_switch_is_off_by_default_and_parses(monkeypatch):
+    from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
+    from tests.utils import assert_env_override
+
+    monkeypatch.delenv("CUDNN_TRAIN_GDN_FUSED_KDB", raising=False)
+    assert BF.kdb_default() is False
+    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_FUSED_KDB", BF.kdb_default, "1", True, ("2", "on"))
 
 
 def test_fused_backward_declines_what_it_does_not_serve():
@@ -86,18 +97,23 @@ CASES = [  # (B, T, H, HV, dtype, with_dht, state_vk)
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}HV{c[3]}")
 def test_fused_backward_matches_the_stagewise_float64_backward(case):
+    """Every output within 2e-2 relative L2 of the float64 stages; the two-k-buffer variant bitwise the same."""
     from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
 
     B, T, H, HV, dtype, with_dht, state_vk = case
     ins, scale, want = _case(B, T, H, HV, dtype, with_dht, state_vk)
-    got = BF.fused_backward(ins["q"], ins["k"], ins["v"], ins["gc"], ins["beta"], ins["do"], ins["vn"], ins["tm"],
-                            ins["hs"], ins["dht"], scale=scale, state_v_first=state_vk)
+    args = [ins[x] for x in ("q", "k", "v", "gc", "beta", "do", "vn", "tm", "hs", "dht")]
+    got = BF.fused_backward(*args, scale=scale, state_v_first=state_vk, kdb=False)
     torch.cuda.synchronize()
     for name, a in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got):
         b = want[name]
         assert tuple(a.shape) == tuple(b.shape), (name, tuple(a.shape), tuple(b.shape))
         err = rel_l2(a.float(), b.float())
         assert err <= 2e-2, (case, name, err)
+    if dtype == torch.bfloat16 and with_dht:  # (the variant is compiled for this pair)
+        two = BF.fused_backward(*args, scale=scale, state_v_first=state_vk, kdb=True)
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), two, got):
+            assert torch.equal(a, b), (case, name, "kdb", rel_l2(a.float(), b.float()))
 
 
 @pytest.mark.gpu
