@@ -97,7 +97,7 @@ PAIRED = {"vec_full": 32, "vec_empty": 384, "rows_full": 128, "tail_full": 128, 
 W1_ROWS = 2
 
 
-def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = False):
+def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = False, DEBUG: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -249,7 +249,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
     def kernel(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDo: cute.Tensor, mVn: cute.Tensor,
                mTm: cute.Tensor, mHs: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDht: cute.Tensor,
                mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-               mDh0: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32,
+               mDh0: cute.Tensor, mDvnD: cute.Tensor, mDhD: cute.Tensor, scale: Float32, T: Int32, NT: Int32,
+               group: Int32,
                aQ: cute.CopyAtom, aK: cute.CopyAtom, aV: cute.CopyAtom, aDo: cute.CopyAtom, aVn: cute.CopyAtom,
                aTm: cute.CopyAtom, aS: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor,
                tDo: cute.Tensor, tVn: cute.Tensor, tTm: cute.Tensor, tS: cute.Tensor):
@@ -377,6 +378,11 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         acc_to_tile(accH, cH, sH, False)
                         published()
                         arrive(mbar, "h_full")
+                        if cutlass.const_expr(DEBUG):  # this chunk's dH, float32, into its chunk row
+                            cD = nchunks - 1 - it
+                            for e in cutlass.range_constexpr(cute.size(accH)):
+                                hd2, hv2 = cH[e]
+                                mDhD[b * NT + cD, hv, hd2, hv2] = accH[e]
                         # the tail: sum(Sc * dH), this warp's part
                         wait(mbar, "full_s", it)
                         part = Float32(0.0)
@@ -468,6 +474,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         mm(mma_ckta, acc, tv(sX), tv(sDo), False, lt)
                         done()
                         arrive(mbar, "empty_do")
+                        if cutlass.const_expr(DEBUG):  # dvn, float32
+                            store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDvnD[b, None, hv, None]), length)
                         if it > 0:
                             wait(mbar, "dvn_empty", it - 1)
                         acc_to_tile(acc, cCK, sDvn, False)
@@ -789,7 +797,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
     def host(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDo: cute.Tensor, mVn: cute.Tensor,
              mTm: cute.Tensor, mHs: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDht: cute.Tensor,
              mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-             mDh0: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, stream):
+             mDh0: cute.Tensor, mDvnD: cute.Tensor, mDhD: cute.Tensor, scale: Float32, T: Int32, NT: Int32,
+             group: Int32, nseq: Int32, stream):
         trace_facts()
         HV = mV.shape[2]
         ta, tt = [], []
@@ -800,14 +809,15 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         view = cute.make_tensor(mHs.iterator, cute.select(mHs.layout, mode=list(cm.STATE_ROWS)))
         a, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, cm.smem_tile_layout(dtype, K, V),
                                            (K, V))
-        kernel(mQ, mK, mV, mDo, mVn, mTm, mHs, mGc, mB, mDht, mDq, mDk, mDv, mDg, mDb, mDh0, scale, T, NT, group,
+        kernel(mQ, mK, mV, mDo, mVn, mTm, mHs, mGc, mB, mDht, mDq, mDk, mDv, mDg, mDb, mDh0, mDvnD, mDhD, scale, T,
+               NT, group,
                *ta, a, *tt, t).launch(grid=[nseq, HV, 1], block=[THREADS, 1, 1], stream=stream)
 
     f = fwd._fakes()
     args = (f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V),
             f.rows4(dtype, C), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.state(),
             f.rows4(Float32, K), f.rows4(Float32, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.state(),
-            Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream())
+            f.rows4(Float32, V), f.state(), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream())
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
 
@@ -866,19 +876,23 @@ def kdb_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_FUSED_KDB", False)
 
 
-def get_fused_bwd_kernel(dtype, K: int, V: int, has_dht: bool, state_vk: bool, kdb: bool = False):
+def get_fused_bwd_kernel(dtype, K: int, V: int, has_dht: bool, state_vk: bool, kdb: bool = False,
+                         debug: bool = False):
     _static_checks(K, V)
-    key = ("fused_bwd", str(dtype), K, V, bool(has_dht), bool(state_vk)) + (("kdb",) if kdb else ())
-    return kc.get_kernel("gdn_bwd_fused", key,
-                         lambda: _build(fwd._dt(dtype), K, V, bool(has_dht), bool(state_vk), bool(kdb)), _SOURCES)
+    key = ("fused_bwd", str(dtype), K, V, bool(has_dht), bool(state_vk)) + (("kdb",) if kdb else ()) + (
+        ("debug",) if debug else ())
+    return kc.get_kernel("gdn_bwd_fused", key, lambda: _build(fwd._dt(dtype), K, V, bool(has_dht), bool(state_vk),
+                                                              bool(kdb), bool(debug)), _SOURCES)
 
 
 def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float, state_v_first: bool = False,
-                   kdb: bool | None = None):
+                   kdb: bool | None = None, debug: bool = False):
     """Launch the fused backward (see the module docstring for the tensors). Returns ``(dq, dk, dv, dg, dbeta,
     dh0)``. Raises :class:`Unsupported` for what it does not serve (dtypes, head dims, layouts) before any launch.
     ``kdb``: the two-k-buffer variant (default :func:`kdb_default`); the same products and roundings, the same
-    bits."""
+    bits. ``debug``: a variant that also writes the chain's intermediates, float32, and returns them after the six
+    outputs: dvn ``[B, T, HV, V]`` and the dH rows ``[B * NT, HV, K, V]`` (the gradient of the state leaving every
+    chunk, [K, V] whatever the state layout), to locate a divergence from ``sweeps_ref`` on a GPU."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, vn, tm, hs)):
@@ -918,15 +932,21 @@ def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float,
     db = torch.empty(B, T, HV, dtype=torch.float32, device=dev)
     dh0 = torch.empty(B, HV, V, K, dtype=torch.float32, device=dev) if state_v_first else \
         torch.empty(B, HV, K, V, dtype=torch.float32, device=dev)
+    dbg = ()
+    if debug:
+        dbg = (torch.zeros(B, T, HV, V, dtype=torch.float32, device=dev),
+               torch.zeros(B * NT, HV, K, V, dtype=torch.float32, device=dev))
     if T == 0 or B == 0:
         if dht is None:
             dh0.zero_()
         else:
             dh0.copy_(dht)
-        return dq, dk, dv, dg, db, dh0
+        return (dq, dk, dv, dg, db, dh0) + dbg
     dht_t = dht  # (read in the layout dh0 is written in: [V, K] with state_v_first)
     kdb = kdb_default() if kdb is None else bool(kdb)
-    fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first, kdb)
-    fn(q, k, v, do, vn, tm, hs, gc, beta, fwd._dummies(dev)[0].view(1, 1, 1, 1) if dht is None else dht_t,
-       dq, dk, dv, dg, db, dh0, float(scale), T, NT, HV // H, B)
-    return dq, dk, dv, dg, db, dh0
+    fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first, kdb, bool(debug))
+    dummy = fwd._dummies(dev)[0]
+    fn(q, k, v, do, vn, tm, hs, gc, beta, dummy.view(1, 1, 1, 1) if dht is None else dht_t,
+       dq, dk, dv, dg, db, dh0, *(dbg or (torch.empty(1, 1, 1, V, dtype=torch.float32, device=dev),  # (unread)
+                                          dummy.view(1, 1, 1, 1))), float(scale), T, NT, HV // H, B)
+    return (dq, dk, dv, dg, db, dh0) + dbg

@@ -19,7 +19,9 @@ def test_fused_backward_compiles_for_sm90a(kernel_cache):
     assert callable(BF.get_fused_bwd_kernel(torch.float16, 128, 128, False, True))  # no dht, [V, K] states
     # two k buffers, dvb over do (CUDNN_TRAIN_GDN_FUSED_KDB)
     assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, kdb=True))
-    assert len(list(kernel_cache.rglob("*.o"))) == 3
+    # the debug variant (dvn and the dH rows out)
+    assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, debug=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 4
 
 
 def test_two_k_buffers_switch_is_off_by_default_and_parses(monkeypatch):
@@ -83,7 +85,26 @@ def _case(B, T, H, HV, dtype, with_dht=True, state_vk=False, seed=0):
                dht=None if dht is None else (dht.transpose(-1, -2).contiguous() if state_vk else dht))
     if state_vk:
         dh0 = dh0.transpose(-1, -2)
-    return ins, scale, dict(dq=dq, dk=dk, dv=dv, dg=dg.squeeze(-1), dbeta=dbeta, dh0=dh0)
+    return ins, scale, dict(dq=dq, dk=dk, dv=dv, dg=dg.squeeze(-1), dbeta=dbeta, dh0=dh0,
+                            dvn=lay.from_chunks(dvn), dH=lay.chunks_to_rows(dHc))
+
+
+@pytest.mark.gpu
+def test_fused_backward_chain_intermediates_match_the_reverse_sweep():
+    """The debug variant's dvn and dH rows (the chain's intermediates, float32) against ``sweeps_ref``'s, then its
+    six outputs bitwise the plain kernel's: where an output diverges, this says whether the chain (W0 and the first
+    half of W1) or the per-chunk gradients do."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
+
+    ins, scale, want = _case(2, 200, 2, 4, torch.bfloat16, True, False)
+    args = [ins[x] for x in ("q", "k", "v", "gc", "beta", "do", "vn", "tm", "hs", "dht")]
+    got = BF.fused_backward(*args, scale=scale, debug=True, kdb=False)
+    plain = BF.fused_backward(*args, scale=scale, kdb=False)
+    torch.cuda.synchronize()
+    errs = {name: rel_l2(a, want[name]) for name, a in zip(("dvn", "dH"), got[6:])}
+    assert max(errs.values()) <= 2e-2, errs
+    for a, b in zip(got[:6], plain):
+        assert torch.equal(a, b)
 
 
 CASES = [  # (B, T, H, HV, dtype, with_dht, state_vk)
