@@ -97,7 +97,8 @@ PAIRED = {"vec_full": 32, "vec_empty": 384, "rows_full": 128, "tail_full": 128, 
 W1_ROWS = 2
 
 
-def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = False, DEBUG: bool = False):
+def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = False, DEBUG: bool = False,
+           L2BWD: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -244,13 +245,35 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                 else:
                     sCol[w, j] = s
 
+    @cute.jit
+    def l2norm_bwd_rows(acc: cute.Tensor, cAcc: cute.Tensor, groups: cutlass.Constexpr, sY: cute.Tensor,
+                        mR: cute.Tensor, b: Int32, t0: Int32, h: Int32, length: Int32):
+        # (L2BWD) acc: the gradient of the normalized rows y (the tile sY) -> that of the rows before the l2norm,
+        # r (dy - y rowsum(y * dy)), r the rows' factors (mR [B, T, H], float32); a row's sum by its quad
+        for gi in cutlass.range_constexpr(len(groups)):
+            i, _ = cAcc[groups[gi][0]]
+            sy = Float32(0.0)
+            for e in groups[gi][0::2]:
+                _, dd = cAcc[e]
+                y0, y1 = ld2(sY, i, dd)
+                sy = sy + y0 * acc[e] + y1 * acc[e + 1]
+            sy = quad_sum(sy)
+            ri = Float32(0.0)
+            if i < length:
+                ri = mR[b, t0 + i, h]
+            for e in groups[gi][0::2]:
+                _, dd = cAcc[e]
+                y0, y1 = ld2(sY, i, dd)
+                acc[e] = ri * (acc[e] - y0 * sy)
+                acc[e + 1] = ri * (acc[e + 1] - y1 * sy)
+
     # ------------------------------------------------------------------ the kernel
     @cute.kernel
     def kernel(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDo: cute.Tensor, mVn: cute.Tensor,
                mTm: cute.Tensor, mHs: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDht: cute.Tensor,
                mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-               mDh0: cute.Tensor, mDvnD: cute.Tensor, mDhD: cute.Tensor, scale: Float32, T: Int32, NT: Int32,
-               group: Int32,
+               mDh0: cute.Tensor, mDvnD: cute.Tensor, mDhD: cute.Tensor, mRq: cute.Tensor, mRk: cute.Tensor,
+               scale: Float32, T: Int32, NT: Int32, group: Int32,
                aQ: cute.CopyAtom, aK: cute.CopyAtom, aV: cute.CopyAtom, aDo: cute.CopyAtom, aVn: cute.CopyAtom,
                aTm: cute.CopyAtom, aS: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor,
                tDo: cute.Tensor, tVn: cute.Tensor, tTm: cute.Tensor, tS: cute.Tensor):
@@ -554,6 +577,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         mm(mma_ckta, acc, tv(sX), tv(sKc), False, lt)
                         done()
                         arrive(mbar, "x_empty")
+                        if cutlass.const_expr(L2BWD):  # (reads k's tile: before its release)
+                            l2norm_bwd_rows(acc, cCK, grp, sKc, mRk, b, t0, h, length)
                         release_k(it)
                         store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
                         arrive(mbar, "rows_full", it, paired=True)
@@ -639,6 +664,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             rowg[gi] = rowg[gi] + quad_sum(s)
                         mm(mma_ckt, accQ, sDqk, tv(sKc), False, lt)
                         done()
+                        if cutlass.const_expr(L2BWD):  # (reads q's tile: before its release)
+                            l2norm_bwd_rows(accQ, cCK, grp_ck, sQ, mRq, b, t0, h, length)
                         arrive(mbar, "empty_q")
                         store_pairs(accQ, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
                         # dw = -dvn Sc^T -> the do_s / dw tile, once W0's q^T do_s is done
@@ -797,8 +824,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
     def host(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDo: cute.Tensor, mVn: cute.Tensor,
              mTm: cute.Tensor, mHs: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDht: cute.Tensor,
              mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
-             mDh0: cute.Tensor, mDvnD: cute.Tensor, mDhD: cute.Tensor, scale: Float32, T: Int32, NT: Int32,
-             group: Int32, nseq: Int32, stream):
+             mDh0: cute.Tensor, mDvnD: cute.Tensor, mDhD: cute.Tensor, mRq: cute.Tensor, mRk: cute.Tensor,
+             scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, stream):
         trace_facts()
         HV = mV.shape[2]
         ta, tt = [], []
@@ -809,15 +836,16 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         view = cute.make_tensor(mHs.iterator, cute.select(mHs.layout, mode=list(cm.STATE_ROWS)))
         a, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, cm.smem_tile_layout(dtype, K, V),
                                            (K, V))
-        kernel(mQ, mK, mV, mDo, mVn, mTm, mHs, mGc, mB, mDht, mDq, mDk, mDv, mDg, mDb, mDh0, mDvnD, mDhD, scale, T,
-               NT, group,
+        kernel(mQ, mK, mV, mDo, mVn, mTm, mHs, mGc, mB, mDht, mDq, mDk, mDv, mDg, mDb, mDh0, mDvnD, mDhD, mRq, mRk,
+               scale, T, NT, group,
                *ta, a, *tt, t).launch(grid=[nseq, HV, 1], block=[THREADS, 1, 1], stream=stream)
 
     f = fwd._fakes()
     args = (f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V),
             f.rows4(dtype, C), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.state(),
             f.rows4(Float32, K), f.rows4(Float32, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.state(),
-            f.rows4(Float32, V), f.state(), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(1), f.stream())
+            f.rows4(Float32, V), f.state(), f.any3(Float32), f.any3(Float32), Float32(1.0), Int32(1), Int32(1),
+            Int32(1), Int32(1), f.stream())
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
 
@@ -877,22 +905,25 @@ def kdb_default() -> bool:
 
 
 def get_fused_bwd_kernel(dtype, K: int, V: int, has_dht: bool, state_vk: bool, kdb: bool = False,
-                         debug: bool = False):
+                         debug: bool = False, l2bwd: bool = False):
     _static_checks(K, V)
     key = ("fused_bwd", str(dtype), K, V, bool(has_dht), bool(state_vk)) + (("kdb",) if kdb else ()) + (
-        ("debug",) if debug else ())
+        ("debug",) if debug else ()) + (("l2bwd",) if l2bwd else ())
     return kc.get_kernel("gdn_bwd_fused", key, lambda: _build(fwd._dt(dtype), K, V, bool(has_dht), bool(state_vk),
-                                                              bool(kdb), bool(debug)), _SOURCES)
+                                                              bool(kdb), bool(debug), bool(l2bwd)), _SOURCES)
 
 
 def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float, state_v_first: bool = False,
-                   kdb: bool | None = None, debug: bool = False):
+                   kdb: bool | None = None, debug: bool = False, rq=None, rk=None):
     """Launch the fused backward (see the module docstring for the tensors). Returns ``(dq, dk, dv, dg, dbeta,
     dh0)``. Raises :class:`Unsupported` for what it does not serve (dtypes, head dims, layouts) before any launch.
     ``kdb``: the two-k-buffer variant (default :func:`kdb_default`); the same products and roundings, the same
     bits. ``debug``: a variant that also writes the chain's intermediates, float32, and returns them after the six
     outputs: dvn ``[B, T, HV, V]`` and the dH rows ``[B * NT, HV, K, V]`` (the gradient of the state leaving every
-    chunk, [K, V] whatever the state layout), to locate a divergence from ``sweeps_ref`` on a GPU."""
+    chunk, [K, V] whatever the state layout), to locate a divergence from ``sweeps_ref`` on a GPU. ``rq``, ``rk``
+    (``[B, T, H]`` float32, both or neither): the l2norm factors ``1 / sqrt(sum(x^2) + eps)`` of the rows q and k
+    were normalized with; given, dq and dk leave through the l2norm's backward ``r (dy - y rowsum(y dy))`` (y the
+    normalized rows, as given), the gradients of the rows before it."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, vn, tm, hs)):
@@ -912,6 +943,11 @@ def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float,
     for name, t in (("gc", gc), ("beta", beta)):
         if t.dtype != torch.float32 or tuple(t.shape) != (B, T, HV):
             raise Unsupported(f"{name}: float32 [B, T, HV]")
+    if (rq is None) != (rk is None):
+        raise Unsupported("rq and rk: both or neither")
+    for name, t in (("rq", rq), ("rk", rk)):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (B, T, H) or t.device != q.device):
+            raise Unsupported(f"{name}: float32 [B, T, H] on q's device")
     NT = -(-T // CHUNK)
     if not hs.is_contiguous() or tuple(hs.shape) != (B * NT, HV, K, V):
         raise Unsupported(f"hs: contiguous [{B * NT}, {HV}, {K}, {V}] expected, got {tuple(hs.shape)}")
@@ -944,9 +980,10 @@ def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float,
         return (dq, dk, dv, dg, db, dh0) + dbg
     dht_t = dht  # (read in the layout dh0 is written in: [V, K] with state_v_first)
     kdb = kdb_default() if kdb is None else bool(kdb)
-    fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first, kdb, bool(debug))
+    fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first, kdb, bool(debug), rq is not None)
     dummy = fwd._dummies(dev)[0]
     fn(q, k, v, do, vn, tm, hs, gc, beta, dummy.view(1, 1, 1, 1) if dht is None else dht_t,
        dq, dk, dv, dg, db, dh0, *(dbg or (torch.empty(1, 1, 1, V, dtype=torch.float32, device=dev),  # (unread)
-                                          dummy.view(1, 1, 1, 1))), float(scale), T, NT, HV // H, B)
+                                          dummy.view(1, 1, 1, 1))),
+       *((rq, rk) if rq is not None else (dummy.view(1, 1, 1), dummy.view(1, 1, 1))), float(scale), T, NT, HV // H, B)
     return (dq, dk, dv, dg, db, dh0) + dbg

@@ -35,7 +35,7 @@ import torch
 
 from .._validate import compute_dtype
 from ..fused import delta_rule_bwd as db
-from ..fused.gated_delta_rule import _gdn_log_decay, beta_in_kernel, l2norm, l2norm_bwd
+from ..fused.gated_delta_rule import L2NORM_EPS, _gdn_log_decay, beta_in_kernel, l2norm, l2norm_bwd
 
 OPT_IN = "CUDNN_TRAIN_GDN_SM90_TRAIN"
 STAGE3_ENV = "CUDNN_TRAIN_GDN_SM90_STAGE3"  # "kernel" (default) or "torch"
@@ -119,20 +119,26 @@ def kernel_fused(outs, inputs, saved, do, dht, cu, cfg: Config):
     """Stages 2 and 3 on the fused backward kernel (``gated_delta_rule_bwd_fused_sm90``, :func:`fused_serves`):
     ``([dq, dk, dv, dg, dbeta], dh0)``, the first five as the stage-3 steps return them (dq, dk the gradients of
     q and k before the l2norm, per value head, float32), dh0 float32 in the state layout. q and k are normalized
-    here (float32, rounded once to their dtype, as the stage-3 kernel rounds its normalized rows) and the l2norm's
-    backward applied here, in float32."""
+    here (float32, rounded once to their dtype, as the stage-3 kernel rounds its normalized rows), their factors
+    passed along: the kernel applies the l2norm's backward to dq, dk."""
     from . import gated_delta_rule_bwd_fused_sm90 as bf
 
     q, k, v = inputs[:3]
-    HV = v.shape[2]
-    qn, kn = ((l2norm(x.float()).to(x.dtype) if cfg.l2norm else x).contiguous() for x in (q, k))
+    qn, kn, rq, rk = q.contiguous(), k.contiguous(), None, None
+    if cfg.l2norm:  # the rows and their factors; the kernel applies the l2norm's backward to dq, dk
+        (qn, rq), (kn, rk) = (_normalized(x) for x in (q, k))
     dq, dk, dv, dg, dbeta, dh0 = bf.fused_backward(
         qn, kn, v.contiguous(), saved[1], outs[1].float().contiguous(), do.contiguous(), saved[2], saved[3],
         saved[-1], None if dht is None else dht.float().contiguous(), scale=cfg.scale,
-        state_v_first=cfg.state_v_first)
-    if cfg.l2norm:
-        dq, dk = (l2norm_bwd(expand_heads(x.float(), HV), d) for x, d in ((q, dq), (k, dk)))
+        state_v_first=cfg.state_v_first, rq=rq, rk=rk)
     return [dq, dk, dv, dg.unsqueeze(-1), dbeta], dh0
+
+
+def _normalized(x):
+    """``(rows l2-normalized in x's dtype, their float32 factors [B, T, H])``, as :func:`l2norm` computes them."""
+    xf = x.float()
+    r = torch.rsqrt((xf * xf).sum(-1) + L2NORM_EPS)
+    return (xf * r.unsqueeze(-1)).to(x.dtype).contiguous(), r.contiguous()
 
 
 FUSED_ENV = "CUDNN_TRAIN_GDN_FUSED_BWD"

@@ -19,9 +19,10 @@ def test_fused_backward_compiles_for_sm90a(kernel_cache):
     assert callable(BF.get_fused_bwd_kernel(torch.float16, 128, 128, False, True))  # no dht, [V, K] states
     # two k buffers, dvb over do (CUDNN_TRAIN_GDN_FUSED_KDB)
     assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, kdb=True))
-    # the debug variant (dvn and the dH rows out)
+    # the debug variant (dvn and the dH rows out); the l2norm's backward in the kernel
     assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, debug=True))
-    assert len(list(kernel_cache.rglob("*.o"))) == 4
+    assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, l2bwd=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 5
 
 
 def test_two_k_buffers_switch_is_off_by_default_and_parses(monkeypatch):
@@ -104,6 +105,32 @@ def test_fused_backward_chain_intermediates_match_the_reverse_sweep():
     errs = {name: rel_l2(a, want[name]) for name, a in zip(("dvn", "dH"), got[6:])}
     assert max(errs.values()) <= 2e-2, errs
     for a, b in zip(got[:6], plain):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_fused_backward_l2norm_backward_in_the_kernel():
+    """With the rows' l2norm factors given (``rq``, ``rk``, as the training path computes them from the raw rows),
+    dq and dk leave through the l2norm's backward ``r (dy - y rowsum(y dy))``, y the normalized rows given: the
+    kernel's against the plain kernel's dq, dk put through that formula in float32 (another summation order), the
+    rest bitwise."""
+    from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
+    from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
+
+    ins, scale, _ = _case(2, 150, 2, 4, torch.bfloat16, True, False)
+    for x in ("q", "k"):  # raw rows of assorted norms, normalized as the training path does
+        raw = ins[x].float() * (0.5 + torch.rand_like(ins[x].float()[..., :1]) * 3)
+        ins[x], ins["r" + x] = tr._normalized(raw.to(torch.bfloat16))
+    args = [ins[x] for x in ("q", "k", "v", "gc", "beta", "do", "vn", "tm", "hs", "dht")]
+    plain = BF.fused_backward(*args, scale=scale, kdb=False)
+    got = BF.fused_backward(*args, scale=scale, kdb=False, rq=ins["rq"], rk=ins["rk"])
+    torch.cuda.synchronize()
+    for i, x in enumerate(("q", "k")):
+        y = tr.expand_heads(ins[x].float(), 4)
+        r = tr.expand_heads(ins["r" + x].unsqueeze(-1), 4)
+        want = r * (plain[i] - y * (y * plain[i]).sum(-1, keepdim=True))
+        assert rel_l2(got[i], want) <= 1e-5, (x, rel_l2(got[i], want))
+    for a, b in zip(got[2:], plain[2:]):
         assert torch.equal(a, b)
 
 
