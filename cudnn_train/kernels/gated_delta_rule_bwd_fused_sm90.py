@@ -246,6 +246,16 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                     sCol[w, j] = s
 
     @cute.jit
+    def scaled_lower(acc: cute.Tensor, cAcc: cute.Tensor, sGc: cute.Tensor, par: cutlass.Constexpr, scale: Float32):
+        # a [C, C] accumulator times scale E (E_ij = exp(gc_i - gc_j), j <= i; zero above): P from q k^T, dQK from dP
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, j = cAcc[e]
+            val = Float32(0.0)
+            if j <= i:
+                val = acc[e] * scale * ex2(sGc[par, i] - sGc[par, j])
+            acc[e] = val
+
+    @cute.jit
     def l2norm_bwd_rows(acc: cute.Tensor, cAcc: cute.Tensor, groups: cutlass.Constexpr, sY: cute.Tensor,
                         mR: cute.Tensor, b: Int32, t0: Int32, h: Int32, length: Int32):
         # (L2BWD) acc: the gradient of the normalized rows y (the tile sY) -> that of the rows before the l2norm,
@@ -607,12 +617,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         done()
                         if it > 0:
                             wait(mbar, "x_empty", it - 1)
-                        for e in cutlass.range_constexpr(cute.size(accP)):
-                            i, j = cCC[e]
-                            pv = Float32(0.0)
-                            if j <= i:
-                                pv = accP[e] * scale * ex2(sGc[par, i] - sGc[par, j])
-                            accP[e] = pv
+                        scaled_lower(accP, cCC, sGc, par, scale)
                         acc_to_tile(accP, cCC, sX, False)
                         published()
                         arrive(mbar, "p_full")
@@ -633,12 +638,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         col_parts(accP, cCC, cols_cc, sColP, warp, lane, False)
                         if it > 0:
                             wait(mbar, "dqk_empty", it - 1)
-                        for e in cutlass.range_constexpr(cute.size(accD)):
-                            i, j = cCC[e]
-                            dv_ = Float32(0.0)
-                            if j <= i:
-                                dv_ = accD[e] * scale * ex2(sGc[par, i] - sGc[par, j])
-                            accD[e] = dv_
+                        scaled_lower(accD, cCC, sGc, par, scale)
                         acc_to_tile(accD, cCC, sDqk, False)
                         published()
                         wg_bar(2)
