@@ -108,7 +108,6 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
     THREADS = 512
     gemm = cm.make_gemm()
     store_pairs = cm.make_store_pairs()
-    init_barriers = cm.make_tma_init()
     tv = cm.transpose_view
     COLS = {"q": K, "k": K, "v": V, "do": V, "vn": V, "tm": C}
     TILE_BYTES = {x: (K * V if x == "s" else C * COLS[x]) * dtype.width // 8 for x in INPUTS}
@@ -141,7 +140,6 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         return tuple(cnt)
 
     COUNTS = counts()
-    mbar_ref = [None]
 
     # ------------------------------------------------------------------ small pieces
     def wait(mbar, name, it, paired=False):
@@ -157,18 +155,18 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         else:
             cute.arch.mbarrier_arrive(mbar + BAR[name])
 
-    def wait_k(it):
+    def wait_k(mbar, it):
         # chunk it's k landed (KDB: in buffer it % 2)
         if KDB:
-            wait(mbar_ref[0], "kfull", it, paired=True)
+            wait(mbar, "kfull", it, paired=True)
         else:
-            wait(mbar_ref[0], "full_k", it)
+            wait(mbar, "full_k", it)
 
-    def release_k(it):
+    def release_k(mbar, it):
         if KDB:
-            arrive(mbar_ref[0], "kempty", it, paired=True)
+            arrive(mbar, "kempty", it, paired=True)
         else:
-            arrive(mbar_ref[0], "empty_k")
+            arrive(mbar, "empty_k")
 
     def published():
         # this thread's generic-proxy writes of a tile, visible to the async proxy (WGMMA, TMA) before its arrive
@@ -332,7 +330,6 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         sColS = smem.allocate_tensor(Float32, l4, 16)  # W2: per warp, column sums of Tm * (dw k^T)
         sDgc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # W2: the chunk's dgc, then dg
         mbar = smem.allocate_array(cutlass.Int64, NBAR, byte_alignment=8)
-        mbar_ref[0] = mbar  # (for wait_k / release_k, while tracing)
         tiles = {"q": sQ, "k": sK, "v": sV, "do": sDo, "vn": sVn, "tm": sTm, "s": sS}
         atoms = {"q": aQ, "k": aK, "v": aV, "do": aDo, "vn": aVn, "tm": aTm, "s": aS}
         tmas = {"q": tQ, "k": tK, "v": tV, "do": tDo, "vn": tVn, "tm": tTm, "s": tS}
@@ -462,13 +459,13 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         arrive(mbar, "dos_free")
                         # dH += k^T (-diag(beta eg) dvb), once W1 hands it over
                         wait(mbar, "dvb_full", it)
-                        wait_k(it)
+                        wait_k(mbar, it)
                         mm(mma_h, accH, tv(sKc), tv(sDvb), False, lt)
                         done()
                         arrive(mbar, "dvb_empty")
                         if cutlass.const_expr(KDB):
                             arrive(mbar, "empty_do")
-                        release_k(it)
+                        release_k(mbar, it)
                         arrive(mbar, "vec_empty", it, paired=True)
             # the initial state's gradient
             for e in cutlass.range_constexpr(cute.size(accH)):
@@ -495,7 +492,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         glast = sGc[par, C - 1]
                         # dvn = diag(kdec) (k dH) + P^T do
                         wait(mbar, "h_full", it)
-                        wait_k(it)
+                        wait_k(mbar, it)
                         acc = acc_of(mma_ckt, C, V, lt)
                         mm(mma_ckt, acc, sKc, tv(sH), True, lt)
                         done()
@@ -589,7 +586,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         arrive(mbar, "x_empty")
                         if cutlass.const_expr(L2BWD):  # (reads k's tile: before its release)
                             l2norm_bwd_rows(acc, cCK, grp, sKc, mRk, b, t0, h, length)
-                        release_k(it)
+                        release_k(mbar, it)
                         store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
                         arrive(mbar, "rows_full", it, paired=True)
                         arrive(mbar, "vec_empty", it, paired=True)
@@ -611,7 +608,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         rowb = [Float32(0.0), Float32(0.0)]
                         # P = scale (q k^T) * E -> the X tile (W1's P^T do), kept in float32 for dP * P
                         wait(mbar, "full_q", it)
-                        wait_k(it)
+                        wait_k(mbar, it)
                         accP = acc_of(mma_cc, C, C, lt)
                         mm(mma_cc, accP, sQ, sKc, True, lt)
                         done()
@@ -716,7 +713,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         mm(mma_cc, accX2, sKc, sKc, True, lt)
                         done()
                         arrive(mbar, "empty_tm")
-                        release_k(it)
+                        release_k(mbar, it)
                         wg_bar(2)
                         # dA's terms: dAE = dA * Es ; dbeta += rowsum(dAE * KK) ; dA * A = beta dAE * KK (pairs) ;
                         # dKK = beta dAE -> the X tile

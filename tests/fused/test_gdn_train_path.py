@@ -142,22 +142,8 @@ def ref_fused(outs, inputs, saved, do, dht, cu, cfg):
     """The fused backward step's contract (``kernel_fused``), in torch: the reverse sweep's and stage 3's contracts
     composed, ``([dq, dk, dv, dg, dbeta], dh0)``."""
     assert len(saved) == 6, "the fused step reads the forward's vn and Tm (the forward that forms w in its chain)"
-    dvn, dH, dh0 = _fused_sweep(outs, inputs, do, dht, cu, cfg)
+    dvn, dH, dh0 = ref_sweep(*inputs, saved, do, dht, cu, cfg)
     return tr.stage3_torch(outs, inputs, saved, dH, dvn, do, cu, cfg), dh0
-
-
-def _fused_sweep(outs, inputs, do, dht, cu, cfg):
-    # the reverse sweep from what the fused step is given: the effective gate and beta (outs), q, k, v
-    q, k, v = inputs[:3]
-    with torch.no_grad():
-        gf, bf = outs[0], outs[1]
-        qf, kf = (l2norm(x) if cfg.l2norm else x for x in (q, k))
-        qf, kf = (tr.expand_heads(x, v.shape[2]) for x in (qf, kf))
-        lay = db.ChunkLayout(q.shape[0], q.shape[1], C, cu)
-        chunks = (lay.to_chunks(x) for x in (qf, kf, v.to(qf.dtype), gf))
-        r = db._recompute(*chunks, lay.to_chunks(bf.unsqueeze(-1)), cfg.scale, C)
-        _, _, dHc, dvn, dh0 = db.sweeps_ref(r, lay, None, _k_first(dht, cfg), lay.to_chunks(do.to(qf.dtype)))
-    return lay.from_chunks(dvn), lay.chunks_to_rows(dHc), _k_first(dh0, cfg)
 
 
 @pytest.mark.parametrize("name", list(FLAGS))
