@@ -709,7 +709,10 @@ ncu)
     python3 tools/ncu_top.py $OUT/ncu_${w}_src.csv --top ${NCU_TOP:-40} 2>&1 | cut -c1-220 | head -80
   done ;;
 fused)
-  # the fused backward (thirty-ninth session): its GPU cases, then tools/time_gdn_fused.py against sweep + stage 3
+  # the fused backward (thirty-ninth session): one small case's errors first (a hang shows in seconds), its GPU
+  # cases, then tools/time_gdn_fused.py against sweep + stage 3
+  timed smoke ${SMOKE_S:-150} python3 tools/smoke_gdn_fused.py
+  grep -q "debug=False" $OUT/smoke.log || { echo "smoke did not finish: the cases skipped"; exit 1; }
   timeout -k 10 ${FUSED_S:-240} $P -n 4 tests/kernels/test_gated_delta_rule_bwd_fused_sm90.py ${FUSED_K:+-k "$FUSED_K"} \
     > $OUT/fused.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null
