@@ -1,15 +1,18 @@
 """The fused GDN backward (``gated_delta_rule_bwd_fused_sm90``) against the two kernels it replaces, the reverse
 sweep and stage 3 as the training path calls them (GPU machine), on the same shapes in one run.
 
-    python3 tools/time_gdn_fused.py [--shapes N] [--rounds R]
+    python3 tools/time_gdn_fused.py [--shapes N] [--rounds R] [--profile] [--kdb] [--warm fused|kdb|two|prof]
 
 The inputs are random, shaped as the training path gives them (q, k at their own heads, l2-normalized for the
 fused kernel; the in-chunk cumulative log decay; bf16 chunk rows, vn and Tm): timings do not depend on the values.
 The two-kernel row is ``reverse_sweep`` (w given, dvn and dH in bf16) then ``chunk_grads`` (vn and Tm read, l2norm
-in kernel, the GVA pair sum: the training defaults); the fused rows (one k buffer, and the two-k-buffer variant,
-``kdb=True``) leave the l2norm's backward and the GVA sum to
+in kernel, the GVA pair sum: the training defaults); the fused rows (one k buffer, and with ``--kdb`` the
+two-k-buffer variant) leave the l2norm's backward and the GVA sum to
 the caller, so it does a little less. Median ms of ``benchmarks.common.bench`` (L2 cleared before every call),
-rounds alternating.
+rounds alternating. ``--profile``: then the fused kernel's profile variant once (its outputs must equal the plain
+kernel's), and per warpgroup the mean cycles a chunk of every phase (thread 0's clock64, averaged over the CTAs).
+``--warm NAME``: only build that row's kernels (on a small input: the kernels' keys do not hold the sizes) and
+exit, so that several processes fill the disk cache side by side before the timing.
 """
 
 import argparse
@@ -44,8 +47,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--kdb", action="store_true", help="also the two-k-buffer variant")
+    ap.add_argument("--warm", choices=("fused", "kdb", "two", "prof"))
     args = ap.parse_args()
-    for B, T, H, HV in SHAPES[: args.shapes]:
+    shapes = [(1, 100, 1, 2)] if args.warm else SHAPES[: args.shapes]  # (H, HV: the GVA pair sum, as timed)
+    for B, T, H, HV in shapes:
         x = inputs(B, T, H, HV)
         scale = 128**-0.5
 
@@ -60,16 +67,46 @@ def main():
                                   l2norm=True, dqk_dtype=torch.bfloat16, sum_groups=HV == 2 * H, vn=x["vn"],
                                   tm=x["tm"])
 
+        if args.warm:
+            if args.warm == "prof":
+                BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, prof=True)
+            else:
+                {"fused": fused, "kdb": lambda: fused(True), "two": two}[args.warm]()
+            torch.cuda.synchronize()
+            return
         fused()
-        fused(True)
         two()
+        if args.kdb:
+            fused(True)
         torch.cuda.synchronize()
         for r in range(args.rounds):
             tf = bench(fused, warmup=25, rep=200)
-            tk = bench(lambda: fused(True), warmup=25, rep=200)
             tt = bench(two, warmup=25, rep=200)
-            print(f"B{B} T{T} H{H} HV{HV} round {r + 1}: fused {tf:.3f} ms, fused two k buffers {tk:.3f} ms, "
-                  f"sweep + stage 3 {tt:.3f} ms; two / fused {tt / tf:.2f}x, {tt / tk:.2f}x", flush=True)
+            line = f"B{B} T{T} H{H} HV{HV} round {r + 1}: fused {tf:.3f} ms, sweep + stage 3 {tt:.3f} ms " \
+                   f"(two / fused {tt / tf:.2f}x)"
+            if args.kdb:
+                tk = bench(lambda: fused(True), warmup=25, rep=200)
+                line += f"; fused two k buffers {tk:.3f} ms ({tt / tk:.2f}x)"
+            print(line, flush=True)
+        if args.profile:
+            profile(BF, fused, x, B, T, HV, scale)
+
+
+def profile(BF, fused, x, B, T, HV, scale):
+    """The profile variant once: its outputs against the plain kernel's, then the phases' mean cycles a chunk."""
+    NT = -(-T // 64)
+    buf = torch.zeros(B * HV, 3, BF.NPH + 1, dtype=torch.int64, device="cuda")
+    plain = fused()
+    got = BF.fused_backward(x["q"], x["k"], x["v"], x["gc"], x["beta"], x["do"], x["vn"], x["tm"], x["hs"], x["dht"],
+                            scale=scale, kdb=False, profile=buf)
+    torch.cuda.synchronize()
+    print(f"  profile variant's outputs equal the plain kernel's: {all(torch.equal(a, b) for a, b in zip(got, plain))}")
+    mean = buf.double().mean(0) / NT  # [3, NPH + 1], cycles a chunk
+    for w, names in enumerate(BF.PHASES):
+        tot = mean[w, BF.NPH].item()
+        parts = ", ".join(f"{n} {mean[w, p].item():.0f}" for p, n in enumerate(names))
+        waits = sum(mean[w, p].item() for p, n in enumerate(names) if n.startswith("wait"))
+        print(f"  W{w}: {tot:.0f} cycles a chunk ({waits:.0f} waiting): {parts}", flush=True)
 
 
 if __name__ == "__main__":

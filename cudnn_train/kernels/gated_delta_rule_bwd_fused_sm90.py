@@ -93,12 +93,26 @@ HANDOVERS = {
 # double-buffered (by chunk parity) row vectors: name -> arrivals
 PAIRED = {"vec_full": 32, "vec_empty": 384, "rows_full": 128, "tail_full": 128, "rows_empty": 128,
           "kfull": 1, "kempty": 384}  # (kfull / kempty: KDB's k buffers)
+# the profile variant's phases per warpgroup (W0, W1, W2): each mark adds the cycles since the warpgroup's previous
+# mark (thread 0's clock64) to its phase; "wait ..." phases are mbarrier waits, the others work
+PHASES = (
+    ("wait h_empty", "dH -> tile", "wait Sc", "tail sum(Sc dH)", "wait vec, do, dw_empty", "do_s", "wait q",
+     "q^T do_s", "wait dvb, k", "k^T dvb"),
+    ("wait vec, dH, k", "k dH", "wait P, do", "P^T do", "wait dvn_empty", "dvn -> tile", "wait Tm", "Tm^T dvn",
+     "wait v, dvb_empty, rows", "dvb rows, dv store", "wait vn", "vn dH^T, kdt", "wait dQK, q", "dQK^T q, A regs",
+     "wait dw", "A dw", "wait dKK", "dKK k (x2), dk store"),
+    ("wait vec, q, k", "q k^T", "wait x_empty", "P -> tile", "wait do, vn", "do vn^T, dP P sums",
+     "wait dqk_empty", "dQK -> tile", "wait Sc", "do Sc^T, dQK k, dq store", "wait dvn", "dvn Sc^T",
+     "wait dos_free", "dw -> tile", "wait v, Tm", "dw k^T, dvn v^T, dTm", "M1, dA, k k^T", "dA terms, dKK -> tile",
+     "wait rows, tail", "dg, dbeta"),
+)
+NPH = max(len(x) for x in PHASES)
 # W1's row vectors for W2: kdt, its part of dbeta (rowsum(v * dvb)); W0's: the tail's four warp sums
 W1_ROWS = 2
 
 
 def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = False, DEBUG: bool = False,
-           L2BWD: bool = False):
+           L2BWD: bool = False, PROF: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -275,13 +289,42 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                 acc[e] = ri * (acc[e] - y0 * sy)
                 acc[e + 1] = ri * (acc[e + 1] - y1 * sy)
 
+    @cute.jit
+    def _mark(sP: cute.Tensor, w: cutlass.Constexpr, p: cutlass.Constexpr, lt: Int32):
+        if lt == 0:
+            now = cute.arch.clock64()
+            sP[w, p] = sP[w, p] + (now - sP[w, NPH + 1])
+            sP[w, NPH + 1] = now
+
+    def mark(sP, w, p, lt):
+        # (PROF) the cycles since warpgroup w's previous mark to its phase p (PHASES[w][p])
+        if PROF:
+            _mark(sP, w, p, lt)
+
+    @cute.jit
+    def prof_start(sP: cute.Tensor, w: cutlass.Constexpr, lt: Int32):
+        if lt == 0:
+            for p in cutlass.range_constexpr(NPH):
+                sP[w, p] = cutlass.Int64(0)
+            now = cute.arch.clock64()
+            sP[w, NPH] = now
+            sP[w, NPH + 1] = now
+
+    @cute.jit
+    def prof_end(sP: cute.Tensor, mP: cute.Tensor, w: cutlass.Constexpr, lt: Int32, cta: Int32):
+        # [phase sums..., the warpgroup's total] to mP[(cta * 3 + w) * (NPH + 1):]
+        if lt == 0:
+            sP[w, NPH] = cute.arch.clock64() - sP[w, NPH]
+            for p in cutlass.range_constexpr(NPH + 1):
+                mP[(cta * 3 + w) * (NPH + 1) + p] = sP[w, p]
+
     # ------------------------------------------------------------------ the kernel
     @cute.kernel
     def kernel(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDo: cute.Tensor, mVn: cute.Tensor,
                mTm: cute.Tensor, mHs: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDht: cute.Tensor,
                mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
                mDh0: cute.Tensor, mDvnD: cute.Tensor, mDhD: cute.Tensor, mRq: cute.Tensor, mRk: cute.Tensor,
-               scale: Float32, T: Int32, NT: Int32, group: Int32,
+               mProf: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32,
                aQ: cute.CopyAtom, aK: cute.CopyAtom, aV: cute.CopyAtom, aDo: cute.CopyAtom, aVn: cute.CopyAtom,
                aTm: cute.CopyAtom, aS: cute.CopyAtom, tQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor,
                tDo: cute.Tensor, tVn: cute.Tensor, tTm: cute.Tensor, tS: cute.Tensor):
@@ -330,6 +373,10 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         sColS = smem.allocate_tensor(Float32, l4, 16)  # W2: per warp, column sums of Tm * (dw k^T)
         sDgc = smem.allocate_tensor(Float32, cute.make_layout(C), 16)  # W2: the chunk's dgc, then dg
         mbar = smem.allocate_array(cutlass.Int64, NBAR, byte_alignment=8)
+        sProf = sDgc  # (PROF: per warpgroup, the phases' sums, the start, the last mark; else unused)
+        if cutlass.const_expr(PROF):
+            sProf = smem.allocate_tensor(cutlass.Int64, cute.make_layout((3, NPH + 2), stride=(NPH + 2, 1)), 16)
+        cta = b * cute.arch.grid_dim()[1] + hv
         tiles = {"q": sQ, "k": sK, "v": sV, "do": sDo, "vn": sVn, "tm": sTm, "s": sS}
         atoms = {"q": aQ, "k": aK, "v": aV, "do": aDo, "vn": aVn, "tm": aTm, "s": aS}
         tmas = {"q": tQ, "k": tK, "v": tV, "do": tDo, "vn": tVn, "tm": tTm, "s": tS}
@@ -387,6 +434,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         elif wg == 0:
             # ================================================================ W0: the chain (dH)
             cute.arch.setmaxregister_increase(REGS[1])
+            if cutlass.const_expr(PROF):
+                prof_start(sProf, 0, lt)
             accH = acc_of(mma_h, K, V, lt)
             if cutlass.const_expr(has_dht):
                 for e in cutlass.range_constexpr(cute.size(accH)):
@@ -405,9 +454,11 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         # dH (leaving this chunk) into its tile for W1, once W1 is done with the previous one
                         if it > 0:
                             wait(mbar, "h_empty", it - 1)
+                        mark(sProf, 0, 0, lt)
                         acc_to_tile(accH, cH, sH, False)
                         published()
                         arrive(mbar, "h_full")
+                        mark(sProf, 0, 1, lt)
                         if cutlass.const_expr(DEBUG):  # this chunk's dH, float32, into its chunk row
                             cD = nchunks - 1 - it
                             for e in cutlass.range_constexpr(cute.size(accH)):
@@ -415,6 +466,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                                 mDhD[b * NT + cD, hv, hd2, hv2] = accH[e]
                         # the tail: sum(Sc * dH), this warp's part
                         wait(mbar, "full_s", it)
+                        mark(sProf, 0, 2, lt)
                         part = Float32(0.0)
                         for e2 in cutlass.range_constexpr(cute.size(accH) // 2):
                             d, v = cH[2 * e2]
@@ -428,6 +480,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         if lane == 0:
                             sTail[par, warp] = part
                         arrive(mbar, "tail_full", it, paired=True)
+                        mark(sProf, 0, 3, lt)
                         # dH <- e^(gc_C) dH
                         wait(mbar, "vec_full", it, paired=True)
                         dec = ex2(sGc[par, C - 1])
@@ -437,6 +490,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         wait(mbar, "full_do", it)
                         if it > 0:
                             wait(mbar, "dw_empty", it - 1)
+                        mark(sProf, 0, 4, lt)
                         for p in cutlass.range_constexpr(C * V // 8 // 128):
                             idx = p * 128 + lt
                             r = idx // (V // 8)
@@ -451,17 +505,22 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             arrive(mbar, "empty_do")
                         published()
                         wg_bar(0)
+                        mark(sProf, 0, 5, lt)
                         # dH += q^T do_s
                         wait(mbar, "full_q", it)
+                        mark(sProf, 0, 6, lt)
                         mm(mma_h, accH, tv(sQ), tv(sDw), False, lt)
                         done()
                         arrive(mbar, "empty_q")
                         arrive(mbar, "dos_free")
+                        mark(sProf, 0, 7, lt)
                         # dH += k^T (-diag(beta eg) dvb), once W1 hands it over
                         wait(mbar, "dvb_full", it)
                         wait_k(mbar, it)
+                        mark(sProf, 0, 8, lt)
                         mm(mma_h, accH, tv(sKc), tv(sDvb), False, lt)
                         done()
+                        mark(sProf, 0, 9, lt)
                         arrive(mbar, "dvb_empty")
                         if cutlass.const_expr(KDB):
                             arrive(mbar, "empty_do")
@@ -474,9 +533,13 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                     mDh0[b, hv, ov, od] = accH[e]
                 else:
                     mDh0[b, hv, od, ov] = accH[e]
+            if cutlass.const_expr(PROF):
+                prof_end(sProf, mProf, 0, lt, cta)
         elif wg == 1:
             # ================================================================ W1: dvn, dv, dk
             cute.arch.setmaxregister_increase(REGS[2])
+            if cutlass.const_expr(PROF):
+                prof_start(sProf, 1, lt)
             grp = facts["grp_ck"]
             thr_r = mma_ckr.get_slice(lt)
             cA = thr_r.partition_A(cute.make_identity_tensor((C, C)))
@@ -493,29 +556,37 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         # dvn = diag(kdec) (k dH) + P^T do
                         wait(mbar, "h_full", it)
                         wait_k(mbar, it)
+                        mark(sProf, 1, 0, lt)
                         acc = acc_of(mma_ckt, C, V, lt)
                         mm(mma_ckt, acc, sKc, tv(sH), True, lt)
                         done()
                         for e in cutlass.range_constexpr(cute.size(acc)):
                             i, _ = cCK[e]
                             acc[e] = acc[e] * ex2(glast - sGc[par, i])
+                        mark(sProf, 1, 1, lt)
                         wait(mbar, "p_full", it)
                         wait(mbar, "full_do", it)
+                        mark(sProf, 1, 2, lt)
                         mm(mma_ckta, acc, tv(sX), tv(sDo), False, lt)
                         done()
                         arrive(mbar, "empty_do")
+                        mark(sProf, 1, 3, lt)
                         if cutlass.const_expr(DEBUG):  # dvn, float32
                             store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDvnD[b, None, hv, None]), length)
                         if it > 0:
                             wait(mbar, "dvn_empty", it - 1)
+                        mark(sProf, 1, 4, lt)
                         acc_to_tile(acc, cCK, sDvn, False)
                         published()
                         wg_bar(1)
                         arrive(mbar, "dvn_full")
+                        mark(sProf, 1, 5, lt)
                         # dvb = Tm^T dvn ; dv = beta dvb ; rowsum(v * dvb) ; -diag(beta eg) dvb to W0
                         wait(mbar, "full_tm", it)
+                        mark(sProf, 1, 6, lt)
                         mm(mma_ckta, acc, tv(sTm), tv(sDvn), True, lt)
                         done()
+                        mark(sProf, 1, 7, lt)
                         wait(mbar, "full_v", it)
                         gDv = cute.domain_offset((t0, 0), mDv[b, None, hv, None])
                         if it > 0:
@@ -524,6 +595,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             wait(mbar, "do_free", it)
                         if it >= 2:  # W2 is done with this buffer's rows (two chunks ago)
                             wait(mbar, "rows_empty", it - 2, paired=True)
+                        mark(sProf, 1, 8, lt)
                         for gi in cutlass.range_constexpr(len(grp)):
                             i, _ = cCK[grp[gi][0]]
                             bi = sB[par, i]
@@ -543,9 +615,11 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         published()
                         arrive(mbar, "dvb_full")
                         store_pairs(acc, cCK, gDv, length)
+                        mark(sProf, 1, 9, lt)
                         # dk = diag(kdec) vn dH^T (kdt = kdec rowsum(k * vn dH^T)) + dQK^T q + (diag(beta eg) Tm^T) dw
                         #      + dKK k + dKK^T k
                         wait(mbar, "full_vn", it)
+                        mark(sProf, 1, 10, lt)
                         mm(mma_ck, acc, sVn, sH, True, lt)
                         done()
                         arrive(mbar, "h_empty")
@@ -563,8 +637,10 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             rs = quad_sum(rs)
                             if lt % 4 == 0:
                                 sR1[par, 0, i] = rs
+                        mark(sProf, 1, 11, lt)
                         wait(mbar, "dqk_full", it)
                         wait(mbar, "full_q", it)
+                        mark(sProf, 1, 12, lt)
                         mm(mma_ckta, acc, tv(sDqk), tv(sQ), False, lt)
                         # A = diag(beta eg) Tm^T in registers while dQK^T q runs
                         rA = mma_ckr.make_fragment_A(thr_r.partition_shape_A((C, C)))
@@ -574,12 +650,16 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         done()
                         arrive(mbar, "dqk_empty")
                         arrive(mbar, "empty_q")
+                        mark(sProf, 1, 13, lt)
                         wait(mbar, "dw_full", it)
+                        mark(sProf, 1, 14, lt)
                         gemm(mma_ckr, acc, rA, mma_ckr.make_fragment_B(thr_r.partition_B(tv(sDw))), False)
                         done()
                         arrive(mbar, "dw_empty")
                         arrive(mbar, "empty_tm")
+                        mark(sProf, 1, 15, lt)
                         wait(mbar, "kk_full", it)
+                        mark(sProf, 1, 16, lt)
                         mm(mma_ckt, acc, sX, tv(sKc), False, lt)
                         mm(mma_ckta, acc, tv(sX), tv(sKc), False, lt)
                         done()
@@ -590,9 +670,14 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
                         arrive(mbar, "rows_full", it, paired=True)
                         arrive(mbar, "vec_empty", it, paired=True)
+                        mark(sProf, 1, 17, lt)
+            if cutlass.const_expr(PROF):
+                prof_end(sProf, mProf, 1, lt, cta)
         else:
             # ================================================================ W2: the C x C work and dq
             cute.arch.setmaxregister_increase(REGS[3])
+            if cutlass.const_expr(PROF):
+                prof_start(sProf, 2, lt)
             grp_cc, grp_ck, cols_cc = facts["grp_cc"], facts["grp_ck"], facts["cols_cc"]
             for itp in cutlass.range((nchunks + 1) // 2, unroll=1):
                 for par in cutlass.range_constexpr(2):  # chunk it in buffer par: every buffer static
@@ -609,18 +694,23 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         # P = scale (q k^T) * E -> the X tile (W1's P^T do), kept in float32 for dP * P
                         wait(mbar, "full_q", it)
                         wait_k(mbar, it)
+                        mark(sProf, 2, 0, lt)
                         accP = acc_of(mma_cc, C, C, lt)
                         mm(mma_cc, accP, sQ, sKc, True, lt)
                         done()
+                        mark(sProf, 2, 1, lt)
                         if it > 0:
                             wait(mbar, "x_empty", it - 1)
+                        mark(sProf, 2, 2, lt)
                         scaled_lower(accP, cCC, sGc, par, scale)
                         acc_to_tile(accP, cCC, sX, False)
                         published()
                         arrive(mbar, "p_full")
+                        mark(sProf, 2, 3, lt)
                         # dP = do vn^T ; dQK = scale dP * E -> its tile ; dP * P's row and column sums
                         wait(mbar, "full_do", it)
                         wait(mbar, "full_vn", it)
+                        mark(sProf, 2, 4, lt)
                         accD = acc_of(mma_cc, C, C, lt)
                         mm(mma_cc, accD, sDo, sVn, True, lt)
                         done()
@@ -633,15 +723,19 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         for e in cutlass.range_constexpr(cute.size(accP)):
                             accP[e] = accD[e] * accP[e]
                         col_parts(accP, cCC, cols_cc, sColP, warp, lane, False)
+                        mark(sProf, 2, 5, lt)
                         if it > 0:
                             wait(mbar, "dqk_empty", it - 1)
+                        mark(sProf, 2, 6, lt)
                         scaled_lower(accD, cCC, sGc, par, scale)
                         acc_to_tile(accD, cCC, sDqk, False)
                         published()
                         wg_bar(2)
                         arrive(mbar, "dqk_full")
+                        mark(sProf, 2, 7, lt)
                         # dq = scale diag(eg) do Sc^T + dQK k ; rowsum(scale eg q * do Sc^T)
                         wait(mbar, "full_s", it)
+                        mark(sProf, 2, 8, lt)
                         accQ = acc_of(mma_ck, C, K, lt)
                         mm(mma_ck, accQ, sDo, sS, True, lt)
                         done()
@@ -665,19 +759,25 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             l2norm_bwd_rows(accQ, cCK, grp_ck, sQ, mRq, b, t0, h, length)
                         arrive(mbar, "empty_q")
                         store_pairs(accQ, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
+                        mark(sProf, 2, 9, lt)
                         # dw = -dvn Sc^T -> the do_s / dw tile, once W0's q^T do_s is done
                         wait(mbar, "dvn_full", it)
+                        mark(sProf, 2, 10, lt)
                         mm(mma_ck, accQ, sDvn, sS, True, lt)
                         done()
                         arrive(mbar, "empty_s")
+                        mark(sProf, 2, 11, lt)
                         wait(mbar, "dos_free", it)
+                        mark(sProf, 2, 12, lt)
                         acc_to_tile(accQ, cCK, sDw, True)
                         published()
                         wg_bar(2)
                         arrive(mbar, "dw_full")
+                        mark(sProf, 2, 13, lt)
                         # dTm^T from dw k^T and dvn v^T ; the column sums of Tm * (dw k^T)
                         wait(mbar, "full_v", it)
                         wait(mbar, "full_tm", it)
+                        mark(sProf, 2, 14, lt)
                         accX1 = acc_of(mma_cc, C, C, lt)
                         accX2 = acc_of(mma_cc, C, C, lt)
                         mm(mma_cc, accX1, sDw, sKc, True, lt)
@@ -701,6 +801,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         col_parts(accX1, cCC, cols_cc, sColS, warp, lane, False)
                         published()
                         wg_bar(2)
+                        mark(sProf, 2, 15, lt)
                         # M1 = Tm^T dTm -> the X tile ; dA = -strictly_lower(M1 Tm^T) ; k k^T
                         accM = acc_of(mma_cc, C, C, lt)
                         mm(mma_cca, accM, tv(sTm), sX, True, lt)
@@ -715,6 +816,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         arrive(mbar, "empty_tm")
                         release_k(mbar, it)
                         wg_bar(2)
+                        mark(sProf, 2, 16, lt)
                         # dA's terms: dAE = dA * Es ; dbeta += rowsum(dAE * KK) ; dA * A = beta dAE * KK (pairs) ;
                         # dKK = beta dAE -> the X tile
                         for gi in cutlass.range_constexpr(len(grp_cc)):
@@ -742,9 +844,11 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         published()
                         arrive(mbar, "kk_full")
                         wg_bar(2)
+                        mark(sProf, 2, 17, lt)
                         # dgc (the other warpgroups' rows joined) ; dg = reverse cumsum ; dbeta
                         wait(mbar, "rows_full", it, paired=True)
                         wait(mbar, "tail_full", it, paired=True)
+                        mark(sProf, 2, 18, lt)
                         for gi in cutlass.range_constexpr(len(grp_cc)):
                             i, _ = cCC[grp_cc[gi][0]]
                             if lt % 4 == 0:
@@ -786,6 +890,9 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         wg_bar(2)
                         arrive(mbar, "rows_empty", it, paired=True)
                         arrive(mbar, "vec_empty", it, paired=True)
+                        mark(sProf, 2, 19, lt)
+            if cutlass.const_expr(PROF):
+                prof_end(sProf, mProf, 2, lt, cta)
 
     # trace-time facts of the accumulator layouts the loops above rely on (checked in the host function, while
     # tracing, before the kernel's body reads them)
@@ -822,7 +929,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
              mTm: cute.Tensor, mHs: cute.Tensor, mGc: cute.Tensor, mB: cute.Tensor, mDht: cute.Tensor,
              mDq: cute.Tensor, mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDb: cute.Tensor,
              mDh0: cute.Tensor, mDvnD: cute.Tensor, mDhD: cute.Tensor, mRq: cute.Tensor, mRk: cute.Tensor,
-             scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, stream):
+             mProf: cute.Tensor, scale: Float32, T: Int32, NT: Int32, group: Int32, nseq: Int32, stream):
         trace_facts()
         HV = mV.shape[2]
         ta, tt = [], []
@@ -834,15 +941,15 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         a, t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, cm.smem_tile_layout(dtype, K, V),
                                            (K, V))
         kernel(mQ, mK, mV, mDo, mVn, mTm, mHs, mGc, mB, mDht, mDq, mDk, mDv, mDg, mDb, mDh0, mDvnD, mDhD, mRq, mRk,
-               scale, T, NT, group,
+               mProf, scale, T, NT, group,
                *ta, a, *tt, t).launch(grid=[nseq, HV, 1], block=[THREADS, 1, 1], stream=stream)
 
     f = fwd._fakes()
     args = (f.rows4(dtype, K), f.rows4(dtype, K), f.rows4(dtype, V), f.rows4(dtype, V), f.rows4(dtype, V),
             f.rows4(dtype, C), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.state(),
             f.rows4(Float32, K), f.rows4(Float32, K), f.rows4(dtype, V), f.any3(Float32), f.any3(Float32), f.state(),
-            f.rows4(Float32, V), f.state(), f.any3(Float32), f.any3(Float32), Float32(1.0), Int32(1), Int32(1),
-            Int32(1), Int32(1), f.stream())
+            f.rows4(Float32, V), f.state(), f.any3(Float32), f.any3(Float32), f.vec(cutlass.Int64), Float32(1.0),
+            Int32(1), Int32(1), Int32(1), Int32(1), f.stream())
     return cute.compile(host, *args, options=f"--enable-tvm-ffi --gpu-arch {kc.target_arch()}")
 
 
@@ -902,16 +1009,17 @@ def kdb_default() -> bool:
 
 
 def get_fused_bwd_kernel(dtype, K: int, V: int, has_dht: bool, state_vk: bool, kdb: bool = False,
-                         debug: bool = False, l2bwd: bool = False):
+                         debug: bool = False, l2bwd: bool = False, prof: bool = False):
     _static_checks(K, V)
     key = ("fused_bwd", str(dtype), K, V, bool(has_dht), bool(state_vk)) + (("kdb",) if kdb else ()) + (
-        ("debug",) if debug else ()) + (("l2bwd",) if l2bwd else ())
+        ("debug",) if debug else ()) + (("l2bwd",) if l2bwd else ()) + (("prof",) if prof else ())
     return kc.get_kernel("gdn_bwd_fused", key, lambda: _build(fwd._dt(dtype), K, V, bool(has_dht), bool(state_vk),
-                                                              bool(kdb), bool(debug), bool(l2bwd)), _SOURCES)
+                                                              bool(kdb), bool(debug), bool(l2bwd), bool(prof)),
+                         _SOURCES)
 
 
 def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float, state_v_first: bool = False,
-                   kdb: bool | None = None, debug: bool = False, rq=None, rk=None):
+                   kdb: bool | None = None, debug: bool = False, rq=None, rk=None, profile=None):
     """Launch the fused backward (see the module docstring for the tensors). Returns ``(dq, dk, dv, dg, dbeta,
     dh0)``. Raises :class:`Unsupported` for what it does not serve (dtypes, head dims, layouts) before any launch.
     ``kdb``: the two-k-buffer variant (default :func:`kdb_default`); the same products and roundings, the same
@@ -920,7 +1028,9 @@ def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float,
     chunk, [K, V] whatever the state layout), to locate a divergence from ``sweeps_ref`` on a GPU. ``rq``, ``rk``
     (``[B, T, H]`` float32, both or neither): the l2norm factors ``1 / sqrt(sum(x^2) + eps)`` of the rows q and k
     were normalized with; given, dq and dk leave through the l2norm's backward ``r (dy - y rowsum(y dy))`` (y the
-    normalized rows, as given), the gradients of the rows before it."""
+    normalized rows, as given), the gradients of the rows before it. ``profile``: an int64 tensor of ``B * HV * 3 *
+    (NPH + 1)`` elements on q's device: the profile variant (the same bits) writes there, per CTA (``b * HV + hv``)
+    and warpgroup W0..W2, thread 0's clock64 cycles summed per phase (:data:`PHASES`) and the warpgroup's total."""
     cm.check_device(q)
     dt = q.dtype
     if dt not in (torch.bfloat16, torch.float16) or any(t.dtype != dt for t in (k, v, do, vn, tm, hs)):
@@ -975,12 +1085,17 @@ def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float,
         else:
             dh0.copy_(dht)
         return (dq, dk, dv, dg, db, dh0) + dbg
+    if profile is not None and (profile.dtype != torch.int64 or profile.numel() < B * HV * 3 * (NPH + 1)
+                                or profile.device != q.device):
+        raise Unsupported(f"profile: int64, {B * HV * 3 * (NPH + 1)} elements on q's device")
     dht_t = dht  # (read in the layout dh0 is written in: [V, K] with state_v_first)
     kdb = kdb_default() if kdb is None else bool(kdb)
-    fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first, kdb, bool(debug), rq is not None)
-    dummy = fwd._dummies(dev)[0]
+    fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first, kdb, bool(debug), rq is not None,
+                              profile is not None)
+    dummy, _, i64_dummy = fwd._dummies(dev)
     fn(q, k, v, do, vn, tm, hs, gc, beta, dummy.view(1, 1, 1, 1) if dht is None else dht_t,
        dq, dk, dv, dg, db, dh0, *(dbg or (torch.empty(1, 1, 1, V, dtype=torch.float32, device=dev),  # (unread)
                                           dummy.view(1, 1, 1, 1))),
-       *((rq, rk) if rq is not None else (dummy.view(1, 1, 1), dummy.view(1, 1, 1))), float(scale), T, NT, HV // H, B)
+       *((rq, rk) if rq is not None else (dummy.view(1, 1, 1), dummy.view(1, 1, 1))),
+       i64_dummy if profile is None else profile.view(-1), float(scale), T, NT, HV // H, B)
     return (dq, dk, dv, dg, db, dh0) + dbg
