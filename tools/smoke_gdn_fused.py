@@ -2,7 +2,7 @@
 the first thing to run on a new kernel, under a short ``timeout``, so that a hang or a wrong chain shows in
 seconds and says where (the debug variant's dvn and dH rows are the chain; dq ... dh0 the per-chunk gradients).
 
-    timeout 120 python3 tools/smoke_gdn_fused.py [--T 200] [--kdb]
+    timeout 120 python3 tools/smoke_gdn_fused.py [--T 200] [--kdb] [--splitdk] [--no-debug]
 """
 
 import argparse
@@ -20,16 +20,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=200)
     ap.add_argument("--kdb", action="store_true")
+    ap.add_argument("--splitdk", action="store_true")
+    ap.add_argument("--no-debug", action="store_true", help="the plain variant alone (one build fewer)")
     args = ap.parse_args()
     ins, scale, want = _case(1, args.T, 1, 2, torch.bfloat16, True, False)
     call = [ins[x] for x in ("q", "k", "v", "gc", "beta", "do", "vn", "tm", "hs", "dht")]
-    for debug in (True, False):
+    for debug in (False,) if args.no_debug else (True, False):
         t0 = time.perf_counter()
-        got = BF.fused_backward(*call, scale=scale, debug=debug, kdb=args.kdb)
+        got = BF.fused_backward(*call, scale=scale, debug=debug, kdb=args.kdb, splitdk=args.splitdk)
         torch.cuda.synchronize()
         names = ("dq", "dk", "dv", "dg", "dbeta", "dh0") + (("dvn", "dH") if debug else ())
         errs = ", ".join(f"{n} {rel_l2(a.float(), want[n].float()):.2e}" for n, a in zip(names, got))
-        print(f"debug={debug} kdb={args.kdb} T={args.T} ({time.perf_counter() - t0:.1f} s with compile): {errs}",
+        print(f"debug={debug} kdb={args.kdb} splitdk={args.splitdk} T={args.T} ({time.perf_counter() - t0:.1f} s with compile): {errs}",
               flush=True)
 
 

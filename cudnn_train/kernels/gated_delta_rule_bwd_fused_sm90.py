@@ -89,6 +89,7 @@ HANDOVERS = {
     "dqk_full": 128, "dqk_empty": 128,  # dQK tile: W2 -> W1; W1 -> W2
     "kk_full": 128,  # X tile holds dKK: W2 -> W1
     "do_free": 256,  # (KDB) W0's do_s and W2's do Sc^T are done with do: W1 may write dvb over it
+    "dkp_full": 128,  # (SPLITDK) W1's part of dk is in dk's rows (global): W1 -> W2
 }
 # double-buffered (by chunk parity) row vectors: name -> arrivals
 PAIRED = {"vec_full": 32, "vec_empty": 384, "rows_full": 128, "tail_full": 128, "rows_empty": 128,
@@ -99,12 +100,13 @@ PHASES = (
     ("wait h_empty", "dH -> tile", "wait Sc", "tail sum(Sc dH)", "wait vec, do, dw_empty", "do_s", "wait q",
      "q^T do_s", "wait dvb, k", "k^T dvb"),
     ("wait vec, dH, k", "k dH", "wait P, do", "P^T do", "wait dvn_empty", "dvn -> tile", "wait Tm", "Tm^T dvn",
-     "wait v, dvb_empty, rows", "dvb rows, dv store", "wait vn", "vn dH^T, kdt", "wait dQK, q", "dQK^T q, A regs",
-     "wait dw", "A dw", "wait dKK", "dKK k (x2), dk store"),
+     "wait v, dvb_empty, rows", "dvb rows, dv store", "wait vn", "vn dH^T, kdt", "wait dQK, q", "dQK^T q (+ A regs)",
+     "wait dw", "A dw", "wait dKK", "dKK k (x2), dk store (SPLITDK: its part)"),
     ("wait vec, q, k", "q k^T", "wait x_empty", "P -> tile", "wait do, vn", "do vn^T, dP P sums",
      "wait dqk_empty", "dQK -> tile", "wait Sc", "do Sc^T, dQK k, dq store", "wait dvn", "dvn Sc^T",
      "wait dos_free", "dw -> tile", "wait v, Tm", "dw k^T, dvn v^T, dTm", "M1, dA, k k^T", "dA terms, dKK -> tile",
-     "wait rows, tail", "dg, dbeta"),
+     "wait rows, tail", "dg, dbeta", "(SPLITDK) A dw, dKK k (x2)", "(SPLITDK) wait W1's dk part",
+     "(SPLITDK) dk sum, store"),
 )
 NPH = max(len(x) for x in PHASES)
 # W1's row vectors for W2: kdt, its part of dbeta (rowsum(v * dvb)); W0's: the tail's four warp sums
@@ -112,7 +114,7 @@ W1_ROWS = 2
 
 
 def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = False, DEBUG: bool = False,
-           L2BWD: bool = False, PROF: bool = False):
+           L2BWD: bool = False, PROF: bool = False, SPLITDK: bool = False):
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -125,7 +127,10 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
     tv = cm.transpose_view
     COLS = {"q": K, "k": K, "v": V, "do": V, "vn": V, "tm": C}
     TILE_BYTES = {x: (K * V if x == "s" else C * COLS[x]) * dtype.width // 8 for x in INPUTS}
-    NBAR = 2 * len(INPUTS) + len(HANDOVERS) + 2 * len(PAIRED)
+    HAND = dict(HANDOVERS)
+    if SPLITDK:  # dw's only reader is W2; W1 reads neither dKK nor the X tile after P
+        HAND["dw_empty"] = 128
+    NBAR = 2 * len(INPUTS) + len(HAND) + 2 * len(PAIRED)
 
     def bar_index():
         idx = {}
@@ -133,9 +138,9 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
             idx["full_" + x] = i
             idx["empty_" + x] = len(INPUTS) + i
         base = 2 * len(INPUTS)
-        for i, x in enumerate(HANDOVERS):
+        for i, x in enumerate(HAND):
             idx[x] = base + i
-        base += len(HANDOVERS)
+        base += len(HAND)
         for i, x in enumerate(PAIRED):
             idx[x] = base + 2 * i  # + parity
         return idx
@@ -147,7 +152,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         for x in INPUTS:
             cnt[BAR["full_" + x]] = 1
             cnt[BAR["empty_" + x]] = 128 * READERS[x]
-        for x, n in HANDOVERS.items():
+        for x, n in HAND.items():
             cnt[BAR[x]] = n
         for x, n in PAIRED.items():
             cnt[BAR[x]] = cnt[BAR[x] + 1] = n
@@ -288,6 +293,25 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                 y0, y1 = ld2(sY, i, dd)
                 acc[e] = ri * (acc[e] - y0 * sy)
                 acc[e + 1] = ri * (acc[e + 1] - y1 * sy)
+
+    @cute.jit
+    def tm_regs(rA: cute.Tensor, cA: cute.Tensor, sTm: cute.Tensor, sB: cute.Tensor, sGc: cute.Tensor,
+                par: cutlass.Constexpr):
+        # the register A operand diag(beta eg) Tm^T of dk's dw term
+        for f in cutlass.range_constexpr(cute.size(rA)):
+            i, j = cA[f]
+            rA[f] = (sTm[j, i].to(Float32) * (sB[par, i] * ex2(sGc[par, i]))).to(dtype)
+
+    @cute.jit
+    def add_pairs(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
+        # (SPLITDK) acc += the float32 rows < nvalid of gX at the accumulator's coordinates (pairs, 8-byte loads)
+        for e in cutlass.range_constexpr(cute.size(acc) // 2):
+            i, d = cAcc[2 * e]
+            if i < nvalid:
+                frag = cute.make_rmem_tensor((1, 2), Float32)
+                cute.autovec_copy(cute.local_tile(gX, (1, 2), (i, d // 2)), frag)
+                acc[2 * e] = acc[2 * e] + frag[0]
+                acc[2 * e + 1] = acc[2 * e + 1] + frag[1]
 
     @cute.jit
     def _mark(sP: cute.Tensor, w: cutlass.Constexpr, p: cutlass.Constexpr, lt: Int32):
@@ -586,6 +610,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         mark(sProf, 1, 6, lt)
                         mm(mma_ckta, acc, tv(sTm), tv(sDvn), True, lt)
                         done()
+                        if cutlass.const_expr(SPLITDK):  # (W1's only read of Tm)
+                            arrive(mbar, "empty_tm")
                         mark(sProf, 1, 7, lt)
                         wait(mbar, "full_v", it)
                         gDv = cute.domain_offset((t0, 0), mDv[b, None, hv, None])
@@ -637,37 +663,47 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             rs = quad_sum(rs)
                             if lt % 4 == 0:
                                 sR1[par, 0, i] = rs
+                        if cutlass.const_expr(SPLITDK):  # (W1's last read of k)
+                            release_k(mbar, it)
                         mark(sProf, 1, 11, lt)
                         wait(mbar, "dqk_full", it)
                         wait(mbar, "full_q", it)
                         mark(sProf, 1, 12, lt)
                         mm(mma_ckta, acc, tv(sDqk), tv(sQ), False, lt)
-                        # A = diag(beta eg) Tm^T in registers while dQK^T q runs
-                        rA = mma_ckr.make_fragment_A(thr_r.partition_shape_A((C, C)))
-                        for f in cutlass.range_constexpr(cute.size(rA)):
-                            i, j = cA[f]
-                            rA[f] = (sTm[j, i].to(Float32) * (sB[par, i] * ex2(sGc[par, i]))).to(dtype)
-                        done()
-                        arrive(mbar, "dqk_empty")
-                        arrive(mbar, "empty_q")
-                        mark(sProf, 1, 13, lt)
-                        wait(mbar, "dw_full", it)
-                        mark(sProf, 1, 14, lt)
-                        gemm(mma_ckr, acc, rA, mma_ckr.make_fragment_B(thr_r.partition_B(tv(sDw))), False)
-                        done()
-                        arrive(mbar, "dw_empty")
-                        arrive(mbar, "empty_tm")
-                        mark(sProf, 1, 15, lt)
-                        wait(mbar, "kk_full", it)
-                        mark(sProf, 1, 16, lt)
-                        mm(mma_ckt, acc, sX, tv(sKc), False, lt)
-                        mm(mma_ckta, acc, tv(sX), tv(sKc), False, lt)
-                        done()
-                        arrive(mbar, "x_empty")
-                        if cutlass.const_expr(L2BWD):  # (reads k's tile: before its release)
-                            l2norm_bwd_rows(acc, cCK, grp, sKc, mRk, b, t0, h, length)
-                        release_k(mbar, it)
-                        store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDk[b, None, hv, None]), length)
+                        gDk = cute.domain_offset((t0, 0), mDk[b, None, hv, None])
+                        if cutlass.const_expr(SPLITDK):
+                            # W1's part of dk (kdt + dQK^T q) into dk's rows; W2 adds the rest and stores the sum
+                            done()
+                            arrive(mbar, "dqk_empty")
+                            arrive(mbar, "empty_q")
+                            mark(sProf, 1, 13, lt)
+                            store_pairs(acc, cCK, gDk, length)
+                            arrive(mbar, "dkp_full")
+                        else:
+                            # A = diag(beta eg) Tm^T in registers while dQK^T q runs
+                            rA = mma_ckr.make_fragment_A(thr_r.partition_shape_A((C, C)))
+                            tm_regs(rA, cA, sTm, sB, sGc, par)
+                            done()
+                            arrive(mbar, "dqk_empty")
+                            arrive(mbar, "empty_q")
+                            mark(sProf, 1, 13, lt)
+                            wait(mbar, "dw_full", it)
+                            mark(sProf, 1, 14, lt)
+                            gemm(mma_ckr, acc, rA, mma_ckr.make_fragment_B(thr_r.partition_B(tv(sDw))), False)
+                            done()
+                            arrive(mbar, "dw_empty")
+                            arrive(mbar, "empty_tm")
+                            mark(sProf, 1, 15, lt)
+                            wait(mbar, "kk_full", it)
+                            mark(sProf, 1, 16, lt)
+                            mm(mma_ckt, acc, sX, tv(sKc), False, lt)
+                            mm(mma_ckta, acc, tv(sX), tv(sKc), False, lt)
+                            done()
+                            arrive(mbar, "x_empty")
+                            if cutlass.const_expr(L2BWD):  # (reads k's tile: before its release)
+                                l2norm_bwd_rows(acc, cCK, grp, sKc, mRk, b, t0, h, length)
+                            release_k(mbar, it)
+                            store_pairs(acc, cCK, gDk, length)
                         arrive(mbar, "rows_full", it, paired=True)
                         arrive(mbar, "vec_empty", it, paired=True)
                         mark(sProf, 1, 17, lt)
@@ -679,6 +715,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
             if cutlass.const_expr(PROF):
                 prof_start(sProf, 2, lt)
             grp_cc, grp_ck, cols_cc = facts["grp_cc"], facts["grp_ck"], facts["cols_cc"]
+            thr_r = mma_ckr.get_slice(lt)  # (SPLITDK: dk's dw term, A in registers)
+            cA = thr_r.partition_A(cute.make_identity_tensor((C, C)))
             for itp in cutlass.range((nchunks + 1) // 2, unroll=1):
                 for par in cutlass.range_constexpr(2):  # chunk it in buffer par: every buffer static
                     it = itp * 2 + par
@@ -699,8 +737,9 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         mm(mma_cc, accP, sQ, sKc, True, lt)
                         done()
                         mark(sProf, 2, 1, lt)
-                        if it > 0:
-                            wait(mbar, "x_empty", it - 1)
+                        if cutlass.const_expr(not SPLITDK):  # (SPLITDK: W1 does not read the X tile after P)
+                            if it > 0:
+                                wait(mbar, "x_empty", it - 1)
                         mark(sProf, 2, 2, lt)
                         scaled_lower(accP, cCC, sGc, par, scale)
                         acc_to_tile(accP, cCC, sX, False)
@@ -784,7 +823,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         mm(mma_cc, accX2, sDvn, sV, True, lt)
                         done()
                         arrive(mbar, "dvn_empty")
-                        arrive(mbar, "dw_empty")
+                        if cutlass.const_expr(not SPLITDK):  # (SPLITDK: dw is read again below)
+                            arrive(mbar, "dw_empty")
                         arrive(mbar, "empty_v")
                         for e2 in cutlass.range_constexpr(cute.size(accX1) // 2):
                             e = 2 * e2
@@ -813,8 +853,9 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         mm(mma_cc, accM, sX, sTm, True, lt)
                         mm(mma_cc, accX2, sKc, sKc, True, lt)
                         done()
-                        arrive(mbar, "empty_tm")
-                        release_k(mbar, it)
+                        if cutlass.const_expr(not SPLITDK):  # (SPLITDK: Tm and k are read again below)
+                            arrive(mbar, "empty_tm")
+                            release_k(mbar, it)
                         wg_bar(2)
                         mark(sProf, 2, 16, lt)
                         # dA's terms: dAE = dA * Es ; dbeta += rowsum(dAE * KK) ; dA * A = beta dAE * KK (pairs) ;
@@ -842,9 +883,31 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         col_parts(accX2, cCC, cols_cc, sColP, warp, lane, True)
                         acc_to_tile(accM, cCC, sX, False)
                         published()
-                        arrive(mbar, "kk_full")
+                        if cutlass.const_expr(not SPLITDK):
+                            arrive(mbar, "kk_full")
                         wg_bar(2)
                         mark(sProf, 2, 17, lt)
+                        if cutlass.const_expr(SPLITDK):
+                            # dk's other part: (diag(beta eg) Tm^T) dw + dKK k + dKK^T k, then W1's part added
+                            rA = mma_ckr.make_fragment_A(thr_r.partition_shape_A((C, C)))
+                            tm_regs(rA, cA, sTm, sB, sGc, par)
+                            accK = acc_of(mma_ck, C, K, lt)
+                            gemm(mma_ckr, accK, rA, mma_ckr.make_fragment_B(thr_r.partition_B(tv(sDw))), True)
+                            mm(mma_ckt, accK, sX, tv(sKc), False, lt)
+                            mm(mma_ckta, accK, tv(sX), tv(sKc), False, lt)
+                            done()
+                            arrive(mbar, "dw_empty")
+                            arrive(mbar, "empty_tm")
+                            mark(sProf, 2, 20, lt)
+                            wait(mbar, "dkp_full", it)
+                            mark(sProf, 2, 21, lt)
+                            gDk = cute.domain_offset((t0, 0), mDk[b, None, hv, None])
+                            add_pairs(accK, cCK, gDk, length)
+                            if cutlass.const_expr(L2BWD):  # (reads k's tile: before its release)
+                                l2norm_bwd_rows(accK, cCK, grp_ck, sKc, mRk, b, t0, h, length)
+                            release_k(mbar, it)
+                            store_pairs(accK, cCK, gDk, length)
+                            mark(sProf, 2, 22, lt)
                         # dgc (the other warpgroups' rows joined) ; dg = reverse cumsum ; dbeta
                         wait(mbar, "rows_full", it, paired=True)
                         wait(mbar, "tail_full", it, paired=True)
@@ -1008,18 +1071,31 @@ def kdb_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_FUSED_KDB", False)
 
 
+def splitdk_default() -> bool:
+    """``CUDNN_TRAIN_GDN_FUSED_SPLITDK=1``: dk's late terms on W2. W1 stores its part of dk (``kdt + dQK^T q``) to
+    dk's rows and moves on to the next chunk; W2, once it has dw and dKK, forms ``(diag(beta eg) Tm^T) dw + dKK k
+    + dKK^T k`` itself, adds W1's part (read back from the rows, after W1's ``dkp_full``) and stores the sum. W1
+    then never waits for the end of W2's chain (dw -> dTm -> dA -> dKK) before the next chunk's dvn, which the plain
+    schedule does: the chain's recurrence then holds the whole of W2's work in every chunk. The same products on
+    the same roundings, summed in another order (the bits differ in the last place). Off until measured (fortieth
+    session)."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_FUSED_SPLITDK", False)
+
+
 def get_fused_bwd_kernel(dtype, K: int, V: int, has_dht: bool, state_vk: bool, kdb: bool = False,
-                         debug: bool = False, l2bwd: bool = False, prof: bool = False):
+                         debug: bool = False, l2bwd: bool = False, prof: bool = False, splitdk: bool = False):
     _static_checks(K, V)
     key = ("fused_bwd", str(dtype), K, V, bool(has_dht), bool(state_vk)) + (("kdb",) if kdb else ()) + (
-        ("debug",) if debug else ()) + (("l2bwd",) if l2bwd else ()) + (("prof",) if prof else ())
+        ("debug",) if debug else ()) + (("l2bwd",) if l2bwd else ()) + (("prof",) if prof else ()) + (
+        ("splitdk",) if splitdk else ())
     return kc.get_kernel("gdn_bwd_fused", key, lambda: _build(fwd._dt(dtype), K, V, bool(has_dht), bool(state_vk),
-                                                              bool(kdb), bool(debug), bool(l2bwd), bool(prof)),
-                         _SOURCES)
+                                                              bool(kdb), bool(debug), bool(l2bwd), bool(prof),
+                                                              bool(splitdk)), _SOURCES)
 
 
 def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float, state_v_first: bool = False,
-                   kdb: bool | None = None, debug: bool = False, rq=None, rk=None, profile=None):
+                   kdb: bool | None = None, debug: bool = False, rq=None, rk=None, profile=None,
+                   splitdk: bool | None = None):
     """Launch the fused backward (see the module docstring for the tensors). Returns ``(dq, dk, dv, dg, dbeta,
     dh0)``. Raises :class:`Unsupported` for what it does not serve (dtypes, head dims, layouts) before any launch.
     ``kdb``: the two-k-buffer variant (default :func:`kdb_default`); the same products and roundings, the same
@@ -1090,8 +1166,9 @@ def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float,
         raise Unsupported(f"profile: int64, {B * HV * 3 * (NPH + 1)} elements on q's device")
     dht_t = dht  # (read in the layout dh0 is written in: [V, K] with state_v_first)
     kdb = kdb_default() if kdb is None else bool(kdb)
+    splitdk = splitdk_default() if splitdk is None else bool(splitdk)
     fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first, kdb, bool(debug), rq is not None,
-                              profile is not None)
+                              profile is not None, splitdk)
     dummy, _, i64_dummy = fwd._dummies(dev)
     fn(q, k, v, do, vn, tm, hs, gc, beta, dummy.view(1, 1, 1, 1) if dht is None else dht_t,
        dq, dk, dv, dg, db, dh0, *(dbg or (torch.empty(1, 1, 1, V, dtype=torch.float32, device=dev),  # (unread)

@@ -22,9 +22,10 @@ def test_fused_backward_compiles_for_sm90a(kernel_cache):
     # the debug variant (dvn and the dH rows out); the l2norm's backward in the kernel
     assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, debug=True))
     assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, l2bwd=True))
-    # the profile variant (per-warpgroup phase cycles out)
+    # the profile variant (per-warpgroup phase cycles out); dk's late terms on W2, with the l2norm backward
     assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, prof=True))
-    assert len(list(kernel_cache.rglob("*.o"))) == 6
+    assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, l2bwd=True, splitdk=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 7
 
 
 def test_two_k_buffers_switch_is_off_by_default_and_parses(monkeypatch):
@@ -111,11 +112,12 @@ def test_fused_backward_chain_intermediates_match_the_reverse_sweep():
 
 
 @pytest.mark.gpu
-def test_fused_backward_l2norm_backward_in_the_kernel():
+@pytest.mark.parametrize("splitdk", [False, True])
+def test_fused_backward_l2norm_backward_in_the_kernel(splitdk):
     """With the rows' l2norm factors given (``rq``, ``rk``, as the training path computes them from the raw rows),
     dq and dk leave through the l2norm's backward ``r (dy - y rowsum(y dy))``, y the normalized rows given: the
     kernel's against the plain kernel's dq, dk put through that formula in float32 (another summation order), the
-    rest bitwise."""
+    rest bitwise. With ``splitdk`` W2 applies it to dk's sum."""
     from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
     from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
 
@@ -124,8 +126,8 @@ def test_fused_backward_l2norm_backward_in_the_kernel():
         raw = ins[x].float() * (0.5 + torch.rand_like(ins[x].float()[..., :1]) * 3)
         ins[x], ins["r" + x] = tr._normalized(raw.to(torch.bfloat16))
     args = [ins[x] for x in ("q", "k", "v", "gc", "beta", "do", "vn", "tm", "hs", "dht")]
-    plain = BF.fused_backward(*args, scale=scale, kdb=False)
-    got = BF.fused_backward(*args, scale=scale, kdb=False, rq=ins["rq"], rk=ins["rk"])
+    plain = BF.fused_backward(*args, scale=scale, kdb=False, splitdk=splitdk)
+    got = BF.fused_backward(*args, scale=scale, kdb=False, rq=ins["rq"], rk=ins["rk"], splitdk=splitdk)
     torch.cuda.synchronize()
     for i, x in enumerate(("q", "k")):
         y = tr.expand_heads(ins[x].float(), 4)
@@ -160,10 +162,17 @@ def test_fused_backward_matches_the_stagewise_float64_backward(case):
         assert tuple(a.shape) == tuple(b.shape), (name, tuple(a.shape), tuple(b.shape))
         err = rel_l2(a.float(), b.float())
         assert err <= 2e-2, (case, name, err)
-    if dtype == torch.bfloat16 and with_dht:  # (the variant is compiled for this pair)
+    if dtype == torch.bfloat16 and with_dht:  # (the variants are compiled for this pair)
         two = BF.fused_backward(*args, scale=scale, state_v_first=state_vk, kdb=True)
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), two, got):
             assert torch.equal(a, b), (case, name, "kdb", rel_l2(a.float(), b.float()))
+        # dk's late terms on W2 (SPLITDK): dk summed in another order, every other output bitwise
+        split = BF.fused_backward(*args, scale=scale, state_v_first=state_vk, kdb=False, splitdk=True)
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), split, got):
+            if name == "dk":
+                assert rel_l2(a, want["dk"]) <= 2e-2 and rel_l2(a, b) <= 1e-5, (case, rel_l2(a, b))
+            else:
+                assert torch.equal(a, b), (case, name, "splitdk", rel_l2(a.float(), b.float()))
 
 
 @pytest.mark.gpu
