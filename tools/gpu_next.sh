@@ -17,8 +17,9 @@
 #                                   # SHAPES; FUSED_TIME=0: the cases alone; FUSED_K: a pytest -k selection;
 #                                   # FUSED_ARGS: more arguments of the timing, e.g. --profile; FUSED_CASES=0: the
 #                                   # timing alone)
-#   bash tools/gpu_next.sh fused40  # the fortieth session's: the rows' kernels built side by side, the split-dk
-#                                   # smoke, time_gdn_fused.py --profile (ROWS), then the cases (FUSED_K, FUSED_S)
+#   bash tools/gpu_next.sh fused40  # the fortieth session's: the rows' kernels built side by side, the split-dk and
+#                                   # dq1 smokes, time_gdn_fused.py --profile (ROWS), then the cases (FUSED_K,
+#                                   # FUSED_S)
 #   bash tools/gpu_next.sh dchunk   # the stage-3 kernel's tier, then tools/time_gdn_dchunk.py (one vs two warpgroups)
 #   bash tools/gpu_next.sh pending  # all of dchunk / sweep2 / fwd2's new cases, then the three timing tools, one call
 #   bash tools/gpu_next.sh s7       # the seventh session's defaults and the sweep's prefetch: tiers, then its timing
@@ -734,13 +735,16 @@ fused)
 fused40)
   # the fortieth session's: every row's kernels built side by side, the split variant's smoke, the rows' timings and
   # profiles, then the GPU cases (FUSED_K selection, FUSED_S limit)
-  for w in ${FUSED_WARM:-fused split split_kdb two fused_prof split_prof}; do
+  for w in ${FUSED_WARM:-fused split split_kdb dq1 two fused_prof split_prof dq1_prof}; do
     timeout -k 10 240 python3 tools/time_gdn_fused.py --warm $w > $OUT/warm_$w.log 2>&1 &
   done
   wait; tail -n 2 $OUT/warm_*.log | cut -c1-200
   timed smoke ${SMOKE_S:-60} python3 tools/smoke_gdn_fused.py --splitdk --no-debug
   grep -q "debug=False" $OUT/smoke.log || { echo "smoke did not finish: the rest skipped"; exit 1; }
-  timed time_fused ${TIME_S:-150} python3 tools/time_gdn_fused.py --profile --rows ${ROWS:-fused,split,split_kdb}
+  rows=${ROWS:-fused,split,split_kdb,dq1}
+  timed smoke_dq1 ${SMOKE_S:-60} python3 tools/smoke_gdn_fused.py --dq1 --no-debug
+  grep -q "debug=False" $OUT/smoke_dq1.log || { rows=${rows/,dq1/}; echo "dq1 smoke did not finish: rows $rows"; }
+  timed time_fused ${TIME_S:-150} python3 tools/time_gdn_fused.py --profile --rows $rows
   timeout -k 10 ${FUSED_S:-200} $P -n 4 tests/kernels/test_gated_delta_rule_bwd_fused_sm90.py \
     ${FUSED_K:+-k "$FUSED_K"} > $OUT/fused.log 2>&1
   echo "pytest rc=$?"; pkill -9 -f "pytest" 2>/dev/null

@@ -6,9 +6,9 @@ sweep and stage 3 as the training path calls them (GPU machine), on the same sha
 The inputs are random, shaped as the training path gives them (q, k at their own heads, l2-normalized for the
 fused kernel; the in-chunk cumulative log decay; bf16 chunk rows, vn and Tm): timings do not depend on the values.
 The two-kernel row is ``reverse_sweep`` (w given, dvn and dH in bf16) then ``chunk_grads`` (vn and Tm read, l2norm
-in kernel, the GVA pair sum: the training defaults); the fused rows (``--rows``, default ``fused,split``: ``fused``
+in kernel, the GVA pair sum: the training defaults); the fused rows (``--rows``, default ``fused,split,dq1``: ``fused``
 the plain schedule, ``kdb`` with two k buffers, ``split`` with dk's late terms on W2 (``splitdk``), ``split_kdb``
-both) leave the l2norm's backward and the GVA sum to
+both, ``dq1`` split with dq on W1 too) leave the l2norm's backward and the GVA sum to
 the caller, so it does a little less. Median ms of ``benchmarks.common.bench`` (L2 cleared before every call),
 rounds alternating. ``--profile``: then each row's profile variant once (its outputs must equal the row's kernel's),
 and per warpgroup the mean cycles a chunk of every phase (thread 0's clock64, averaged over the CTAs).
@@ -49,7 +49,7 @@ def main():
     ap.add_argument("--shapes", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--rows", default="fused,split", help=f"fused rows, of {', '.join(ROWS)}")
+    ap.add_argument("--rows", default="fused,split,dq1", help=f"fused rows, of {', '.join(ROWS)}")
     ap.add_argument("--warm")
     args = ap.parse_args()
     rows = args.rows.split(",")
@@ -100,7 +100,8 @@ def main():
 
 # the fused rows: fused_backward's variant arguments
 ROWS = {"fused": dict(kdb=False, splitdk=False), "kdb": dict(kdb=True, splitdk=False),
-        "split": dict(kdb=False, splitdk=True), "split_kdb": dict(kdb=True, splitdk=True)}
+        "split": dict(kdb=False, splitdk=True), "split_kdb": dict(kdb=True, splitdk=True),
+        "dq1": dict(kdb=False, splitdk=True, dq1=True)}
 
 
 def profile(BF, fused, row, B, T, HV):

@@ -101,7 +101,8 @@ PHASES = (
      "q^T do_s", "wait dvb, k", "k^T dvb"),
     ("wait vec, dH, k", "k dH", "wait P, do", "P^T do", "wait dvn_empty", "dvn -> tile", "wait Tm", "Tm^T dvn",
      "wait v, dvb_empty, rows", "dvb rows, dv store", "wait vn", "vn dH^T, kdt", "wait dQK, q", "dQK^T q (+ A regs)",
-     "wait dw", "A dw", "wait dKK", "dKK k (x2), dk store (SPLITDK: its part)"),
+     "wait dw", "A dw", "wait dKK", "dKK k (x2), dk store (SPLITDK: its part)", "(DQ1) wait Sc",
+     "(DQ1) do Sc^T, dQK k, dq store"),
     ("wait vec, q, k", "q k^T", "wait x_empty", "P -> tile", "wait do, vn", "do vn^T, dP P sums",
      "wait dqk_empty", "dQK -> tile", "wait Sc", "do Sc^T, dQK k, dq store", "wait dvn", "dvn Sc^T",
      "wait dos_free", "dw -> tile", "wait v, Tm", "dw k^T, dvn v^T, dTm", "M1, dA, k k^T", "dA terms, dKK -> tile",
@@ -109,12 +110,15 @@ PHASES = (
      "(SPLITDK) dk sum, store"),
 )
 NPH = max(len(x) for x in PHASES)
-# W1's row vectors for W2: kdt, its part of dbeta (rowsum(v * dvb)); W0's: the tail's four warp sums
-W1_ROWS = 2
+# W1's row vectors for W2: kdt, its part of dbeta (rowsum(v * dvb)), (DQ1) dq's part of dgc (rowsum(q * dqg));
+# W0's: the tail's four warp sums
+W1_ROWS = 3
 
 
 def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = False, DEBUG: bool = False,
-           L2BWD: bool = False, PROF: bool = False, SPLITDK: bool = False):
+           L2BWD: bool = False, PROF: bool = False, SPLITDK: bool = False, DQ1: bool = False):
+    # DQ1 (dq on W1) builds on SPLITDK and reads do after dvb is written: not with KDB's dvb over do
+    assert not DQ1 or (SPLITDK and not KDB), "DQ1: with SPLITDK, without KDB"
     cutlass, cute = kc.import_cute()
     from cutlass import Float32, Int32
     from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -127,6 +131,9 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
     tv = cm.transpose_view
     COLS = {"q": K, "k": K, "v": V, "do": V, "vn": V, "tm": C}
     TILE_BYTES = {x: (K * V if x == "s" else C * COLS[x]) * dtype.width // 8 for x in INPUTS}
+    READ = dict(READERS)
+    if DQ1:  # W1 reads Sc for dq's first term
+        READ["s"] = 3
     HAND = dict(HANDOVERS)
     if SPLITDK:  # dw's only reader is W2; W1 reads neither dKK nor the X tile after P
         HAND["dw_empty"] = 128
@@ -151,7 +158,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         cnt = [0] * NBAR
         for x in INPUTS:
             cnt[BAR["full_" + x]] = 1
-            cnt[BAR["empty_" + x]] = 128 * READERS[x]
+            cnt[BAR["empty_" + x]] = 128 * READ[x]
         for x, n in HAND.items():
             cnt[BAR[x]] = n
         for x, n in PAIRED.items():
@@ -301,6 +308,22 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
         for f in cutlass.range_constexpr(cute.size(rA)):
             i, j = cA[f]
             rA[f] = (sTm[j, i].to(Float32) * (sB[par, i] * ex2(sGc[par, i]))).to(dtype)
+
+    @cute.jit
+    def dq_rows(accQ: cute.Tensor, cAcc: cute.Tensor, groups: cutlass.Constexpr, sQ: cute.Tensor, sGc: cute.Tensor,
+                par: cutlass.Constexpr, scale: Float32, rows: cute.Tensor):
+        # do Sc^T -> scale diag(eg) do Sc^T in place; rows[gi] = rowsum(q * that), summed over the row's quad
+        for gi in cutlass.range_constexpr(len(groups)):
+            i, _ = cAcc[groups[gi][0]]
+            f = scale * ex2(sGc[par, i])
+            s = Float32(0.0)
+            for e in groups[gi][0::2]:
+                _, dd = cAcc[e]
+                q0, q1 = ld2(sQ, i, dd)
+                accQ[e] = accQ[e] * f
+                accQ[e + 1] = accQ[e + 1] * f
+                s = s + q0 * accQ[e] + q1 * accQ[e + 1]
+            rows[gi] = quad_sum(s)
 
     @cute.jit
     def add_pairs(acc: cute.Tensor, cAcc: cute.Tensor, gX: cute.Tensor, nvalid: Int32):
@@ -593,7 +616,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         mark(sProf, 1, 2, lt)
                         mm(mma_ckta, acc, tv(sX), tv(sDo), False, lt)
                         done()
-                        arrive(mbar, "empty_do")
+                        if cutlass.const_expr(not DQ1):  # (DQ1: do is read again for dq)
+                            arrive(mbar, "empty_do")
                         mark(sProf, 1, 3, lt)
                         if cutlass.const_expr(DEBUG):  # dvn, float32
                             store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDvnD[b, None, hv, None]), length)
@@ -663,7 +687,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             rs = quad_sum(rs)
                             if lt % 4 == 0:
                                 sR1[par, 0, i] = rs
-                        if cutlass.const_expr(SPLITDK):  # (W1's last read of k)
+                        if cutlass.const_expr(SPLITDK and not DQ1):  # (W1's last read of k)
                             release_k(mbar, it)
                         mark(sProf, 1, 11, lt)
                         wait(mbar, "dqk_full", it)
@@ -674,11 +698,35 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         if cutlass.const_expr(SPLITDK):
                             # W1's part of dk (kdt + dQK^T q) into dk's rows; W2 adds the rest and stores the sum
                             done()
-                            arrive(mbar, "dqk_empty")
-                            arrive(mbar, "empty_q")
+                            if cutlass.const_expr(not DQ1):  # (DQ1: dQK and q are read again for dq)
+                                arrive(mbar, "dqk_empty")
+                                arrive(mbar, "empty_q")
                             mark(sProf, 1, 13, lt)
                             store_pairs(acc, cCK, gDk, length)
                             arrive(mbar, "dkp_full")
+                            if cutlass.const_expr(DQ1):
+                                # dq = scale diag(eg) do Sc^T + dQK k ; dgc's rowsum(q * dqg) to W2
+                                wait(mbar, "full_s", it)
+                                mark(sProf, 1, 18, lt)
+                                mm(mma_ck, acc, sDo, sS, True, lt)
+                                done()
+                                arrive(mbar, "empty_do")
+                                arrive(mbar, "empty_s")
+                                rq2 = cute.make_rmem_tensor((2,), Float32)
+                                dq_rows(acc, cCK, grp, sQ, sGc, par, scale, rq2)
+                                if lt % 4 == 0:
+                                    for gi in cutlass.range_constexpr(2):
+                                        i, _ = cCK[grp[gi][0]]
+                                        sR1[par, 2, i] = rq2[gi]
+                                mm(mma_ckt, acc, sDqk, tv(sKc), False, lt)
+                                done()
+                                arrive(mbar, "dqk_empty")
+                                release_k(mbar, it)
+                                if cutlass.const_expr(L2BWD):  # (reads q's tile: before its release)
+                                    l2norm_bwd_rows(acc, cCK, grp, sQ, mRq, b, t0, h, length)
+                                arrive(mbar, "empty_q")
+                                store_pairs(acc, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
+                                mark(sProf, 1, 19, lt)
                         else:
                             # A = diag(beta eg) Tm^T in registers while dQK^T q runs
                             rA = mma_ckr.make_fragment_A(thr_r.partition_shape_A((C, C)))
@@ -736,6 +784,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         accP = acc_of(mma_cc, C, C, lt)
                         mm(mma_cc, accP, sQ, sKc, True, lt)
                         done()
+                        if cutlass.const_expr(DQ1):  # (W2's only read of q)
+                            arrive(mbar, "empty_q")
                         mark(sProf, 2, 1, lt)
                         if cutlass.const_expr(not SPLITDK):  # (SPLITDK: W1 does not read the X tile after P)
                             if it > 0:
@@ -754,6 +804,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         mm(mma_cc, accD, sDo, sVn, True, lt)
                         done()
                         arrive(mbar, "empty_vn")
+                        if cutlass.const_expr(DQ1):  # (W2's last read of do)
+                            arrive(mbar, "empty_do")
                         for gi in cutlass.range_constexpr(len(grp_cc)):
                             s = Float32(0.0)
                             for e in grp_cc[gi]:
@@ -772,33 +824,27 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         wg_bar(2)
                         arrive(mbar, "dqk_full")
                         mark(sProf, 2, 7, lt)
-                        # dq = scale diag(eg) do Sc^T + dQK k ; rowsum(scale eg q * do Sc^T)
-                        wait(mbar, "full_s", it)
-                        mark(sProf, 2, 8, lt)
                         accQ = acc_of(mma_ck, C, K, lt)
-                        mm(mma_ck, accQ, sDo, sS, True, lt)
-                        done()
-                        arrive(mbar, "empty_do")
-                        if cutlass.const_expr(KDB):
-                            arrive(mbar, "do_free")
-                        for gi in cutlass.range_constexpr(len(grp_ck)):
-                            i, _ = cCK[grp_ck[gi][0]]
-                            f = scale * ex2(sGc[par, i])
-                            s = Float32(0.0)
-                            for e in grp_ck[gi][0::2]:
-                                _, dd = cCK[e]
-                                q0, q1 = ld2(sQ, i, dd)
-                                accQ[e] = accQ[e] * f
-                                accQ[e + 1] = accQ[e + 1] * f
-                                s = s + q0 * accQ[e] + q1 * accQ[e + 1]
-                            rowg[gi] = rowg[gi] + quad_sum(s)
-                        mm(mma_ckt, accQ, sDqk, tv(sKc), False, lt)
-                        done()
-                        if cutlass.const_expr(L2BWD):  # (reads q's tile: before its release)
-                            l2norm_bwd_rows(accQ, cCK, grp_ck, sQ, mRq, b, t0, h, length)
-                        arrive(mbar, "empty_q")
-                        store_pairs(accQ, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
-                        mark(sProf, 2, 9, lt)
+                        if cutlass.const_expr(not DQ1):  # (DQ1: on W1)
+                            # dq = scale diag(eg) do Sc^T + dQK k ; rowsum(scale eg q * do Sc^T)
+                            wait(mbar, "full_s", it)
+                            mark(sProf, 2, 8, lt)
+                            mm(mma_ck, accQ, sDo, sS, True, lt)
+                            done()
+                            arrive(mbar, "empty_do")
+                            if cutlass.const_expr(KDB):
+                                arrive(mbar, "do_free")
+                            rq2 = cute.make_rmem_tensor((2,), Float32)
+                            dq_rows(accQ, cCK, grp_ck, sQ, sGc, par, scale, rq2)
+                            for gi in cutlass.range_constexpr(2):
+                                rowg[gi] = rowg[gi] + rq2[gi]
+                            mm(mma_ckt, accQ, sDqk, tv(sKc), False, lt)
+                            done()
+                            if cutlass.const_expr(L2BWD):  # (reads q's tile: before its release)
+                                l2norm_bwd_rows(accQ, cCK, grp_ck, sQ, mRq, b, t0, h, length)
+                            arrive(mbar, "empty_q")
+                            store_pairs(accQ, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
+                            mark(sProf, 2, 9, lt)
                         # dw = -dvn Sc^T -> the do_s / dw tile, once W0's q^T do_s is done
                         wait(mbar, "dvn_full", it)
                         mark(sProf, 2, 10, lt)
@@ -921,6 +967,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                                 cp = sColP[0, i] + sColP[1, i] + sColP[2, i] + sColP[3, i]
                                 kdt = sR1[par, 0, i]
                                 sDgc[i] = rowg[gi] - cp + bi * eg * cs - kdt
+                                if cutlass.const_expr(DQ1):
+                                    sDgc[i] = sDgc[i] + sR1[par, 2, i]
                                 db_ = rowb[gi] + eg * cs + sR1[par, 1, i]
                                 if i < length:
                                     mDb[b, t0 + i, hv] = db_
@@ -1082,20 +1130,32 @@ def splitdk_default() -> bool:
     return cm.env_switch("CUDNN_TRAIN_GDN_FUSED_SPLITDK", False)
 
 
+def dq1_default() -> bool:
+    """``CUDNN_TRAIN_GDN_FUSED_DQ1=1``: with split-dk, dq on W1 as well (``scale diag(eg) do Sc^T + dQK k``, its
+    row sums for dg handed to W2 in a row vector), which balances the products a chunk at W0 2, W1 7, W2 11 (split-dk
+    alone: 2, 5, 13). Implies split-dk; not with two k buffers (dvb goes over do's tile there, which dq still reads).
+    The same bits as split-dk but for dg (dq's row sums join dgc last). Off until measured (fortieth session,
+    prepared)."""
+    return cm.env_switch("CUDNN_TRAIN_GDN_FUSED_DQ1", False)
+
+
 def get_fused_bwd_kernel(dtype, K: int, V: int, has_dht: bool, state_vk: bool, kdb: bool = False,
-                         debug: bool = False, l2bwd: bool = False, prof: bool = False, splitdk: bool = False):
+                         debug: bool = False, l2bwd: bool = False, prof: bool = False, splitdk: bool = False,
+                         dq1: bool = False):
     _static_checks(K, V)
+    if dq1 and (kdb or not splitdk):
+        raise Unsupported("dq on W1 (dq1) needs splitdk and one k buffer (not kdb)")
     key = ("fused_bwd", str(dtype), K, V, bool(has_dht), bool(state_vk)) + (("kdb",) if kdb else ()) + (
         ("debug",) if debug else ()) + (("l2bwd",) if l2bwd else ()) + (("prof",) if prof else ()) + (
-        ("splitdk",) if splitdk else ())
+        ("splitdk",) if splitdk else ()) + (("dq1",) if dq1 else ())
     return kc.get_kernel("gdn_bwd_fused", key, lambda: _build(fwd._dt(dtype), K, V, bool(has_dht), bool(state_vk),
                                                               bool(kdb), bool(debug), bool(l2bwd), bool(prof),
-                                                              bool(splitdk)), _SOURCES)
+                                                              bool(splitdk), bool(dq1)), _SOURCES)
 
 
 def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float, state_v_first: bool = False,
                    kdb: bool | None = None, debug: bool = False, rq=None, rk=None, profile=None,
-                   splitdk: bool | None = None):
+                   splitdk: bool | None = None, dq1: bool | None = None):
     """Launch the fused backward (see the module docstring for the tensors). Returns ``(dq, dk, dv, dg, dbeta,
     dh0)``. Raises :class:`Unsupported` for what it does not serve (dtypes, head dims, layouts) before any launch.
     ``kdb``: the two-k-buffer variant (default :func:`kdb_default`); the same products and roundings, the same
@@ -1143,6 +1203,14 @@ def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float,
         if t.device != q.device:
             raise Unsupported(f"{name} on {t.device}")
         cm.check_index_range(name, t)
+    kdb = kdb_default() if kdb is None else bool(kdb)
+    dq1 = dq1_default() if dq1 is None else bool(dq1)
+    splitdk = dq1 or (splitdk_default() if splitdk is None else bool(splitdk))
+    if dq1 and kdb:
+        raise Unsupported("dq on W1 (dq1) needs one k buffer (not kdb)")
+    if profile is not None and (profile.dtype != torch.int64 or profile.numel() < B * HV * 3 * (NPH + 1)
+                                or profile.device != q.device):
+        raise Unsupported(f"profile: int64, {B * HV * 3 * (NPH + 1)} elements on q's device")
     dev = q.device
     dq = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
     dk = torch.empty(B, T, HV, K, dtype=torch.float32, device=dev)
@@ -1161,14 +1229,9 @@ def fused_backward(q, k, v, gc, beta, do, vn, tm, hs, dht=None, *, scale: float,
         else:
             dh0.copy_(dht)
         return (dq, dk, dv, dg, db, dh0) + dbg
-    if profile is not None and (profile.dtype != torch.int64 or profile.numel() < B * HV * 3 * (NPH + 1)
-                                or profile.device != q.device):
-        raise Unsupported(f"profile: int64, {B * HV * 3 * (NPH + 1)} elements on q's device")
     dht_t = dht  # (read in the layout dh0 is written in: [V, K] with state_v_first)
-    kdb = kdb_default() if kdb is None else bool(kdb)
-    splitdk = splitdk_default() if splitdk is None else bool(splitdk)
     fn = get_fused_bwd_kernel(dt, K, V, dht is not None, state_v_first, kdb, bool(debug), rq is not None,
-                              profile is not None, splitdk)
+                              profile is not None, splitdk, dq1)
     dummy, _, i64_dummy = fwd._dummies(dev)
     fn(q, k, v, do, vn, tm, hs, gc, beta, dummy.view(1, 1, 1, 1) if dht is None else dht_t,
        dq, dk, dv, dg, db, dh0, *(dbg or (torch.empty(1, 1, 1, V, dtype=torch.float32, device=dev),  # (unread)

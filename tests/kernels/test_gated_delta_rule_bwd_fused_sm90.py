@@ -25,16 +25,30 @@ def test_fused_backward_compiles_for_sm90a(kernel_cache):
     # the profile variant (per-warpgroup phase cycles out); dk's late terms on W2, with the l2norm backward
     assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, prof=True))
     assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, l2bwd=True, splitdk=True))
-    assert len(list(kernel_cache.rglob("*.o"))) == 7
+    # dq on W1 too
+    assert callable(BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, splitdk=True, dq1=True))
+    assert len(list(kernel_cache.rglob("*.o"))) == 8
 
 
-def test_two_k_buffers_switch_is_off_by_default_and_parses(monkeypatch):
+@pytest.mark.parametrize("switch", ["KDB", "SPLITDK", "DQ1"])
+def test_the_variant_switches_are_off_by_default_and_parse(monkeypatch, switch):
     from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
     from tests.utils import assert_env_override
 
-    monkeypatch.delenv("CUDNN_TRAIN_GDN_FUSED_KDB", raising=False)
-    assert BF.kdb_default() is False
-    assert_env_override(monkeypatch, "CUDNN_TRAIN_GDN_FUSED_KDB", BF.kdb_default, "1", True, ("2", "on"))
+    name = "CUDNN_TRAIN_GDN_FUSED_" + switch
+    default = getattr(BF, switch.lower() + "_default")
+    monkeypatch.delenv(name, raising=False)
+    assert default() is False
+    assert_env_override(monkeypatch, name, default, "1", True, ("2", "on"))
+
+
+def test_dq_on_w1_declines_two_k_buffers_and_needs_split_dk():
+    from cudnn_train.backend import Unsupported
+    from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
+
+    for kw in (dict(kdb=True, splitdk=True), dict(kdb=False, splitdk=False)):
+        with pytest.raises(Unsupported, match="dq1"):
+            BF.get_fused_bwd_kernel(torch.bfloat16, 128, 128, True, False, dq1=True, **kw)
 
 
 def test_fused_backward_declines_what_it_does_not_serve():
@@ -112,12 +126,12 @@ def test_fused_backward_chain_intermediates_match_the_reverse_sweep():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splitdk", [False, True])
-def test_fused_backward_l2norm_backward_in_the_kernel(splitdk):
+@pytest.mark.parametrize("variant", ["plain", "splitdk", "dq1"])
+def test_fused_backward_l2norm_backward_in_the_kernel(variant):
     """With the rows' l2norm factors given (``rq``, ``rk``, as the training path computes them from the raw rows),
     dq and dk leave through the l2norm's backward ``r (dy - y rowsum(y dy))``, y the normalized rows given: the
     kernel's against the plain kernel's dq, dk put through that formula in float32 (another summation order), the
-    rest bitwise. With ``splitdk`` W2 applies it to dk's sum."""
+    rest bitwise. With ``splitdk`` W2 applies it to dk's sum, with ``dq1`` W1 to dq."""
     from cudnn_train.kernels import gated_delta_rule_bwd_fused_sm90 as BF
     from cudnn_train.kernels import gated_delta_rule_train_sm90 as tr
 
@@ -126,8 +140,9 @@ def test_fused_backward_l2norm_backward_in_the_kernel(splitdk):
         raw = ins[x].float() * (0.5 + torch.rand_like(ins[x].float()[..., :1]) * 3)
         ins[x], ins["r" + x] = tr._normalized(raw.to(torch.bfloat16))
     args = [ins[x] for x in ("q", "k", "v", "gc", "beta", "do", "vn", "tm", "hs", "dht")]
-    plain = BF.fused_backward(*args, scale=scale, kdb=False, splitdk=splitdk)
-    got = BF.fused_backward(*args, scale=scale, kdb=False, rq=ins["rq"], rk=ins["rk"], splitdk=splitdk)
+    kw = dict(kdb=False, splitdk=variant != "plain", dq1=variant == "dq1")
+    plain = BF.fused_backward(*args, scale=scale, **kw)
+    got = BF.fused_backward(*args, scale=scale, rq=ins["rq"], rk=ins["rk"], **kw)
     torch.cuda.synchronize()
     for i, x in enumerate(("q", "k")):
         y = tr.expand_heads(ins[x].float(), 4)
@@ -173,6 +188,13 @@ def test_fused_backward_matches_the_stagewise_float64_backward(case):
                 assert rel_l2(a, want["dk"]) <= 2e-2 and rel_l2(a, b) <= 1e-5, (case, rel_l2(a, b))
             else:
                 assert torch.equal(a, b), (case, name, "splitdk", rel_l2(a.float(), b.float()))
+        # dq on W1 too (DQ1): split-dk's bits but for dg (its row sums joined in another order)
+        dq1 = BF.fused_backward(*args, scale=scale, state_v_first=state_vk, kdb=False, dq1=True)
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), dq1, split):
+            if name == "dg":
+                assert rel_l2(a, want["dg"]) <= 2e-2 and rel_l2(a, b) <= 1e-5, (case, rel_l2(a, b))
+            else:
+                assert torch.equal(a, b), (case, name, "dq1", rel_l2(a.float(), b.float()))
 
 
 @pytest.mark.gpu
