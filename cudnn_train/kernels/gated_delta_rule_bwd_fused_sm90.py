@@ -846,6 +846,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             store_pairs(accQ, cCK, cute.domain_offset((t0, 0), mDq[b, None, hv, None]), length)
                             mark(sProf, 2, 9, lt)
                         # dw = -dvn Sc^T -> the do_s / dw tile, once W0's q^T do_s is done
+                        if cutlass.const_expr(DQ1):  # (DQ1: no earlier wait of W2's saw Sc land)
+                            wait(mbar, "full_s", it)
                         wait(mbar, "dvn_full", it)
                         mark(sProf, 2, 10, lt)
                         mm(mma_ck, accQ, sDvn, sS, True, lt)
@@ -944,6 +946,8 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             done()
                             arrive(mbar, "dw_empty")
                             arrive(mbar, "empty_tm")
+                            if cutlass.const_expr(not L2BWD):  # (k's last read here: W1's next k dH waits on it)
+                                release_k(mbar, it)
                             mark(sProf, 2, 20, lt)
                             wait(mbar, "dkp_full", it)
                             mark(sProf, 2, 21, lt)
@@ -951,7 +955,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             add_pairs(accK, cCK, gDk, length)
                             if cutlass.const_expr(L2BWD):  # (reads k's tile: before its release)
                                 l2norm_bwd_rows(accK, cCK, grp_ck, sKc, mRk, b, t0, h, length)
-                            release_k(mbar, it)
+                                release_k(mbar, it)
                             store_pairs(accK, cCK, gDk, length)
                             mark(sProf, 2, 22, lt)
                         # dgc (the other warpgroups' rows joined) ; dg = reverse cumsum ; dbeta
