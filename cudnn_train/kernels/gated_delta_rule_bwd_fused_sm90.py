@@ -310,19 +310,21 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
             rA[f] = (sTm[j, i].to(Float32) * (sB[par, i] * ex2(sGc[par, i]))).to(dtype)
 
     @cute.jit
-    def dq_rows(accQ: cute.Tensor, cAcc: cute.Tensor, groups: cutlass.Constexpr, sQ: cute.Tensor, sGc: cute.Tensor,
-                par: cutlass.Constexpr, scale: Float32, rows: cute.Tensor):
-        # do Sc^T -> scale diag(eg) do Sc^T in place; rows[gi] = rowsum(q * that), summed over the row's quad
+    def scaled_rows(acc: cute.Tensor, cAcc: cute.Tensor, groups: cutlass.Constexpr, sY: cute.Tensor,
+                    sGc: cute.Tensor, par: cutlass.Constexpr, mult: Float32, offset: Float32, sign: cutlass.Constexpr,
+                    rows: cute.Tensor):
+        # acc's row i times mult * exp(offset + sign gc_i), in place; rows[gi] = rowsum(y * acc) over the row's quad:
+        # dq's first term (scale eg, q) and kdt (kdec = exp(gc_C - gc), k)
         for gi in cutlass.range_constexpr(len(groups)):
             i, _ = cAcc[groups[gi][0]]
-            f = scale * ex2(sGc[par, i])
+            f = mult * ex2(offset + sign * sGc[par, i])
             s = Float32(0.0)
             for e in groups[gi][0::2]:
                 _, dd = cAcc[e]
-                q0, q1 = ld2(sQ, i, dd)
-                accQ[e] = accQ[e] * f
-                accQ[e + 1] = accQ[e + 1] * f
-                s = s + q0 * accQ[e] + q1 * accQ[e + 1]
+                y0, y1 = ld2(sY, i, dd)
+                acc[e] = acc[e] * f
+                acc[e + 1] = acc[e + 1] * f
+                s = s + y0 * acc[e] + y1 * acc[e + 1]
             rows[gi] = quad_sum(s)
 
     @cute.jit
@@ -674,19 +676,12 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                         done()
                         arrive(mbar, "h_empty")
                         arrive(mbar, "empty_vn")
-                        for gi in cutlass.range_constexpr(len(grp)):
-                            i, _ = cCK[grp[gi][0]]
-                            kd = ex2(glast - sGc[par, i])
-                            rs = Float32(0.0)
-                            for e in grp[gi][0::2]:
-                                _, dd = cCK[e]
-                                k0, k1 = ld2(sKc, i, dd)
-                                acc[e] = acc[e] * kd
-                                acc[e + 1] = acc[e + 1] * kd
-                                rs = rs + k0 * acc[e] + k1 * acc[e + 1]
-                            rs = quad_sum(rs)
-                            if lt % 4 == 0:
-                                sR1[par, 0, i] = rs
+                        rk2 = cute.make_rmem_tensor((2,), Float32)
+                        scaled_rows(acc, cCK, grp, sKc, sGc, par, Float32(1.0), glast, -1, rk2)
+                        if lt % 4 == 0:
+                            for gi in cutlass.range_constexpr(2):
+                                i, _ = cCK[grp[gi][0]]
+                                sR1[par, 0, i] = rk2[gi]
                         if cutlass.const_expr(SPLITDK and not DQ1):  # (W1's last read of k)
                             release_k(mbar, it)
                         mark(sProf, 1, 11, lt)
@@ -713,7 +708,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                                 arrive(mbar, "empty_do")
                                 arrive(mbar, "empty_s")
                                 rq2 = cute.make_rmem_tensor((2,), Float32)
-                                dq_rows(acc, cCK, grp, sQ, sGc, par, scale, rq2)
+                                scaled_rows(acc, cCK, grp, sQ, sGc, par, scale, Float32(0.0), 1, rq2)
                                 if lt % 4 == 0:
                                     for gi in cutlass.range_constexpr(2):
                                         i, _ = cCK[grp[gi][0]]
@@ -835,7 +830,7 @@ def _build(dtype, K: int, V: int, has_dht: bool, state_vk: bool, KDB: bool = Fal
                             if cutlass.const_expr(KDB):
                                 arrive(mbar, "do_free")
                             rq2 = cute.make_rmem_tensor((2,), Float32)
-                            dq_rows(accQ, cCK, grp_ck, sQ, sGc, par, scale, rq2)
+                            scaled_rows(accQ, cCK, grp_ck, sQ, sGc, par, scale, Float32(0.0), 1, rq2)
                             for gi in cutlass.range_constexpr(2):
                                 rowg[gi] = rowg[gi] + rq2[gi]
                             mm(mma_ckt, accQ, sDqk, tv(sKc), False, lt)
